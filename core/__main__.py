@@ -1,0 +1,5 @@
+"""``python -m tokentrace``."""
+
+from tokentrace.cli import main
+
+raise SystemExit(main())
