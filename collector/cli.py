@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from tokentrace.collector import settings
@@ -32,5 +33,10 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30, lifespan="on",
     ))
     print(f"tokentrace collector: http://{config.host}:{config.port}/ (store {store.path})", file=sys.stderr)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that
+    # was installed before it: a recording handler makes that clean stop exit 0, not -15.
+    stopped_by: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: stopped_by.append(number))
     server.run()
     return 0 if server.started else 1

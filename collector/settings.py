@@ -16,18 +16,22 @@ from typing import Any
 from tokentrace.errors import ConfigError
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise ValueError("a TCP port between 1 and 65535")
+def _integer(text: str, expected: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(expected) from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(expected)
     return value
+
+
+def _port(text: str) -> int:
+    return _integer(text, "a TCP port between 1 and 65535", 1, 65535)
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError("a positive integer")
-    return value
+    return _integer(text, "a positive integer", 1)
 
 
 def _token(text: str) -> str:
@@ -103,8 +107,7 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
         try:
             values[setting.name] = setting.parse(str(raw))
         except ValueError as exc:
-            expected = str(exc) if "invalid literal" not in str(exc) else "an integer"
-            raise ConfigError(f"{source} must be {expected}, received {raw!r}") from None
+            raise ConfigError(f"{source} must be {exc}, received {raw!r}") from None
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     db_parent = Path(values["db"]).expanduser().resolve().parent
