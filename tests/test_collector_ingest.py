@@ -8,7 +8,6 @@ import time
 
 import golden
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
 from tokentrace.collector.normalize import EXPANDED, TABLES
 from tokentrace.collector.otlp import Encoding, decode
 
@@ -29,7 +28,7 @@ def test_golden_trace_sent_by_the_sdk_lands_in_every_table(collector_factory):
         "request_id, resource FROM spans")}
     assert len(stored) == len(fixture["spans"])
     for spec in fixture["spans"]:
-        span_id, trace_id, parent, name, start, end, attributes, instance, request_id, resource = stored[
+        _, trace_id, parent, name, start, end, attributes, instance, request_id, resource = stored[
             ids[spec["id"]][1]]
         assert (trace_id, name, start, end) == (ids[spec["id"]][0], spec["name"], base + spec["start"],
                                                 base + spec["end"])
