@@ -35,6 +35,14 @@ class Prompt:
     starts: list[int] = field(default_factory=list)  #: first token index of each segment
     ends: list[int] = field(default_factory=list)  #: end token index (exclusive) of each segment
     snippets: list[str] | None = None  #: bounded text per segment; only with --capture-content
+    unknown_prefix: int = 0
+    """Tokens before ``tokens`` whose ids are unknown (a caller's own KV cache holds them); when
+    non-zero no fingerprint or segments can be computed."""
+
+    @property
+    def length(self) -> int:
+        """Prompt tokens in all, including an unknown prefix."""
+        return self.unknown_prefix + len(self.tokens)
 
 
 def snippet(text: str, limit: int = SNIPPET_CHARS) -> str:

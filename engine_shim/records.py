@@ -87,6 +87,11 @@ class RequestRecord:
         return len(self.token_ns)
 
     @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens (0 before tokenization)."""
+        return self.prompt.length if self.prompt is not None else 0
+
+    @property
     def cached_tokens(self) -> int:
         """Prompt tokens reused from the prefix cache."""
         return self.lookup.reused if self.lookup is not None else 0

@@ -129,7 +129,7 @@ class RequestStream:
     def usage_body(self) -> dict[str, Any]:
         """Usage as sent to the client (and recorded on the span)."""
         record = self.job.record
-        return usage(len(record.prompt.tokens), record.completion_tokens, record.cached_tokens)
+        return usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
 
 
 async def _handle(engine: Engine, request: Request, kind: str) -> Response:

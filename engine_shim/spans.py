@@ -87,22 +87,25 @@ class SpanBuilder:
         lookup, prompt = record.lookup, record.prompt
         attributes = {
             **rid,
-            c.CACHE_PROMPT_TOKENS: len(prompt.tokens),
+            c.CACHE_PROMPT_TOKENS: prompt.length,
             c.CACHE_MATCHED_TOKENS: lookup.reused,
             c.CACHE_MATCH: lookup.kind,
             c.CACHE_ENTRIES: lookup.entries,
             c.CACHE_BYTES: lookup.nbytes,
-            c.CACHE_BLOCK_SIZE: self.block_size,
-            c.CACHE_BLOCK_HASHES: block_hashes(prompt.tokens, self.block_size),
-            c.SEGMENT_ROLES: list(prompt.roles),
-            c.SEGMENT_STARTS: list(prompt.starts),
-            c.SEGMENT_ENDS: list(prompt.ends),
-            c.SEGMENT_HASHES: [
-                segment_hash(prompt.tokens[s:e]) for s, e in zip(prompt.starts, prompt.ends, strict=True)],
         }
+        if not prompt.unknown_prefix:
+            attributes.update({
+                c.CACHE_BLOCK_SIZE: self.block_size,
+                c.CACHE_BLOCK_HASHES: block_hashes(prompt.tokens, self.block_size),
+                c.SEGMENT_ROLES: list(prompt.roles),
+                c.SEGMENT_STARTS: list(prompt.starts),
+                c.SEGMENT_ENDS: list(prompt.ends),
+                c.SEGMENT_HASHES: [
+                    segment_hash(prompt.tokens[s:e]) for s, e in zip(prompt.starts, prompt.ends, strict=True)],
+            })
         if lookup.entry is not None:
             attributes[c.CACHE_MATCHED_ENTRY] = self.fingerprint(lookup.entry.tokens)
-        if prompt.snippets is not None:
+        if prompt.snippets is not None and not prompt.unknown_prefix:
             attributes[c.SEGMENT_SNIPPETS] = list(prompt.snippets)
         self._leaf(c.SPAN_CACHE_LOOKUP, record.admit_ns, record.lookup_end_ns or record.admit_ns, attributes, root)
 
@@ -234,7 +237,7 @@ def _request_attributes(record: RequestRecord) -> dict[str, Any]:
     }
     attributes.update({k: v for k, v in optional.items() if v is not None})
     if record.prompt is not None:
-        attributes[c.INPUT_TOKENS] = len(record.prompt.tokens)
+        attributes[c.INPUT_TOKENS] = record.prompt_tokens
     if record.lookup is not None:
         attributes[c.CACHED_TOKENS] = record.cached_tokens
     if record.finish_reason is not None:
