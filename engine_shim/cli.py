@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from tokentrace.engine_shim.settings import add_setting_arguments, settings_from_args
@@ -42,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"tokentrace engine: serving {settings.served_name} on http://{settings.host}:{settings.port} "
           f"(instance {settings.service_instance_id}, spans to {settings.otlp_endpoint or 'nowhere'})",
           file=sys.stderr, flush=True)
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler installed
+    # before it; a recording handler turns that into a clean exit 0 after our own shutdown below.
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)
     try:
         server.run()
     finally:

@@ -4,6 +4,7 @@ them (wait for the model, tokenize, submit, cancel). Lives on the asyncio loop o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -147,7 +148,8 @@ class Engine:
     # --- called from the generation thread -----------------------------------------------------
     def _deliver(self, items: list[tuple[Job, int, str | None]]) -> None:
         # One wake-up of the event loop per engine step, not one per token.
-        self._loop.call_soon_threadsafe(_dispatch, items)
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone, nobody listens
+            self._loop.call_soon_threadsafe(_dispatch, items)
 
     def _load_done(self, record: LoadRecord) -> None:
         self._loop.call_soon_threadsafe(self._ready.set)

@@ -150,10 +150,11 @@ class Scheduler:
             self._install(runtime)
             self.load_state = LOAD_READY
         self._emit(record)
+        if self.load_state == LOAD_READY:
+            self._emit(self.heartbeat())  # the first state report: limits and KV bytes per token
         self._on_load_done(record)
 
     def _install(self, runtime: Runtime) -> None:
-        from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import make_prompt_cache
 
         self.runtime = runtime
@@ -162,6 +163,12 @@ class Scheduler:
             self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes)
         else:
             log.warning("prompt cache disabled: the model's caches are not plain KVCache layers")
+        self._new_generator()
+
+    def _new_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        runtime = self.runtime
         # prefill_batch_size = completion_batch_size = max_batch: every admitted sequence starts
         # prefilling at the next step, so no hidden second queue forms inside the generator.
         self._generator = BatchGenerator(
@@ -297,7 +304,8 @@ class Scheduler:
         for job in failed:
             job.record.error_type = "GenerationError"
             self._finish(job, "error", now)
-        self._install(self.runtime)  # a fresh generator; the prompt cache is rebuilt empty
+        self._generator.close()
+        self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
         if failed:
             self._deliver([(job, -1, "error") for job in failed])
 

@@ -180,7 +180,7 @@ class SpoolingSpanExporter(SpanExporter):
                 log.exception("resending spooled spans failed")
 
     def _resend_all(self) -> None:
-        if not self.spool.files() or self._collector_ingests_spool():
+        if not self.spool.files() or self._collector_ingests_spool() is not False:
             return
         while not self._stop.is_set():
             claimed = self.spool.claim()
@@ -202,11 +202,13 @@ class SpoolingSpanExporter(SpanExporter):
             self._down_until = 0.0
             self._warned = False
 
-    def _collector_ingests_spool(self) -> bool:
-        """Whether the collector watches this very spool directory (its /healthz says so).
+    def _collector_ingests_spool(self) -> bool | None:
+        """Whether the collector watches this very spool directory (its /healthz says so); None
+        when nothing answers (still down: nothing to send to).
 
-        Then it ingests the files itself, exactly once (it records each file's SHA-256), and
-        sending them as well would store them twice.
+        A collector that watches the directory ingests the files itself, exactly once (it records
+        each file's SHA-256); sending them as well would store them twice. A receiver without
+        tokentrace's /healthz (an OpenTelemetry Collector, say) answers with an error: send.
         """
         base = self.url.removesuffix("/v1/traces")
         headers = {k: v for k, v in self._headers.items() if k == "Authorization"}
@@ -214,7 +216,11 @@ class SpoolingSpanExporter(SpanExporter):
             with urllib.request.urlopen(urllib.request.Request(base + "/healthz", headers=headers),
                                         timeout=self._timeout) as response:
                 spool = json.loads(response.read()).get("spool") or {}
-        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        except urllib.error.HTTPError:
+            return False
+        except (urllib.error.URLError, OSError):
+            return None
+        except (ValueError, AttributeError):
             return False
         directory = spool.get("directory") if isinstance(spool, dict) else None
         return bool(directory) and Path(directory).resolve() == self.spool.directory.resolve()
