@@ -27,18 +27,17 @@ from typing import Any
 from opentelemetry import trace
 from tokentrace.contract import MATCH_NONE, MATCH_PREFIX
 from tokentrace.engine_shim.loader import load_runtime, new_load_record
-from tokentrace.engine_shim.prompt_cache import Lookup
 from tokentrace.engine_shim.prompts import Prompt, build_text_prompt
-from tokentrace.engine_shim.records import RequestRecord, StepWindow
+from tokentrace.engine_shim.records import LookupRecord, RequestRecord, StepWindow
 from tokentrace.engine_shim.scheduler import WINDOW_NS, WINDOW_STEPS
-from tokentrace.engine_shim.telemetry import Telemetry
+from tokentrace.engine_shim.telemetry import SpanSink, Telemetry
 
 
 class Instrumentation:
     """Wraps mlx-lm loading and generation; one per process is enough."""
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False):
-        self.telemetry = Telemetry(tracer_provider)
+        self.telemetry = Telemetry(SpanSink(tracer_provider))
         self.capture_content = capture_content
 
     def load(self, path: str) -> tuple[Any, Any]:
@@ -69,7 +68,7 @@ class Instrumentation:
         prompt_record.unknown_prefix = cached
         record.prompt = prompt_record
         record.admit_ns = record.arrival_ns
-        record.lookup = Lookup(None, cached, MATCH_PREFIX if cached else MATCH_NONE, None, 0, 0)
+        record.lookup = LookupRecord(cached, MATCH_PREFIX if cached else MATCH_NONE, 0, 0)
         record.lookup_end_ns = record.arrival_ns
         chunk_marks: list[tuple[int, int]] = []  # (perf_counter_ns, processed), one per callback
         user_callback = kwargs.pop("prompt_progress_callback", None)
@@ -95,6 +94,10 @@ class Instrumentation:
             record.finish_ns = record.end_ns = time.perf_counter_ns()
             record.finish_reason = reason
             self._finish(record, chunk_marks, cached)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Build every pending span and flush the provider; False on timeout."""
+        return self.telemetry.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Build every pending span and flush the provider."""

@@ -23,7 +23,7 @@ from typing import Any
 from tokentrace.contract import MATCH_NONE
 from tokentrace.engine_shim.jobs import Job, SamplingObjects
 from tokentrace.engine_shim.loader import Runtime, load_runtime, new_load_record
-from tokentrace.engine_shim.prompt_cache import Lookup, PrefixCache, is_cacheable
+from tokentrace.engine_shim.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
 from tokentrace.engine_shim.records import HeartbeatRecord, LoadRecord, StepWindow
 from tokentrace.engine_shim.settings import EngineSettings
 
@@ -196,8 +196,8 @@ class Scheduler:
         record.admit_ns = time.perf_counter_ns()
         cache = self.cache
         lookup = cache.lookup(job.tokens) if cache is not None else Lookup(None, 0, MATCH_NONE, None, 0, 0)
-        record.lookup = lookup
         record.lookup_end_ns = time.perf_counter_ns()
+        record.lookup = lookup_record(lookup)
         sampling, objects = job.sampling, self._sampling
         job.uid = self._generator.insert(
             [job.tokens[lookup.reused:]],
@@ -291,11 +291,12 @@ class Scheduler:
             import mlx.core as mx
 
             record.insert_start_ns = time.perf_counter_ns()
-            record.insertion = self.cache.insert(list(tokens), layers, record.request_id)
+            insertion = self.cache.insert(list(tokens), layers, record.request_id)
             # Materialise the entry's slices now (without waiting), so it stops pinning the
             # batch's whole KV arrays.
             mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
             record.insert_end_ns = time.perf_counter_ns()
+            record.insertion = insert_record(insertion)
 
     def _fail_running(self) -> None:
         now = time.perf_counter_ns()
