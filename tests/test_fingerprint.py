@@ -23,7 +23,7 @@ def test_prefix_shares_hashes_and_divergence_changes_all_later_ones():
     changed[20] = 7
     a, b = block_hashes(base), block_hashes(changed)
     assert a[0] == b[0]
-    assert all(x != y for x, y in zip(a[1:], b[1:]))
+    assert all(x != y for x, y in zip(a[1:], b[1:], strict=True))
     assert block_hashes(base[:48]) == a[:3]
 
 

@@ -1,0 +1,72 @@
+"""Store roles. Each caller receives one role: the ingest path a ``TraceWriter``, analyzers and
+dashboards a ``TraceReader``. One backend class may implement both (DuckDB does); a second backend
+must pass the same conformance tests (tests/test_store_conformance.py).
+
+Writer contract
+    - ``write(batch, spool)`` stores every row of ``batch`` in one transaction and returns only once
+      it is committed (durable): the HTTP request is acknowledged after that, never before.
+    - On failure it raises ``StoreError`` and stores none of the batch.
+    - Spans are not deduplicated: a batch written twice is stored twice (OTLP senders retry only
+      on errors). Spool files are: ``write(batch, spool=record)`` with a sha256 already stored stores
+      nothing and returns False.
+    - One thread calls it (the writer thread); it is not thread-safe.
+
+Reader contract
+    - Reads committed data only; rows appear in commit order.
+    - An unknown id gives ``None`` (one object) or an empty frame (collections), never an error.
+    - Frames carry their documented columns even when empty; times are integer nanoseconds.
+    - ``frame(name, **params)`` runs the named query ``sql/<backend>/queries/<name>.sql`` with bound
+      parameters; every backend ships every named query.
+    - Safe from many threads: each thread reads through its own cursor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import polars as pl
+from tokentrace.collector.normalize import Batch
+
+
+@dataclass(frozen=True)
+class SpoolRecord:
+    """A spool file being ingested; its hash makes the ingest exactly-once."""
+
+    sha256: str  #: hex digest of the file's bytes
+    name: str  #: file name, for the record
+
+
+class TraceWriter(Protocol):
+    """The ingest side of a store (contract in the module docstring)."""
+
+    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
+        """Store the batch durably; False when ``spool`` was already ingested."""
+
+    def close(self) -> None:
+        """Flush and release the store."""
+
+
+class TraceReader(Protocol):
+    """The query side of a store (contract in the module docstring)."""
+
+    def request(self, request_id: str) -> dict | None:
+        """The ``requests`` row of one request, or None."""
+
+    def requests(
+        self, since_ns: int | None = None, until_ns: int | None = None,
+        instance_id: str | None = None, limit: int = 1000,
+    ) -> pl.DataFrame:
+        """Requests that started in [since, until), newest last."""
+
+    def trace(self, trace_id: str) -> pl.DataFrame:
+        """Every stored span of a trace, by start time."""
+
+    def frame(self, name: str, **params) -> pl.DataFrame:
+        """A named query's result."""
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table."""
+
+    def spool_seen(self, sha256: str) -> bool:
+        """Whether a spool file with this hash was already ingested."""

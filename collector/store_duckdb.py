@@ -1,0 +1,195 @@
+"""The embedded DuckDB store: one file, numbered migrations, Arrow appends, per-thread readers.
+
+DuckDB lets one process open a file for writing; other processes can open it read-only only while
+no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector's file, and
+``--url`` asks the running collector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.store import SpoolRecord
+from tokentrace.errors import NotFound, StoreError
+
+_SQL = resources.files("tokentrace.collector") / "sql" / "duckdb"
+_MIGRATION = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
+_ARROW_TYPES = {
+    "VARCHAR": pa.string(),
+    "BIGINT": pa.int64(),
+    "INTEGER": pa.int32(),
+    "DOUBLE": pa.float64(),
+    "BOOLEAN": pa.bool_(),
+    "VARCHAR[]": pa.list_(pa.string()),
+}
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, file name, SQL) of every migration, in order."""
+    found = []
+    for entry in _SQL.iterdir():
+        match = _MIGRATION.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+class DuckDBStore:
+    """Both store roles over one DuckDB file (contracts in ``tokentrace.collector.store``)."""
+
+    def __init__(self, path: str | Path, read_only: bool = False):
+        self.path = str(path)
+        self.read_only = read_only
+        try:
+            if read_only and not Path(self.path).exists():
+                raise NotFound(f"no store file at {self.path}")
+            self._con = duckdb.connect(self.path, read_only=read_only)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise StoreError(
+                    f"the store {self.path} is held by a running collector; ask it with --url instead"
+                ) from exc
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        if not read_only:
+            self._migrate()
+        self._schemas = self._arrow_schemas()
+        self._local = threading.local()
+        self._queries: dict[str, str] = {}
+
+    # --- schema -----------------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        con = self._con
+        con.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations "
+            "(version BIGINT PRIMARY KEY, name VARCHAR NOT NULL, applied_ns BIGINT NOT NULL)"
+        )
+        applied = {row[0] for row in con.execute("SELECT version FROM schema_migrations").fetchall()}
+        for version, name, sql in migrations():
+            if version in applied:
+                continue
+            try:
+                con.execute("BEGIN")
+                con.execute(sql)
+                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, name, time.time_ns()])
+                con.execute("COMMIT")
+            except duckdb.Error as exc:
+                con.execute("ROLLBACK")
+                raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
+
+    def _arrow_schemas(self) -> dict[str, pa.Schema]:
+        schemas = {}
+        for table, columns in TABLES.items():
+            rows = self._con.execute(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = ? ORDER BY ordinal_position", [table],
+            ).fetchall()
+            if [name for name, _ in rows] != list(columns):
+                raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
+                                 f"expected {list(columns)}: the file comes from another version")
+            schemas[table] = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in rows])
+        return schemas
+
+    # --- writer role ------------------------------------------------------------------------------
+    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
+        """Store ``batch`` in one committed transaction (TraceWriter contract)."""
+        con = self._con
+        try:
+            con.execute("BEGIN")
+            if spool is not None:
+                if con.execute("SELECT 1 FROM spool_files WHERE sha256 = ?", [spool.sha256]).fetchall():
+                    con.execute("ROLLBACK")
+                    return False
+                con.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
+                            [spool.sha256, spool.name, batch.spans, time.time_ns()])
+            for table, rows in batch.rows.items():
+                if rows:
+                    self._append(table, rows)
+            con.execute("COMMIT")
+            return True
+        except (duckdb.Error, pa.ArrowException) as exc:
+            with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
+                con.execute("ROLLBACK")
+            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _append(self, table: str, rows: list[tuple]) -> None:
+        schema = self._schemas[table]
+        columns = list(zip(*rows, strict=True))
+        arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema, strict=True)]
+        self._con.from_arrow(pa.Table.from_arrays(arrays, schema=schema)).insert_into(table)
+
+    def close(self) -> None:
+        """Checkpoint (so the file is self-contained) and close."""
+        try:
+            if not self.read_only:
+                self._con.execute("CHECKPOINT")
+            self._con.close()
+        except duckdb.Error as exc:
+            raise StoreError(f"closing {self.path} failed: {exc}") from exc
+
+    def probe(self) -> None:
+        """Raise StoreError unless the store answers (health check)."""
+        try:
+            self._cursor().execute("SELECT 1").fetchall()
+        except duckdb.Error as exc:
+            raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+
+    # --- reader role ------------------------------------------------------------------------------
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        cursor = getattr(self._local, "cursor", None)
+        if cursor is None:
+            cursor = self._local.cursor = self._con.cursor()
+        return cursor
+
+    def _query(self, name: str) -> str:
+        sql = self._queries.get(name)
+        if sql is None:
+            if not re.fullmatch(r"[a-z0-9_]+", name):
+                raise StoreError(f"query names are lower-case words, received {name!r}")
+            path = _SQL / "queries" / f"{name}.sql"
+            if not path.is_file():
+                raise StoreError(f"no query named {name!r} for DuckDB")
+            sql = self._queries[name] = path.read_text(encoding="utf-8")
+        return sql
+
+    def frame(self, name: str, **params) -> pl.DataFrame:
+        """Run a named query with bound parameters."""
+        try:
+            return self._cursor().sql(self._query(name), params=params).pl()
+        except duckdb.Error as exc:
+            raise StoreError(f"query {name} failed: {exc}") from exc
+
+    def request(self, request_id: str) -> dict | None:
+        """The requests row of one request (the latest, should a sender have resent it)."""
+        rows = self.frame("request", request_id=request_id)
+        return rows.row(0, named=True) if rows.height else None
+
+    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
+                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
+        """Requests that started in [since, until), newest last."""
+        return self.frame("requests", since_ns=since_ns, until_ns=until_ns,
+                          instance_id=instance_id, limit=limit)
+
+    def trace(self, trace_id: str) -> pl.DataFrame:
+        """Every stored span of a trace, by start time."""
+        return self.frame("trace", trace_id=trace_id)
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table."""
+        cursor = self._cursor()
+        try:
+            return {t: cursor.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in TABLES}
+        except duckdb.Error as exc:
+            raise StoreError(f"counting rows failed: {exc}") from exc
+
+    def spool_seen(self, sha256: str) -> bool:
+        """Whether a spool file with this hash was already ingested."""
+        return self.frame("spool_seen", sha256=sha256).height > 0

@@ -1,0 +1,103 @@
+"""The one writer thread: owns the store's write role, drains submitted batches in groups, commits,
+and only then resolves each submitter's future, so nothing is acknowledged before it is durable."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from tokentrace.collector.normalize import Batch
+from tokentrace.collector.store import SpoolRecord, TraceWriter
+from tokentrace.errors import Overloaded, StoreError
+
+log = logging.getLogger("tokentrace.collector")
+_STOP = object()
+
+
+class WriteQueue:
+    """Bounded queue in front of the writer; ``submit`` never blocks."""
+
+    def __init__(self, writer: TraceWriter, on_written, max_pending: int = 256, group_spans: int = 50_000):
+        self._writer = writer
+        self._on_written = on_written
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._group_spans = group_spans
+        self.capacity = max_pending
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="tokentrace-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: Batch, spool: SpoolRecord | None = None) -> Future:
+        """Queue a batch; the future resolves to the writer's result once committed."""
+        future: Future = Future()
+        try:
+            self._queue.put_nowait((batch, spool, future))
+        except queue.Full:
+            raise Overloaded(f"the write queue is full ({self.capacity} batches waiting)", retry_after=1) from None
+        return future
+
+    def depth(self) -> int:
+        """Batches waiting for the writer."""
+        return self._queue.qsize()
+
+    def alive(self) -> bool:
+        """Whether the writer thread is running."""
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write everything already submitted, then stop the thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            group, spans = [item], item[0].spans
+            while spans < self._group_spans:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stopping = True
+                    break
+                group.append(item)
+                spans += item[0].spans
+            self._write_group(group)
+
+    def _write_group(self, group: list) -> None:
+        plain = [item for item in group if item[1] is None]
+        if len(plain) > 1:
+            merged = Batch()
+            for batch, _, _ in plain:
+                merged.extend(batch)
+            try:
+                self._writer.write(merged)
+            except StoreError as exc:
+                log.warning("group write failed, retrying batch by batch: %s", exc)
+            else:
+                self._done(plain, True)
+                plain = []
+        for item in plain + [item for item in group if item[1] is not None]:
+            batch, spool, future = item
+            try:
+                self._done([item], self._writer.write(batch, spool))
+            except StoreError as exc:
+                self.last_error = str(exc)
+                future.set_exception(exc)
+            except Exception as exc:  # a bug must fail the request, never kill the writer thread
+                log.exception("unexpected error in the writer")
+                self.last_error = repr(exc)
+                future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
+
+    def _done(self, items: list, result: bool) -> None:
+        self.last_error = None
+        for batch, _spool, future in items:
+            if result:
+                self._on_written(batch)
+            future.set_result(result)

@@ -1,0 +1,3 @@
+"""Shared fixtures. Each part of the product keeps its harness in its own module, imported here."""
+
+from harness_collector import collector_factory  # noqa: F401

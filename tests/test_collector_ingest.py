@@ -1,0 +1,157 @@
+"""Golden traces in, SQL on the DuckDB file out: every span, attribute and expanded columnar row."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import golden
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from tokentrace.collector.normalize import EXPANDED, TABLES
+from tokentrace.collector.otlp import Encoding, decode
+
+
+def _spec(fixture: dict, span_id: str) -> dict:
+    return next(spec for spec in fixture["spans"] if spec["id"] == span_id)
+
+
+def test_golden_trace_sent_by_the_sdk_lands_in_every_table(collector_factory):
+    collector = collector_factory().start()
+    fixture = golden.load("golden_engine_trace.json")
+    base = time.time_ns() - 5_000_000_000
+    ids = golden.replay(fixture, collector.url + "/v1/traces", base)
+    assert collector.stop() == 0
+
+    stored = {row[0]: row for row in collector.sql(
+        "SELECT span_id, trace_id, parent_span_id, name, start_ns, end_ns, attributes, instance_id, "
+        "request_id, resource FROM spans")}
+    assert len(stored) == len(fixture["spans"])
+    for spec in fixture["spans"]:
+        _, trace_id, parent, name, start, end, attributes, instance, request_id, resource = stored[
+            ids[spec["id"]][1]]
+        assert (trace_id, name, start, end) == (ids[spec["id"]][0], spec["name"], base + spec["start"],
+                                                base + spec["end"])
+        assert parent == (ids[spec["parent"]][1] if "parent" in spec else None)
+        expected = {k: v for k, v in spec["attributes"].items() if k not in EXPANDED}
+        assert json.loads(attributes or "{}") == expected, spec["name"]
+        assert instance == "golden-1"
+        assert request_id == spec["attributes"].get("tokentrace.request.id")
+        assert json.loads(resource)["host.name"] == "mac-mini-1"
+
+    request = collector.sql(
+        "SELECT request_id, instance_id, engine, model, session_id, endpoint, start_ns, end_ns, queue_ms, "
+        "load_wait_ms, prefill_ms, decode_ms, ttft_ms, tpot_ms, prompt_tokens, cached_tokens, "
+        "completion_tokens, max_tokens, finish_reason, streamed, client_disconnected, http_status FROM requests")
+    assert request == [(
+        "golden-req-1", "golden-1", "mlx-lm", "tiny-llama", "sess-<b>1</b>", "/v1/chat/completions",
+        base + 100_000_000, base + 700_000_000, 50.0, 300.0, 150.0, 80.0, 500.0, 20.0, 40, 16, 5, 5, "length",
+        True, False, 200,
+    )]
+    phases = collector.sql("SELECT name, start_ns - ?, queue_depth, queue_running, max_batch, load_id "
+                           "FROM phases ORDER BY start_ns, name", [base])
+    assert phases == [
+        ("llm.load_wait", 100_000_000, None, None, None, "load-1"),
+        ("llm.queue", 400_000_000, 2, 1, 1, None),
+        ("llm.cache.lookup", 450_000_000, None, None, None, None),
+        ("llm.prefill", 450_500_000, None, None, None, None),
+        ("llm.decode", 600_000_000, None, None, None, None),
+        ("llm.cache.insert", 680_000_000, None, None, None, None),
+    ]
+    assert collector.sql("SELECT chunk_offset, tokens, batch_size, end_ns - start_ns FROM prefill_chunks "
+                         "ORDER BY start_ns") == [(16, 16, 1, 69_500_000), (32, 8, 2, 80_000_000)]
+    assert collector.sql("SELECT step, t_ns - ? FROM decode_steps ORDER BY step", [base]) == [
+        (i, 600_000_000 + i * 20_000_000) for i in range(5)]
+    assert collector.sql(
+        "SELECT start_ns - ?, duration_ns, prefill_seqs, decode_seqs, prefill_tokens, decode_tokens, "
+        "prefill_request_ids, decode_request_ids FROM steps ORDER BY start_ns", [base]) == [
+        (450_500_000, 69_500_000, 1, 1, 16, 1, ["golden-req-1"], ["other-req"]),
+        (520_000_000, 80_000_000, 1, 1, 8, 1, ["golden-req-1"], ["other-req"]),
+        (600_000_000, 20_000_000, 0, 2, 0, 2, [], ["golden-req-1", "other-req"]),
+    ]
+    lookup = _spec(fixture, "lookup")["attributes"]
+    assert collector.sql("SELECT prompt_tokens, matched_tokens, match, matched_entry, cache_entries, "
+                         "cache_bytes, block_size FROM cache_lookups") == [
+        (40, 16, "prefix", lookup["tokentrace.cache.block_hashes"][0], 3, 123456, 16)]
+    assert collector.sql("SELECT block_index, hash FROM prefix_blocks WHERE source = 'lookup' "
+                         "ORDER BY block_index") == list(enumerate(lookup["tokentrace.cache.block_hashes"]))
+    insert = _spec(fixture, "insert")["attributes"]
+    fingerprint = insert["tokentrace.cache.entry.fingerprint"]
+    assert collector.sql("SELECT block_index, hash, fingerprint FROM prefix_blocks WHERE source = 'insert' "
+                         "ORDER BY block_index") == [
+        (i, h, fingerprint) for i, h in enumerate(insert["tokentrace.cache.block_hashes"])]
+    assert collector.sql("SELECT segment_index, role, token_start, token_end, hash FROM segments "
+                         "ORDER BY segment_index") == [
+        (0, "system", 0, 24, lookup["tokentrace.segments.hashes"][0]),
+        (1, "user", 24, 40, lookup["tokentrace.segments.hashes"][1]),
+    ]
+    assert collector.sql("SELECT fingerprint, tokens, bytes, block_size, cache_entries, cache_bytes, "
+                         "max_entries, max_bytes FROM cache_inserts") == [
+        (fingerprint, 64, 65536, 16, 3, 189000, 3, 1_000_000)]
+    assert collector.sql(
+        "SELECT t_ns - ?, fingerprint, tokens, bytes, reason, entry_request_id, evicted_by_request_id, "
+        "cache_entries, cache_bytes FROM cache_evictions ORDER BY t_ns", [base]) == [
+        (680_500_000, -1234567890123, 32, 32768, "max_entries", "older-req", "golden-req-1", 3, 189000),
+        (695_050_000, 987654321, 48, 66000, "memory_pressure", "older-req-2", None, 2, 123000),
+    ]
+    assert collector.sql("SELECT event, t_ns - ?, load_id, span_name FROM instance_events ORDER BY t_ns",
+                         [base]) == [
+        ("instance.started", 0, "load-1", "model.load"),
+        ("instance.ready", 400_000_000, "load-1", "model.load"),
+        ("instance.first_response", 700_000_000, None, "llm.request"),
+    ]
+    assert collector.sql("SELECT load_id, lazy, model_path, end_ns - start_ns FROM model_loads") == [
+        ("load-1", True, "/models/tiny", 400_000_000)]
+    assert collector.sql("SELECT name, load_id, bytes FROM load_stages ORDER BY start_ns") == [
+        ("model.load.resolve", "load-1", None), ("model.load.weights", "load-1", 95_000_000),
+        ("model.load.tokenizer", "load-1", None), ("model.load.warmup", "load-1", None)]
+    assert collector.sql("SELECT queue_depth, running, max_batch, cache_entries, cache_bytes, cache_max_entries, "
+                         "cache_max_bytes, kv_bytes_per_token, memory_bytes FROM heartbeats") == [
+        (0, 1, 1, 3, 189000, 3, 1_000_000, 1024, 200_000_000)]
+    assert collector.sql("SELECT DISTINCT instance_id, host_name, engine, engine_version, model FROM resources") == [
+        ("golden-1", "mac-mini-1", "mlx-lm", "0.32.2", "tiny-llama")]
+
+
+def test_handwritten_json_and_its_protobuf_twin_store_the_same_rows(collector_factory):
+    collector = collector_factory().start()
+    text = (golden.FIXTURES / "otlp_handwritten.json").read_bytes()
+    response = collector.post(text, "application/json")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert json.loads(response.text) == {}  # nothing refused: no partial_success
+    # The same request, re-encoded as protobuf and gzip-compressed, through the protobuf path.
+    message = decode(text, Encoding("json", "application/json"))
+    response = collector.post(gzip.compress(message.SerializeToString()), "application/x-protobuf",
+                              **{"Content-Encoding": "gzip"})
+    assert response.status_code == 200
+    assert not ExportTraceServiceResponse.FromString(response.content).HasField("partial_success")
+    assert collector.stop() == 0
+
+    rows = collector.sql("SELECT name, kind, status_code, status_message, scope_name, instance_id, attributes, "
+                         "events, links FROM spans WHERE span_id = 'eee19b7ec3c1b174'")
+    assert len(rows) == 2 and rows[0] == rows[1]
+    name, kind, status, message_, scope, instance, attributes, events, links = rows[0]
+    assert (name, kind, status, message_, scope, instance) == (
+        "GET /cart", 2, 2, "upstream timeout", "io.opentelemetry.contrib", "foreign-1")
+    assert json.loads(attributes) == {"http.request.method": "GET", "http.response.status_code": 200,
+                                      "retry": False, "ratio": 0.25, "tags": ["a", "b"],
+                                      "nested": {"k": 7}, "blob": "AQID"}
+    assert json.loads(events) == [{"name": "cache miss", "time_ns": 1544712660500000000,
+                                   "attributes": {"key": "cart:42"}}]
+    assert json.loads(links) == [{"trace_id": "00000000000000000000000000000001", "span_id": "0000000000000002"}]
+    assert collector.sql("SELECT count(*) FROM requests WHERE request_id = 'json-req-1' AND session_id = "
+                         "'<script>alert(1)</script>' AND prompt_tokens = 20 AND completion_tokens = 3 "
+                         "AND cached_tokens = 0 AND ttft_ms = 120.5") == [(2,)]
+    assert collector.sql("SELECT DISTINCT block_index, hash FROM prefix_blocks ORDER BY 1") == [
+        (0, -9223372036854775808), (1, 9223372036854775807)]
+    assert collector.sql("SELECT count(*) FROM requests WHERE instance_id = 'foreign-1'") == [(0,)]
+
+
+def test_schema_columns_match_the_normalizer(tmp_path):
+    from tokentrace.collector.store_duckdb import DuckDBStore
+
+    store = DuckDBStore(tmp_path / "schema.duckdb")  # raises if a table's columns differ from TABLES
+    assert set(store.counts()) == set(TABLES)
+    store.close()
+    DuckDBStore(tmp_path / "schema.duckdb").close()  # migrations are applied once, reopening is a no-op
+
