@@ -86,8 +86,9 @@ class SpanRecord:
         )
 
 
-#: A producer the pump polls: given the wall clock (ns), returns the spans that are ready.
-Source = Callable[[int], list[SpanRecord]]
+#: A producer the pump polls: given the wall clock (ns) and whether this is the last poll before
+#: shutdown (flush everything), returns the spans that are ready.
+Source = Callable[[int, bool], list[SpanRecord]]
 
 
 class SpanPump:
@@ -144,17 +145,17 @@ class SpanPump:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self._tick()
-        self._tick()
+            self._tick(final=False)
+        self._tick(final=True)
 
-    def _tick(self) -> None:
+    def _tick(self, final: bool) -> None:
         now = time.time_ns()
         with self._lock:
             sources = list(self._sources)
         records: list[SpanRecord] = []
         for source in sources:
             try:
-                records.extend(source(now))
+                records.extend(source(now, final))
             except Exception:  # a bug in a source must not stop the other sources or vLLM
                 log.exception("tokentrace: building spans failed")
         with self._lock:

@@ -16,6 +16,7 @@ logged once; a registered custom logger also makes vLLM collect stats (``log_sta
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -64,6 +65,12 @@ class _Runtime:
         self.pumps: dict[int, SpanPump] = {}
         self.load_reported = False
         self.first_response = threading.Event()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Flush every pump; runs at interpreter exit (vLLM's API server exits normally on SIGTERM)."""
+        for pump in self.pumps.values():
+            pump.close()
 
     def pump(self, engine_index: int) -> SpanPump:
         if engine_index not in self.pumps:
@@ -91,7 +98,9 @@ class _Runtime:
         now = time.time_ns()
         self.pump(0).submit(SpanRecord(
             c.SPAN_MODEL_LOAD, start_ns, now,
-            {c.LOAD_ID: f"{self.instance}:{span_id:016x}", c.LOAD_LAZY: False,
+            # The load id is the trace id: vLLM's own loading spans share the trace but cannot
+            # carry our attribute, and the collector names their stages by it (docs/vllm.md).
+            {c.LOAD_ID: f"{trace_id:032x}", c.LOAD_LAZY: False,
              c.MODEL_PATH: str(_get(self.config, "model_config.model", ""))},
             [SpanEvent(c.EVENT_STARTED, start_ns), SpanEvent(c.EVENT_READY, now)],
             trace_id=trace_id, span_id=span_id, parent_span_id=parent,
@@ -206,7 +215,7 @@ class TokentraceStatLogger(StatLoggerBase):
         if self._runtime is not None:
             self._runtime.report_load()
 
-    def _collect(self, now_ns: int) -> list[SpanRecord]:
+    def _collect(self, now_ns: int, final: bool) -> list[SpanRecord]:
         runtime = self._runtime
         assert runtime is not None
         records = []
@@ -215,7 +224,7 @@ class TokentraceStatLogger(StatLoggerBase):
             first = not runtime.first_response.is_set()
             runtime.first_response.set()
             records.append(request_record(ts, finished, client_request_id, runtime.model, first))
-        records.extend(self._steps.flush(now_ns))
+        records.extend(self._steps.flush(now_ns, force=final))
         if self._latest is not None and now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now_ns / 1e9
             records.append(heartbeat_record(
