@@ -3,7 +3,7 @@
 from harness_collector import collector_factory  # noqa: F401
 
 # --- vLLM shim (issue 6): --skip-vllm and the session-scoped real-vLLM fixture ---------------------
-from vllm_fixtures import add_options, skip_if_asked, vllm_run  # noqa: E402, F401
+from vllm_fixtures import add_options, skip_if_asked, vllm_run  # noqa: F401
 
 
 def pytest_addoption(parser):

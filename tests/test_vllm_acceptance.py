@@ -29,7 +29,7 @@ def test_burst_rows_split_the_measured_latency_into_queue_prefill_decode(vllm_ru
     assert sorted(rows) == sorted(f"burst-{i}" for i in range(2 * MAX_SEQS))
     # One row per request: vLLM's own llm_request (also sent here) does not duplicate the plugin's.
     assert vllm_run.sql("SELECT count(*) FROM requests WHERE request_id LIKE 'burst-%'") == [(2 * MAX_SEQS,)]
-    for request_id, (instance, engine, start, end, queue, prefill, decode, ttft, load_wait, prompt, cached,
+    for request_id, (instance, engine, start, end, queue, prefill, decode, ttft, load_wait, _prompt, _cached,
                      completion, finish) in rows.items():
         assert (instance, engine, completion, finish, load_wait) == (INSTANCE, "vllm", BURST_TOKENS, "length", 0.0)
         duration_ms = (end - start) / 1e6
