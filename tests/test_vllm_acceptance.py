@@ -12,7 +12,7 @@ import sys
 import pytest
 from tokentrace import contract as c
 from tokentrace.fingerprint import block_hashes
-from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS
+from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS, require_vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -106,3 +106,11 @@ def test_analyze_slow_gives_a_verdict_for_a_vllm_request(vllm_run):
          "--db", str(vllm_run.collector.db)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert '"category"' in result.stdout
+
+
+def test_version_check_passes_on_the_installed_vllm():
+    script = ("from tokentrace.engine_shim.vllm_compat import check_vllm; r = check_vllm(); "
+              "print(r.version, sorted(r.features), r.problems)")
+    result = subprocess.run([str(require_vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2].endswith("['evictions', 'heartbeats', 'requests', 'steps'] []")

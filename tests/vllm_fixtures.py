@@ -155,12 +155,18 @@ def drive_workload(url: str, run: VllmRun) -> None:
             _complete(client, run, request_id, {"prompt": prompt, "max_tokens": 2}, "/v1/completions")
 
 
-@pytest.fixture(scope="session")
-def vllm_run(request, tmp_path_factory) -> VllmRun:
-    """Start collector + vLLM once, run the workload, stop both; the store is ready for SQL."""
+def require_vllm_python() -> Path:
+    """The vLLM venv's interpreter, or a test failure that says how to create it."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: create it with `bash tests/setup_vllm.sh` (about 3 min), "
                     "or pass --skip-vllm to leave out the tests that need real vLLM")
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
+def vllm_run(request, tmp_path_factory) -> VllmRun:
+    """Start collector + vLLM once, run the workload, stop both; the store is ready for SQL."""
+    require_vllm_python()
     workdir = tmp_path_factory.mktemp("vllm")
     model_dir = workdir / "tiny-llama"
     subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_model.py"), str(model_dir)], check=True,
