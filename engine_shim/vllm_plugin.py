@@ -25,6 +25,8 @@ import time
 from collections import deque
 from typing import Any
 
+from vllm.v1.metrics.loggers import StatLoggerBase
+
 from tokentrace import contract as c
 from tokentrace.engine_shim.vllm_coldstart import (
     DEFAULT_COLLECTOR,
@@ -43,7 +45,6 @@ from tokentrace.engine_shim.vllm_kv_events import (
 )
 from tokentrace.engine_shim.vllm_steps import StepWindow, heartbeat_record, request_record
 from tokentrace.vllm_names import client_request_id
-from vllm.v1.metrics.loggers import StatLoggerBase
 
 log = logging.getLogger("tokentrace.vllm")
 

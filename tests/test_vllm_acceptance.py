@@ -5,14 +5,15 @@ The workload and the processes live in vllm_fixtures.py (one vLLM start per sess
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import subprocess
 import sys
 
 import pytest
+from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS, require_vllm_python
+
 from tokentrace import contract as c
 from tokentrace.fingerprint import block_hashes
-from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS, require_vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -98,14 +99,16 @@ def test_cold_start_stages_come_from_vllms_loading_spans(vllm_run):
     assert 0 < vllm_run.start_s < 300
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tokentrace.analyzers.slow") is None,
-                    reason="PENDING on issue 4: `tokentrace analyze slow` (tokentrace.analyzers) has not landed")
 def test_analyze_slow_gives_a_verdict_for_a_vllm_request(vllm_run):
     result = subprocess.run(
         [sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "burst-7", "--json",
          "--db", str(vllm_run.collector.db)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert '"category"' in result.stdout
+    verdict = json.loads(result.stdout)
+    assert verdict["category"] in ("queueing", "prefill", "decode")  # never cold_start: load_wait is 0
+    row = _requests(vllm_run, "burst-7")["burst-7"]
+    breakdown = verdict["breakdown_ms"]
+    assert (breakdown["queue"], breakdown["prefill"], breakdown["decode"]) == pytest.approx(row[4:7], abs=0.01)
 
 
 def test_version_check_passes_on_the_installed_vllm():

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from tokentrace import contract as c
 from tokentrace.engine_shim.vllm_compat import check_vllm, parse_version
 from tokentrace.engine_shim.vllm_kv_events import KvCacheTracker, subscriber_endpoint
