@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+
 from tokentrace.collector.app import Collector, create_app
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.store_duckdb import DuckDBStore
@@ -14,5 +15,9 @@ def open_store(config: CollectorConfig) -> DuckDBStore:
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:
-    """The collector's ASGI app over an open store."""
-    return create_app(Collector(config, store))
+    """The collector's ASGI app over an open store: receiver, health, verdict API."""
+    from tokentrace.analyzers.api import router as verdicts
+
+    app = create_app(Collector(config, store))
+    app.include_router(verdicts)
+    return app

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import polars as pl
+
 from tokentrace.collector.normalize import Batch
 
 
