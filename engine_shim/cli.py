@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the engine until SIGINT/SIGTERM; 1 when the model cannot be loaded at start."""
     import uvicorn
+
     from tokentrace.engine_shim.engine import Engine
     from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess
     from tokentrace.engine_shim.records import Clock

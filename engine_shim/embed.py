@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from opentelemetry import trace
+
 from tokentrace.contract import MATCH_NONE, MATCH_PREFIX
 from tokentrace.engine_shim.loader import load_runtime, new_load_record
 from tokentrace.engine_shim.prompts import Prompt, build_text_prompt

@@ -145,6 +145,7 @@ class ExporterProcess:
 def serve(conn: Any, config: ExporterConfig) -> None:
     """The exporter process: records in, spans out, until told to stop or the engine is gone."""
     from opentelemetry.sdk.resources import Resource
+
     from tokentrace import __version__
     from tokentrace.engine_shim.records import Clock
     from tokentrace.engine_shim.spans import SpanBuilder

@@ -105,6 +105,7 @@ def _model_config(shape: ModelSize, vocab_size: int) -> dict:
 
 def _write_tokenizer(out: Path, shape: ModelSize) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     from tokentrace.engine_shim.corpus import training_text
 
     tokenizer = Tokenizer(models.BPE())

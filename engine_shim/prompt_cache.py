@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from tokentrace.contract import (
     DEFAULT_BLOCK_SIZE,
     EVICT_MAX_BYTES,

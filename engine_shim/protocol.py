@@ -12,6 +12,7 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
 from tokentrace.engine_shim.jobs import Sampling
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
+
 from tokentrace.engine_shim.engine import Engine
 from tokentrace.engine_shim.jobs import Job
 from tokentrace.engine_shim.output import TextAssembler

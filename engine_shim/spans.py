@@ -12,6 +12,7 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from tokentrace import contract as c
 from tokentrace.engine_shim.records import (
     Clock,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from opentelemetry import trace
+
 from tokentrace import __version__
 from tokentrace.engine_shim.records import Clock, HeartbeatRecord
 from tokentrace.engine_shim.spans import SpanBuilder

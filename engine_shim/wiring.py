@@ -11,6 +11,7 @@ import socket
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
 from tokentrace import contract as c
 from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
 

@@ -9,6 +9,7 @@ import time
 import pytest
 from harness_collector import wait_for
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess
 from tokentrace.engine_shim.records import Clock, HeartbeatRecord, LifecycleRecord
 from tokentrace.engine_shim.telemetry import Telemetry
