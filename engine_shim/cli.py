@@ -21,11 +21,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokentrace.engine_shim.engine import Engine
-    from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess
+    from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess, engine_resource
     from tokentrace.engine_shim.records import Clock
     from tokentrace.engine_shim.server import create_app
     from tokentrace.engine_shim.telemetry import Telemetry
-    from tokentrace.engine_shim.wiring import engine_resource
 
     settings = settings_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

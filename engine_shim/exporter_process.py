@@ -10,6 +10,9 @@ The parent sends records over a ``multiprocessing`` pipe (spawn context: nothing
 MLX state is inherited). The child wires the SDK (``build_tracer_provider``: OTLP/HTTP with the
 spool behind it) with the engine's resource and clock offset, and answers flush and stop requests
 with its export counters. If the child dies, records are counted as dropped and it is restarted.
+
+The SDK wiring (``build_tracer_provider``, ``engine_resource``) is also what embedders and the
+benchmark use. It is never called on import and never installs a global provider (STYLE §9).
 """
 
 from __future__ import annotations
@@ -17,14 +20,58 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from tokentrace import contract as c
+from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
 
 log = logging.getLogger(__name__)
 
 #: Restarts allowed after the exporter process died, per engine process.
 MAX_RESTARTS = 3
+
+#: Batches leave twice a second, so a collector sees a finished request within about a second.
+EXPORT_DELAY_MS = 500
+#: Finished spans the batch processor may hold; a request is ~10 spans.
+EXPORT_QUEUE = 32768
+#: An insert can evict many entries at once; each eviction is an event.
+MAX_EVENTS = 4096
+
+
+def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine") -> Resource:
+    """The contract's resource attributes for an mlx-lm engine instance."""
+    try:
+        from mlx_lm import __version__ as engine_version
+    except ImportError:  # pragma: no cover - the engine needs mlx-lm anyway
+        engine_version = "unknown"
+    return Resource.create({
+        c.SERVICE_NAME: service_name,
+        c.SERVICE_INSTANCE_ID: instance_id,
+        c.HOST_NAME: socket.gethostname(),
+        c.ENGINE: c.ENGINE_MLX,
+        c.ENGINE_VERSION: engine_version,
+        c.MODEL: model,
+    })
+
+
+def build_tracer_provider(
+    resource: Resource, endpoint: str | None, spool_dir: str | None, spool_max_bytes: int, token: str | None = None,
+) -> tuple[TracerProvider, SpoolingSpanExporter]:
+    """A provider exporting OTLP/HTTP protobuf to ``endpoint`` with a spool behind it."""
+    name = str(resource.attributes.get(c.SERVICE_INSTANCE_ID, "engine"))
+    spool = Spool(spool_dir, spool_max_bytes, name) if spool_dir else None
+    exporter = SpoolingSpanExporter(endpoint or None, spool, token=token)
+    provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_events=MAX_EVENTS))
+    provider.add_span_processor(BatchSpanProcessor(
+        exporter, schedule_delay_millis=EXPORT_DELAY_MS, max_queue_size=EXPORT_QUEUE, max_export_batch_size=512))
+    return provider, exporter
 
 
 @dataclass(frozen=True)
@@ -144,13 +191,10 @@ class ExporterProcess:
 
 def serve(conn: Any, config: ExporterConfig) -> None:
     """The exporter process: records in, spans out, until told to stop or the engine is gone."""
-    from opentelemetry.sdk.resources import Resource
-
     from tokentrace import __version__
     from tokentrace.engine_shim.records import Clock
     from tokentrace.engine_shim.spans import SpanBuilder
     from tokentrace.engine_shim.telemetry import SCOPE
-    from tokentrace.engine_shim.wiring import build_tracer_provider
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The OTLP exporter logs every failed batch; the spool logs the outage once instead.
