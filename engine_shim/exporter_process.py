@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -196,6 +197,8 @@ def serve(conn: Any, config: ExporterConfig) -> None:
     from tokentrace.engine_shim.spans import SpanBuilder
     from tokentrace.engine_shim.telemetry import SCOPE
 
+    # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The OTLP exporter logs every failed batch; the spool logs the outage once instead.
     for name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.otlp.common"):
