@@ -8,7 +8,8 @@ Definitions (the contract; tests check them):
   ``capacity``        a longer prefix was cached on this instance and evicted before the lookup;
   ``instance_change`` a longer prefix was never cached on this instance but was cached on another;
   ``prefix_change``   an earlier request shares later segments (same content hashes) but diverges
-                      before them: the first divergent token and the segment it falls in;
+                      before them, where this prompt's reuse stopped: the first divergent token
+                      and the segment it falls in;
   ``new_prefix``      nothing reusable was ever cached and nothing resembles the prompt;
   ``null``            everything reusable was reused.
   ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans).
@@ -286,7 +287,9 @@ def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached:
     best = None
     for match in facts.segment_matches.iter_rows(named=True):
         diverge = facts.divergences.get(match["request_id"])
-        if diverge is None:
+        if diverge is None or diverge < cached // block * block:
+            # This prompt reused past the point where it leaves that request: its reuse came from
+            # elsewhere, and the shared segment is a coincidence, not the reason for the miss.
             continue
         for segment in segments:
             if segment["hash"] != match["hash"] or segment["token_start"] < diverge:
