@@ -189,7 +189,7 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
                            block_size=block)
     verdict.evidence.append(Evidence(
         "lookup", f"Lookup matched {cached} of {prompt} prompt tokens ({lookup['match']} match); the cache "
-                  f"held {lookup['cache_entries']} entries, {lookup['cache_bytes']} bytes.",
+                  f"held {_plural(lookup['cache_entries'], 'entry', 'entries')}, {lookup['cache_bytes']} bytes.",
         {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
          "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
     ))
@@ -199,6 +199,10 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         _new_or_reused(verdict, facts, block)
     verdict.result = "hit" if verdict.cause is None else ("partial" if cached > 0 else "miss")
     return verdict
+
+
+def _plural(count: int | None, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
 
 
 def _unknown(request: dict) -> CacheVerdict:
