@@ -14,8 +14,11 @@ Same process, same loaded model, same prompts, runs alternating (bare, instrumen
 
 Reported per configuration: decode tokens/s per stream ((tokens - 1) / (last - first token)) and
 TTFT (submit -> first token), medians over requests, and instrumented/bare ratios (median of the
-per-repetition ratios of adjacent runs). Targets: decode loss <= 1 % (small), <= 3 % (tiny); TTFT
-within 2 %. ``--markdown`` prints the table for docs/benchmarks.md.
+per-repetition ratios of adjacent runs). On a shared machine wall-clock ratios swing with other
+load, so CPU per generated token is reported too: of the thread running the generation loop (the
+critical path), of the whole serving process, and of the telemetry threads and exporter process.
+Targets: decode loss <= 1 % (small), <= 3 % (tiny); TTFT within 2 %. ``--markdown`` prints the
+table for docs/benchmarks.md.
 
     python bench/engine_overhead.py [--sizes tiny small] [--reps 5] [--markdown]
 """
@@ -53,7 +56,7 @@ server.serve_forever()
 """
 
 #: Per size: distinct prompts, completion tokens per request, prompt tokens.
-WORKLOAD = {"tiny": (16, 128, 256), "small": (16, 48, 256)}
+WORKLOAD = {"tiny": (16, 128, 256), "small": (16, 32, 256)}
 
 
 #: Threads that do telemetry work off the generation path: building spans, encoding and sending.
@@ -87,6 +90,16 @@ class Run:
     tokens: list[int]
     thread_cpu_ns: int = 0  #: CPU the in-process telemetry threads used for this run (instrumented)
     process_cpu_ns: int = 0  #: CPU the exporter process used for this run (instrumented engine)
+    loop_cpu_ns: int = 0  #: CPU of the thread that ran the generation loop
+    serving_cpu_ns: int = 0  #: CPU of the whole serving process (MLX workers and telemetry included)
+
+    def loop_us_per_token(self) -> float:
+        """Generation-loop CPU per generated token: the critical path, little affected by other load."""
+        return self.loop_cpu_ns / sum(self.tokens) / 1e3
+
+    def serving_us_per_token(self) -> float:
+        """Serving-process CPU per generated token."""
+        return self.serving_cpu_ns / sum(self.tokens) / 1e3
 
     def decode_tps(self) -> float:
         """Median over requests of (tokens - 1) / (last - first)."""
@@ -120,6 +133,7 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
         (uid,) = generator.insert([work[i]], max_tokens=[tokens], stop_sequences=[never])
         index[uid] = i
 
+    cpu, process = time.thread_time_ns(), time.process_time_ns()
     for _ in range(concurrency):
         start(pending.pop(0))
     done = 0
@@ -136,6 +150,7 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
                 done += 1
                 if pending:
                     start(pending.pop(0))
+    run.loop_cpu_ns, run.serving_cpu_ns = time.thread_time_ns() - cpu, time.process_time_ns() - process
     return run
 
 
@@ -176,9 +191,12 @@ def instrumented_engine(scheduler, telemetry, work: list[list[int]], tokens: int
                     finished.set()
 
     scheduler._deliver = deliver  # the server's delivery hook, pointed at this harness
+    clock = time.pthread_getcpuclockid(scheduler.thread_ident)
+    cpu, process = time.clock_gettime_ns(clock), time.process_time_ns()
     for _ in range(concurrency):
         start(pending.pop(0))
     finished.wait()
+    run.loop_cpu_ns, run.serving_cpu_ns = time.clock_gettime_ns(clock) - cpu, time.process_time_ns() - process
     return run
 
 
@@ -196,6 +214,7 @@ def instrumented_api(shim, model, tokenizer, work: list[list[int]], tokens: int)
 
 def _api_loop(generate, work: list[list[int]]) -> Run:
     run = Run([], [], [], [])
+    cpu, process = time.thread_time_ns(), time.process_time_ns()
     for prompt in work:
         run.submit.append(time.perf_counter_ns())
         count, first = 0, 0
@@ -206,6 +225,7 @@ def _api_loop(generate, work: list[list[int]]) -> Run:
         run.first.append(first)
         run.last.append(time.perf_counter_ns())
         run.tokens.append(count)
+    run.loop_cpu_ns, run.serving_cpu_ns = time.thread_time_ns() - cpu, time.process_time_ns() - process
     return run
 
 
@@ -229,6 +249,8 @@ def compare(name: str, bare, instrumented, settle, reps: int) -> dict:
                 run.thread_cpu_ns, run.process_cpu_ns = after[0] - cpu[0], after[1] - cpu[1]
     decode = [i.decode_tps() / b.decode_tps() for b, i in zip(bare_runs, inst_runs, strict=True)]
     ttft = [i.ttft_ms() / b.ttft_ms() for b, i in zip(bare_runs, inst_runs, strict=True)]
+    loop = [i.loop_us_per_token() / b.loop_us_per_token() for b, i in zip(bare_runs, inst_runs, strict=True)]
+    serving = [i.serving_us_per_token() / b.serving_us_per_token() for b, i in zip(bare_runs, inst_runs, strict=True)]
     return {
         "name": name,
         "bare_tps": statistics.median(r.decode_tps() for r in bare_runs),
@@ -239,6 +261,9 @@ def compare(name: str, bare, instrumented, settle, reps: int) -> dict:
         "decode_spread": (min(decode), max(decode)),
         "ttft_ratio": statistics.median(ttft),
         "ttft_spread": (min(ttft), max(ttft)),
+        "loop_ratio": statistics.median(loop),
+        "bare_loop_us": statistics.median(r.loop_us_per_token() for r in bare_runs),
+        "serving_ratio": statistics.median(serving),
         # telemetry CPU per generated token: in the serving process, and in the exporter process
         "thread_us_per_token": statistics.median(r.thread_cpu_ns / sum(r.tokens) for r in inst_runs) / 1e3,
         "process_us_per_token": statistics.median(r.process_cpu_ns / sum(r.tokens) for r in inst_runs) / 1e3,
@@ -276,6 +301,7 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
     telemetry.start()
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
+    scheduler.thread_ident = thread.ident
     while scheduler.load_state != LOAD_READY:
         time.sleep(0.01)
     model, tokenizer = scheduler.runtime.model, scheduler.runtime.tokenizer
@@ -356,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(results: list[dict], markdown: bool, elapsed: float) -> None:
     header = ("configuration", "bare decode tok/s", "instrumented", "decode ratio (min-max)", "bare TTFT ms",
-              "instrumented", "TTFT ratio (min-max)", "telemetry CPU µs/token: in process", "exporter process")
+              "instrumented", "TTFT ratio (min-max)", "loop CPU µs/token (bare)", "loop CPU ratio",
+              "serving CPU ratio", "telemetry CPU µs/token: in process", "exporter process")
     rows = [(r["name"], f"{r['bare_tps']:.0f}", f"{r['inst_tps']:.0f}",
              f"{r['decode_ratio']:.3f} ({r['decode_spread'][0]:.3f}-{r['decode_spread'][1]:.3f})",
              f"{r['bare_ttft']:.2f}", f"{r['inst_ttft']:.2f}",
              f"{r['ttft_ratio']:.3f} ({r['ttft_spread'][0]:.3f}-{r['ttft_spread'][1]:.3f})",
+             f"{r['bare_loop_us']:.0f}", f"{r['loop_ratio']:.3f}", f"{r['serving_ratio']:.3f}",
              f"{r['thread_us_per_token']:.1f}", f"{r['process_us_per_token']:.1f}") for r in results]
     machine = f"{platform.machine()}, {_cpu()}, load average {_load()}"
     print(f"# {datetime.date.today()} on {machine}; {elapsed:.0f} s")
