@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         telemetry.close()  # idempotent: the server's shutdown closed it unless startup failed
     lost = exporter.counters.dropped_spans
-    if lost or exporter.dropped_records:
-        print(f"tokentrace engine: {lost} spans and {exporter.dropped_records} records were dropped",
-              file=sys.stderr)
+    records = exporter.dropped_records + telemetry.dropped
+    if lost or records:
+        print(f"tokentrace engine: {lost} spans and {records} records were dropped", file=sys.stderr)
     if engine.state == "failed" and not settings.lazy_load:
         print(f"tokentrace engine: error: {engine.scheduler.load_record.error}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import time
@@ -199,6 +200,9 @@ def serve(conn: Any, config: ExporterConfig) -> None:
 
     # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # When cores are scarce, generation goes first: spans can wait a little, tokens should not.
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The OTLP exporter logs every failed batch; the spool logs the outage once instead.
     for name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.otlp.common"):

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 _STOP = object()
 #: Instrumentation scope of every span the shim emits.
 SCOPE = "tokentrace.engine_shim"
+#: Records allowed to wait for the sink; beyond that they are dropped and counted, so that a sink
+#: that cannot keep up never grows the engine's memory without bound.
+MAX_PENDING = 20_000
 
 
 class RecordSink(Protocol):
@@ -75,6 +78,7 @@ class Telemetry:
         self.heartbeat_interval = heartbeat_interval
         self.handled = 0  #: records the sink took
         self.errors = 0  #: records lost to an exception (logged once)
+        self.dropped = 0  #: records dropped because MAX_PENDING were already waiting
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -88,6 +92,11 @@ class Telemetry:
     def submit(self, record: Any) -> None:
         """Hand over a finished record; never blocks, never raises."""
         try:
+            if self._queue.qsize() >= MAX_PENDING:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("telemetry cannot keep up: records are being dropped (counted)")
+                return
             self._queue.put(record)
         except Exception:
             self._count_error()
