@@ -168,7 +168,9 @@ class Scheduler:
 
         self.runtime = runtime
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]))
-        if is_cacheable(make_prompt_cache(runtime.model)):
+        if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
+            log.info("prompt cache off (--cache-max-entries/--cache-max-bytes 0); lookups still report fingerprints")
+        elif is_cacheable(make_prompt_cache(runtime.model)):
             self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes)
         else:
             log.warning("prompt cache disabled: the model's caches are not plain KVCache layers")
