@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import polars as pl
+import pyarrow as pa
 from tokentrace.collector.normalize import Batch
 
 
@@ -35,6 +36,13 @@ class SpoolRecord:
 
     sha256: str  #: hex digest of the file's bytes
     name: str  #: file name, for the record
+
+
+def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
+    """Rows (tuples in ``schema`` order) as one Arrow table: how every backend appends in bulk."""
+    columns = list(zip(*rows, strict=True))
+    arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 class TraceWriter(Protocol):

@@ -1,0 +1,185 @@
+"""One conformance suite for every store backend (STYLE §17): golden OTLP payloads in through the
+writer role, then a table of (caption, query through the reader role, expected) run on DuckDB and on
+chdb, every named query compared frame for frame between the two, and the stored rows of every
+table compared value for value. A server (TOKENTRACE_CLICKHOUSE_URL) joins as a third backend."""
+
+from __future__ import annotations
+
+import re
+
+import golden
+import polars as pl
+import pytest
+from harness_store import BACKENDS, store_url
+from polars.testing import assert_frame_equal
+from tokentrace.collector import sqlfiles, stores
+from tokentrace.collector.ingest import Counters, Pipeline
+from tokentrace.collector.normalize import TABLES
+from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
+from tokentrace.collector.store import SpoolRecord
+
+BASE = 1_790_000_000_000_000_000  # a fixed instant (2026-09-21): the same rows in every backend
+SPOOL = SpoolRecord("ab" * 32, "golden.pb")
+
+
+@pytest.fixture(scope="module")
+def payloads():
+    """The golden engine trace as the SDK exports it, and the hand-written OTLP JSON; made once so
+    that every backend receives the very same bytes."""
+    body, ids = golden.encode(golden.load("golden_engine_trace.json"), BASE)
+    return {"golden": body, "json": (golden.FIXTURES / "otlp_handwritten.json").read_bytes(), "ids": ids}
+
+
+def _load(url: stores.StoreURL, payloads: dict):
+    store = stores.open_store(url)
+    pipeline = Pipeline(Counters(), 16 * 1024 * 1024, 65536)
+    assert store.write(pipeline.batch(payloads["golden"], Encoding("protobuf", PROTOBUF)))
+    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)))  # a sender's resend
+    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)), SPOOL)
+    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)), SPOOL) is False
+    return store
+
+
+@pytest.fixture(scope="module")
+def loaded(payloads, tmp_path_factory, request):
+    """Both backends, loaded with the same payloads (chdb's engine is shared by the process, so
+    each backend's store is module-scoped and closed at the end)."""
+    chdb_dir = request.getfixturevalue("chdb_dir")
+    tmp = tmp_path_factory.mktemp("conformance")
+    made = {backend: _load(store_url(backend, tmp, chdb_dir), payloads) for backend in BACKENDS}
+    yield made
+    for store in made.values():
+        store.close()
+
+
+def _golden_trace(payloads) -> str:
+    return payloads["ids"]["req"][0]
+
+
+CASES = [
+    ("request(id) carries the phase summary",
+     lambda r, p: {k: v for k, v in r.request("golden-req-1").items() if k in (
+         "instance_id", "engine", "model", "session_id", "queue_ms", "load_wait_ms", "prefill_ms", "decode_ms",
+         "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
+         "streamed", "client_disconnected", "http_status", "error_type")},
+     {"instance_id": "golden-1", "engine": "mlx-lm", "model": "tiny-llama", "session_id": "sess-<b>1</b>",
+      "queue_ms": 50.0, "load_wait_ms": 300.0, "prefill_ms": 150.0, "decode_ms": 80.0, "ttft_ms": 500.0,
+      "tpot_ms": 20.0, "prompt_tokens": 40, "cached_tokens": 16, "completion_tokens": 5,
+      "finish_reason": "length", "streamed": True, "client_disconnected": False, "http_status": 200,
+      "error_type": None}),
+    ("request(id) times are integer nanoseconds",
+     lambda r, p: (r.request("golden-req-1")["start_ns"] - BASE, r.request("golden-req-1")["end_ns"] - BASE),
+     (100_000_000, 700_000_000)),
+    ("request(id) keeps the columns of the requests table, in order",
+     lambda r, p: tuple(r.request("golden-req-1")), TABLES["requests"]),
+    ("request of an unknown id is None", lambda r, p: r.request("no-such-request"), None),
+    ("a request sent twice: request(id) gives one row", lambda r, p: r.request("json-req-1")["ttft_ms"], 120.5),
+    ("requests() without bounds: every request, oldest first",
+     lambda r, p: r.requests()["request_id"].to_list(), ["json-req-1", "json-req-1", "golden-req-1"]),
+    ("requests() in [since, until)",
+     lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_001)["request_id"].to_list(),
+     ["golden-req-1"]),
+    ("requests() until is exclusive",
+     lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_000).height, 0),
+    ("requests() of one instance", lambda r, p: r.requests(instance_id="golden-1")["request_id"].to_list(),
+     ["golden-req-1"]),
+    ("requests() limit keeps the newest", lambda r, p: r.requests(limit=1)["request_id"].to_list(),
+     ["golden-req-1"]),
+    ("requests() of an empty window keeps its columns",
+     lambda r, p: (r.requests(since_ns=1, until_ns=2).height, tuple(r.requests(since_ns=1, until_ns=2).columns)),
+     (0, TABLES["requests"])),
+    ("trace(id): every span by start time, parents first at equal starts",
+     lambda r, p: r.trace(_golden_trace(p))["name"].to_list(),
+     ["llm.request", "llm.load_wait", "llm.queue", "llm.cache.lookup", "llm.prefill", "llm.prefill.chunk",
+      "llm.prefill.chunk", "llm.decode", "llm.cache.insert"]),
+    ("trace(id) of an unknown id is empty with the span columns",
+     lambda r, p: (r.trace("0" * 32).height, tuple(r.trace("0" * 32).columns)), (0, TABLES["spans"])),
+    ("trace(id) spans keep kind, status and ids",
+     lambda r, p: r.trace(_golden_trace(p)).select("kind", "status_code", "parent_span_id").row(0),
+     (2, 0, None)),
+    ("counts(): rows per table",
+     lambda r, p: r.counts(),
+     # golden trace + the hand-written JSON twice (a plain resend and the spool file)
+     {"spans": 17 + 2 * 3, "resources": 1 + 2 * 2, "requests": 1 + 2 * 1, "phases": 6 + 2 * 1,
+      "prefill_chunks": 2, "decode_steps": 5, "steps": 3, "cache_lookups": 1 + 2 * 1,
+      "prefix_blocks": 3 + 4 + 2 * 2, "segments": 2, "cache_inserts": 1, "cache_evictions": 2,
+      "instance_events": 3, "model_loads": 1, "load_stages": 4, "heartbeats": 1}),
+    ("spool_seen(): an ingested spool file", lambda r, p: r.spool_seen(SPOOL.sha256), True),
+    ("spool_seen(): an unknown hash", lambda r, p: r.spool_seen("cd" * 32), False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("caption", "query", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_reader_role(loaded, payloads, backend, caption, query, expected):
+    assert query(loaded[backend], payloads) == expected, caption
+
+
+# --- every named query, on every backend ---------------------------------------------------------
+#: Values for named-query parameters: (one that finds golden data, one that finds nothing).
+PARAMS = {
+    "request_id": ("golden-req-1", "no-such-request"),
+    "trace_id": (None, "0" * 32),  # None: the golden trace, known only once the payload is built
+    "since_ns": (BASE, None),
+    "until_ns": (BASE + 10**9, None),
+    "instance_id": ("golden-1", None),
+    "limit": (100, 1),
+    "sha256": (SPOOL.sha256, "cd" * 32),
+}
+_DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
+_CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
+
+
+def _params(backend: str, name: str) -> set[str]:
+    sql = "\n".join(sqlfiles.statements(sqlfiles.read(backend, f"queries/{name}.sql")))
+    return set((_DUCKDB_PARAM if backend == "duckdb" else _CLICKHOUSE_PARAM).findall(sql))
+
+
+def test_every_named_query_exists_for_every_backend():
+    duckdb, clickhouse = sqlfiles.query_names("duckdb"), sqlfiles.query_names("clickhouse")
+    assert duckdb - clickhouse == set(), "DuckDB queries without a ClickHouse twin (sql/clickhouse/queries/)"
+    assert clickhouse - duckdb == set(), "ClickHouse queries without a DuckDB twin (sql/duckdb/queries/)"
+
+
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_twins_bind_the_same_parameters(name):
+    assert _params("duckdb", name) == _params("clickhouse", name)
+    unknown = _params("duckdb", name) - set(PARAMS)
+    assert not unknown, f"add values for {unknown} to PARAMS in tests/test_store_conformance.py"
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["finds", "finds-nothing"])
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, name, which):
+    params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
+    if "trace_id" in params and params["trace_id"] is None:
+        params["trace_id"] = _golden_trace(payloads)
+    frames = {backend: store.frame(name, **params) for backend, store in loaded.items()}
+    reference = frames.pop("duckdb")
+    for backend, frame in frames.items():
+        assert_frame_equal(frame, reference, check_exact=False, rel_tol=1e-9), backend
+
+
+# --- the stored rows themselves -------------------------------------------------------------------
+def _table(store, table: str) -> pl.DataFrame:
+    """Every row of ``table`` (backend internals: the reader role has no raw-table query)."""
+    if hasattr(store, "_cursor"):
+        return store._cursor().sql(f"SELECT * FROM {table}").pl()
+    return pl.from_arrow(store._reader().query_arrow("SELECT * FROM {t:Identifier}", parameters={"t": table}))
+
+
+@pytest.mark.parametrize("table", list(TABLES))
+def test_every_table_stores_the_same_rows_and_types(loaded, table):
+    frames = {backend: _table(store, table) for backend, store in loaded.items()}
+    reference = frames.pop("duckdb")
+    assert reference.height > 0, f"the golden payloads put no row in {table}: extend them"
+    for backend, frame in frames.items():
+        assert frame.schema == reference.schema, backend
+        assert sorted(map(repr, frame.rows())) == sorted(map(repr, reference.rows())), backend
+
+
+def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded):
+    for backend, store in loaded.items():
+        assert store.frame("request", request_id="json-req-1").height == 1, backend
+        assert store.counts()["requests"] == 3, backend  # golden, the plain write, the spool file
+        assert store.spool_seen(SPOOL.sha256), backend
