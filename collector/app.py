@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
+
 from tokentrace import __version__
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for

@@ -7,6 +7,7 @@ everything submitted is committed, the store is checkpointed.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -22,9 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start the collector and serve until a signal stops it."""
     import uvicorn
+
     from tokentrace.collector.server import build_app, open_store
 
     config = settings.load(args)
+    # Ingest allocates millions of short-lived tuples; CPython's default gen-0 threshold (700) makes
+    # it collect thousands of times per second for no cycles at all. Measured ~10 % of ingest CPU.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store = open_store(config)
     app = build_app(config, store)

@@ -6,7 +6,11 @@ are expanded into one row per element and left out of ``spans.attributes``. Even
 name wherever they ride: ``llm.cache.evict`` gives ``cache_evictions`` rows and the lifecycle events
 give ``instance_events`` rows. Spans of other senders land in ``spans`` only.
 
-Column order of every table is ``TABLES[name]``; it matches the DDL (tests/test_store_schema.py).
+Column order of every table is ``TABLES[name]``; it matches the DDL (tests/test_collector_ingest.py).
+The two tables that grow by one row per token or block, ``decode_steps`` and ``prefix_blocks``,
+travel packed (one row per span with a list column, ``PACKED``) and the store expands them in SQL:
+building a Python tuple per token costs more than parsing the span. ``Batch.expanded`` gives the
+same rows in Python, as the reference for what a store must produce.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from tokentrace import contract as c
 
 TABLES: dict[str, tuple[str, ...]] = {
@@ -76,6 +81,14 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: Packed forms of the per-token/per-block tables: the last column is a list, one element per row.
+#: decode_steps: step = list index, t_ns = start_ns + offset. prefix_blocks: block_index = list
+#: index, hash = element.
+PACKED: dict[str, tuple[str, ...]] = {
+    "decode_steps": ("request_id", "instance_id", "start_ns", "offsets"),
+    "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "fingerprint", "hashes"),
+}
+
 #: Attributes expanded into typed rows and therefore not repeated in ``spans.attributes``.
 EXPANDED = frozenset({
     c.CACHE_BLOCK_HASHES, c.DECODE_STEP_OFFSETS, c.SEGMENT_ROLES, c.SEGMENT_STARTS, c.SEGMENT_ENDS,
@@ -91,7 +104,8 @@ DEFAULT_MAX_VALUE_LENGTH = 65_536
 class Batch:
     """Rows for every table (lists of tuples in ``TABLES`` column order) plus what was refused."""
 
-    rows: dict[str, list[tuple]] = field(default_factory=lambda: {name: [] for name in TABLES})
+    rows: dict[str, list[tuple]] = field(default_factory=lambda: {n: [] for n in TABLES if n not in PACKED})
+    packed: dict[str, list[tuple]] = field(default_factory=lambda: {name: [] for name in PACKED})
     spans: int = 0  #: spans accepted
     rejected: int = 0  #: spans refused (invalid ids or times)
     truncated: int = 0  #: attribute values cut to the length limit
@@ -106,10 +120,23 @@ class Batch:
             parts.append(f"{self.truncated} attribute values were truncated to the length limit")
         return "; ".join(parts)
 
+    def expanded(self, table: str) -> list[tuple]:
+        """Rows of ``table`` in ``TABLES`` order, packed tables expanded (the reference semantics)."""
+        if table not in PACKED:
+            return list(self.rows[table])
+        if table == "decode_steps":
+            return [(rid, inst, step, start + offset)
+                    for rid, inst, start, offsets in self.packed[table] for step, offset in enumerate(offsets)]
+        return [(rid, inst, t_ns, source, index, value, fingerprint)
+                for rid, inst, t_ns, source, fingerprint, hashes in self.packed[table]
+                for index, value in enumerate(hashes)]
+
     def extend(self, other: Batch) -> None:
         """Append another batch's rows and counts (used to group writes)."""
         for name, rows in other.rows.items():
             self.rows[name].extend(rows)
+        for name, rows in other.packed.items():
+            self.packed[name].extend(rows)
         self.spans += other.spans
         self.rejected += other.rejected
         self.truncated += other.truncated
@@ -237,11 +264,10 @@ def _phase(scope: _Scope, span, a: dict, ids: tuple) -> None:
 
 def _decode(scope: _Scope, span, a: dict, ids: tuple) -> None:
     _phase(scope, span, a, ids)
-    rid, start = _str(a.get(c.REQUEST_ID)), span.start_time_unix_nano
-    scope.batch.rows["decode_steps"].extend(
-        (rid, scope.instance_id, step, start + offset)
-        for step, offset in enumerate(_ints(a.get(c.DECODE_STEP_OFFSETS)))
-    )
+    offsets = _ints(a.get(c.DECODE_STEP_OFFSETS))
+    if offsets:
+        scope.batch.packed["decode_steps"].append(
+            (_str(a.get(c.REQUEST_ID)), scope.instance_id, span.start_time_unix_nano, offsets))
 
 
 def _chunk(scope: _Scope, span, a: dict, ids: tuple) -> None:
@@ -252,10 +278,9 @@ def _chunk(scope: _Scope, span, a: dict, ids: tuple) -> None:
 
 
 def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, a: dict, fingerprint: int | None) -> None:
-    scope.batch.rows["prefix_blocks"].extend(
-        (rid, scope.instance_id, t_ns, source, index, value, fingerprint)
-        for index, value in enumerate(_ints(a.get(c.CACHE_BLOCK_HASHES)))
-    )
+    hashes = _ints(a.get(c.CACHE_BLOCK_HASHES))
+    if hashes:
+        scope.batch.packed["prefix_blocks"].append((rid, scope.instance_id, t_ns, source, fingerprint, hashes))
 
 
 def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
@@ -358,7 +383,7 @@ def _value(v, max_len: int, counter: list):
             return text[:max_len]
         return text
     if kind == "array_value":
-        return [_value(x, max_len, counter) for x in v.array_value.values]
+        return _array(v.array_value.values, max_len, counter)
     if kind == "kvlist_value":
         return {kv.key: _value(kv.value, max_len, counter) for kv in v.kvlist_value.values}
     if kind == "bytes_value":
@@ -366,6 +391,19 @@ def _value(v, max_len: int, counter: list):
     if kind is None:
         return None
     return getattr(v, kind)
+
+
+def _array(values, max_len: int, counter: list) -> list:
+    # OTLP arrays are homogeneous (common.proto: "array of primitive values ... of the same type");
+    # reading one field per element keeps the columnar arrays (offsets, hashes) fast.
+    if not values:
+        return []
+    kind = values[0].WhichOneof("value")
+    if kind == "int_value":
+        return [x.int_value for x in values]
+    if kind == "double_value":
+        return [x.double_value for x in values]
+    return [_value(x, max_len, counter) for x in values]
 
 
 def _json(value) -> str | None:
@@ -405,6 +443,8 @@ def _list(value) -> list:
 
 
 def _ints(value) -> list[int]:
+    if isinstance(value, list) and all(type(x) is int for x in value):
+        return value
     return [x for x in _list(value) if isinstance(x, int) and not isinstance(x, bool)]
 
 

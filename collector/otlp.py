@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
 from tokentrace.errors import PayloadError, PayloadTooLarge, UnsupportedMediaType
 
 PROTOBUF = "application/x-protobuf"

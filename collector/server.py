@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+
 from tokentrace.collector.app import Collector, create_app
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.stores import open_store as _open

@@ -24,14 +24,15 @@ import threading
 import time
 from pathlib import Path
 
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.normalize import Batch
 from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import Overloaded, PayloadError, StoreError, UnsupportedMediaType
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
 
 log = logging.getLogger("tokentrace.collector.spool")
 SUFFIXES = {".pb": Encoding("protobuf", PROTOBUF), ".json": Encoding("json", JSON),

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import polars as pl
 import pyarrow as pa
+
 from tokentrace.collector.normalize import Batch
 
 

@@ -31,11 +31,14 @@ import time
 from dataclasses import dataclass, field
 
 import clickhouse_connect
+import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError
+
 from tokentrace.collector import sqlfiles
-from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.normalize import PACKED, TABLES, Batch
 from tokentrace.collector.store import SpoolRecord, arrow_rows
 from tokentrace.errors import StoreError
 
@@ -43,6 +46,7 @@ from tokentrace.errors import StoreError
 WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
+_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 #: Session settings for readers: SQL-standard NULLs for outer joins, as DuckDB gives.
 _READ_SETTINGS = {"join_use_nulls": 1}
 #: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
@@ -169,6 +173,8 @@ class ClickHouseStore:
                 raise StoreError(f"table {table} of {self.path} has columns {names}, expected "
                                  f"{list(columns)}: the database comes from another version")
             schemas[table] = pa.schema([(name, _arrow_type(kind)) for name, kind in found[table]])
+        self._packed = {table: pa.schema([(name, _PACKED_ONLY.get(name) or schemas[table].field(name).type)
+                                          for name in columns]) for table, columns in PACKED.items()}
         return schemas
 
     # --- writer role ------------------------------------------------------------------------------
@@ -181,18 +187,25 @@ class ClickHouseStore:
                     return False
                 settings["insert_deduplicate"] = 1
             for table in WRITE_ORDER:
-                rows = batch.rows.get(table)
-                if not rows:
+                data = self._table(batch, table)
+                if data is None:
                     continue
                 if spool is not None:
                     settings["insert_deduplication_token"] = f"spool:{spool.sha256}:{table}"
-                self._writer.insert_arrow(table, arrow_rows(self._schemas[table], rows), settings=settings)
+                self._writer.insert_arrow(table, data, settings=settings)
             if spool is not None:
                 self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
             return True
         except (ClickHouseError, pa.ArrowException) as exc:
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _table(self, batch: Batch, table: str) -> pa.Table | None:
+        if table in PACKED:
+            packed = batch.packed.get(table)
+            return _expand(table, arrow_rows(self._packed[table], packed)) if packed else None
+        rows = batch.rows.get(table)
+        return arrow_rows(self._schemas[table], rows) if rows else None
 
     def close(self) -> None:
         """Close every client (chdb releases its data directory when the last one closes)."""
@@ -252,6 +265,25 @@ class ClickHouseStore:
     def spool_seen(self, sha256: str) -> bool:
         """Whether a spool file with this hash was already ingested."""
         return self.frame("spool_seen", sha256=sha256).height > 0
+
+
+def _expand(table: str, packed: pa.Table) -> pa.Table:
+    """One row per list element of a packed table (normalize.PACKED), in Arrow compute: the same
+    rows as ``Batch.expanded`` and as DuckDB's sql/duckdb/expand/, without a Python loop per token."""
+    lists = packed.column(PACKED[table][-1]).combine_chunks()
+    parent = pc.list_parent_indices(lists)
+    value = pc.list_flatten(lists)
+    index = pc.subtract(pa.array(np.arange(len(value), dtype=np.int64)),
+                        pc.cast(pc.take(lists.offsets, parent), pa.int64()))
+
+    def of_parent(name: str) -> pa.Array:
+        return pc.take(packed.column(name), parent)
+
+    if table == "decode_steps":
+        columns = {"step": index, "t_ns": pc.add(of_parent("start_ns"), value)}
+    else:
+        columns = {"block_index": index, "hash": value}
+    return pa.table({name: columns[name] if name in columns else of_parent(name) for name in TABLES[table]})
 
 
 def _explain(exc: ClickHouseError, label: str) -> str:

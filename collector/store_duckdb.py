@@ -17,7 +17,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pyarrow as pa
-from tokentrace.collector.normalize import TABLES, Batch
+
+from tokentrace.collector.normalize import PACKED, TABLES, Batch
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.errors import NotFound, StoreError
 
@@ -31,6 +32,7 @@ _ARROW_TYPES = {
     "BOOLEAN": pa.bool_(),
     "VARCHAR[]": pa.list_(pa.string()),
 }
+_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 
 
 def migrations() -> list[tuple[int, str, str]]:
@@ -62,6 +64,7 @@ class DuckDBStore:
         if not read_only:
             self._migrate()
         self._schemas = self._arrow_schemas()
+        self._expand = {table: (_SQL / "expand" / f"{table}.sql").read_text(encoding="utf-8") for table in PACKED}
         self._local = threading.local()
         self._queries: dict[str, str] = {}
 
@@ -96,6 +99,9 @@ class DuckDBStore:
                 raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
                                  f"expected {list(columns)}: the file comes from another version")
             schemas[table] = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in rows])
+        for table, columns in PACKED.items():
+            known = {f.name: f.type for f in schemas[table]} | _PACKED_ONLY
+            schemas["packed:" + table] = pa.schema([(name, known[name]) for name in columns])
         return schemas
 
     # --- writer role ------------------------------------------------------------------------------
@@ -112,7 +118,12 @@ class DuckDBStore:
                             [spool.sha256, spool.name, batch.spans, time.time_ns()])
             for table, rows in batch.rows.items():
                 if rows:
-                    self._append(table, rows)
+                    con.from_arrow(self._arrow(table, rows)).insert_into(table)
+            for table, rows in batch.packed.items():
+                if rows:
+                    con.register("staged", self._arrow("packed:" + table, rows))
+                    con.execute(self._expand[table])
+                    con.unregister("staged")
             con.execute("COMMIT")
             return True
         except (duckdb.Error, pa.ArrowException) as exc:
@@ -120,11 +131,11 @@ class DuckDBStore:
                 con.execute("ROLLBACK")
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
-    def _append(self, table: str, rows: list[tuple]) -> None:
-        schema = self._schemas[table]
+    def _arrow(self, schema_name: str, rows: list[tuple]) -> pa.Table:
+        schema = self._schemas[schema_name]
         columns = list(zip(*rows, strict=True))
         arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema, strict=True)]
-        self._con.from_arrow(pa.Table.from_arrays(arrays, schema=schema)).insert_into(table)
+        return pa.Table.from_arrays(arrays, schema=schema)
 
     def close(self) -> None:
         """Checkpoint (so the file is self-contained) and close."""

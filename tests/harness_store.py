@@ -12,6 +12,7 @@ import itertools
 import os
 
 import pytest
+
 from tokentrace.collector import stores
 
 BACKENDS = ("duckdb", "chdb")

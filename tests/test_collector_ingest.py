@@ -8,6 +8,7 @@ import time
 
 import golden
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
 from tokentrace.collector.normalize import EXPANDED, TABLES
 from tokentrace.collector.otlp import Encoding, decode
 

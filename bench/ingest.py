@@ -1,0 +1,140 @@
+"""Ingest benchmark: a real collector over loopback vs the raw ceiling on the same machine.
+
+Drives ``tokentrace collector`` with OTLP protobuf batches of 512 engine-shaped spans (bench/synth.py)
+from 4 concurrent senders, bounded in requests and seconds, and prints spans/s persisted (commit
+before ack), p50/p99 request latency, and the raw ceiling measured in the same run: protobuf parse +
+normalize + DuckDB Arrow append + commit in one thread, no HTTP, no queue.
+
+    python bench/ingest.py [--seconds 20] [--senders 4] [--spans-per-batch 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness_collector import CollectorProcess
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from synth import Workload
+
+from tokentrace.collector.normalize import Batch, normalize
+from tokentrace.collector.store_duckdb import DuckDBStore
+
+
+def make_bodies(count: int, spans_per_batch: int) -> list[tuple[bytes, int]]:
+    """(serialized request, span count) pairs, generated before any timing starts."""
+    batches = Workload(seed=11).batches(spans_per_batch)
+    bodies = []
+    for _ in range(count):
+        request = next(batches)
+        spans = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+        bodies.append((request.SerializeToString(), spans))
+    return bodies
+
+
+def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 8) -> float:
+    """Spans/s for parse + normalize + Arrow append + commit, one thread, no HTTP."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = DuckDBStore(Path(tmp) / "raw.duckdb")
+        spans, start = 0, time.perf_counter()
+        index = 0
+        while time.perf_counter() - start < seconds:
+            merged = Batch()
+            for body, _ in bodies[index:index + group]:
+                merged.extend(normalize(ExportTraceServiceRequest.FromString(body)))
+            index = (index + group) % max(1, len(bodies) - group)
+            store.write(merged)
+            spans += merged.spans
+        elapsed = time.perf_counter() - start
+        store.close()
+    return spans / elapsed
+
+
+def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: float, max_requests: int):
+    """Post bodies from ``senders`` threads; returns (acked spans, elapsed, latencies, errors)."""
+    latencies: list[float] = []
+    acked, errors = [0], [0]
+    lock = threading.Lock()
+    deadline = time.perf_counter() + seconds
+    sent = [0]
+
+    def sender(offset: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        index = offset
+        while time.perf_counter() < deadline:
+            with lock:
+                if sent[0] >= max_requests:
+                    break
+                sent[0] += 1
+            body, spans = bodies[index % len(bodies)]
+            index += senders
+            began = time.perf_counter()
+            conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+            response = conn.getresponse()
+            response.read()
+            took = time.perf_counter() - began
+            with lock:
+                if response.status == 200:
+                    acked[0] += spans
+                    latencies.append(took)
+                else:
+                    errors[0] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(senders)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return acked[0], time.perf_counter() - start, latencies, errors[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
+    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--spans-per-batch", type=int, default=512)
+    parser.add_argument("--max-requests", type=int, default=20_000, help="upper bound on requests sent")
+    parser.add_argument("--distinct-batches", type=int, default=120, help="batches generated up front")
+    args = parser.parse_args()
+
+    print(f"generating {args.distinct_batches} batches of ~{args.spans_per_batch} engine-shaped spans ...")
+    bodies = make_bodies(args.distinct_batches, args.spans_per_batch)
+    mean_bytes = statistics.mean(len(b) for b, _ in bodies)
+    print(f"  {sum(s for _, s in bodies)} spans, {mean_bytes / 1024:.0f} KiB per batch")
+
+    ceiling = raw_ceiling(bodies, args.seconds / 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = CollectorProcess(Path(tmp)).start()
+        try:
+            acked, elapsed, latencies, errors = drive(collector.port, bodies, args.senders, args.seconds,
+                                                      args.max_requests)
+            health = collector.health()
+        finally:
+            collector.stop()
+        stored = collector.sql("SELECT count(*) FROM spans")[0][0]
+    rate = acked / elapsed
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] * 1000
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
+    print(f"collector: {rate:,.0f} spans/s persisted and acknowledged ({acked:,} spans in {elapsed:.1f} s, "
+          f"{len(latencies)} requests, {errors} errors; {stored:,} spans in the store)")
+    print(f"latency:   p50 {p50:.1f} ms, p99 {p99:.1f} ms at {args.senders} senders")
+    print(f"ceiling:   {ceiling:,.0f} spans/s (parse + normalize + Arrow append + commit, one thread, no HTTP)")
+    print(f"ratio:     {rate / ceiling:.0%} of the raw ceiling")
+    print(f"rejected:  {health['rejected']}")
+    return 0 if stored >= acked else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Synthetic OTLP traces shaped like the engine shim's: for benchmarks only (never for tests).
+
+One request is 9 spans (llm.request, llm.queue, llm.cache.lookup with block hashes and segments,
+llm.prefill with 2 chunks, llm.decode with per-token offsets, llm.cache.insert), plus one
+engine.steps window per 16 requests. Prompts share prefixes within a session, so cache analyzers
+have realistic matches to find.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tokentrace import contract as c
+from tokentrace.fingerprint import block_hashes, segment_hash
+
+BLOCK = c.DEFAULT_BLOCK_SIZE
+
+
+def _set(span, key: str, value) -> None:
+    attr = span.attributes.add(key=key)
+    if isinstance(value, bool):
+        attr.value.bool_value = value
+    elif isinstance(value, int):
+        attr.value.int_value = value
+    elif isinstance(value, float):
+        attr.value.double_value = value
+    elif isinstance(value, str):
+        attr.value.string_value = value
+    elif value and isinstance(value[0], str):
+        attr.value.array_value.values.extend(_any_str(v) for v in value)
+    else:
+        attr.value.array_value.values.extend(_any_int(v) for v in value)
+
+
+def _any_str(value: str):
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    return AnyValue(string_value=value)
+
+
+def _any_int(value: int):
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    return AnyValue(int_value=value)
+
+
+def _span(spans, trace_id: bytes, parent: bytes, name: str, start: int, end: int, rid: str, kind: int = 1):
+    span = spans.add(trace_id=trace_id, span_id=os.urandom(8), parent_span_id=parent, name=name, kind=kind,
+                     start_time_unix_nano=start, end_time_unix_nano=end)
+    _set(span, c.REQUEST_ID, rid)
+    return span
+
+
+class Workload:
+    """Deterministic stream of engine-shaped requests over ``instances`` instances."""
+
+    def __init__(self, seed: int = 7, instances: int = 4, sessions: int = 500, start_ns: int | None = None):
+        self.rng = random.Random(seed)
+        self.instances = [f"bench-{i}" for i in range(instances)]
+        self.systems = [[self.rng.randrange(1, 30000) for _ in range(self.rng.choice((64, 256, 512)))]
+                        for _ in range(8)]
+        self.sessions = [(self.rng.randrange(8), []) for _ in range(sessions)]
+        self.clock = start_ns if start_ns is not None else 1_700_000_000_000_000_000
+        self.count = 0
+
+    def request(self, spans) -> int:
+        """Append one request's spans (plus an engine.steps window every 16th); returns spans added."""
+        rng, self.count = self.rng, self.count + 1
+        rid, trace_id = f"req-{self.count:08d}", os.urandom(16)
+        system, history = self.sessions[rng.randrange(len(self.sessions))]
+        turn = [rng.randrange(1, 30000) for _ in range(rng.randrange(16, 200))]
+        prompt = self.systems[system] + history + turn
+        cached = len(self.systems[system]) + len(history) if history and rng.random() < 0.7 else 0
+        output = rng.randrange(8, 128)
+        history.extend(turn + [rng.randrange(1, 30000) for _ in range(output)])
+        del history[:-2048]
+        self.clock += rng.randrange(2_000_000, 40_000_000)
+        t0, queue = self.clock, rng.randrange(0, 30_000_000)
+        prefill = (len(prompt) - cached) * 40_000 + 2_000_000
+        itl = rng.randrange(8_000_000, 25_000_000)
+        t_prefill, t_decode = t0 + queue, t0 + queue + prefill
+        t_end = t_decode + itl * (output - 1)
+        root = _span(spans, trace_id, b"", c.SPAN_REQUEST, t0, t_end + 500_000, rid, kind=2)
+        for key, value in ((c.SESSION_ID, f"s{system}"), (c.ENDPOINT, "/v1/chat/completions"),
+                           (c.MODEL, "bench-model"), (c.MAX_TOKENS, 256), (c.STREAMED, True),
+                           (c.CLIENT_DISCONNECTED, False), (c.HTTP_STATUS, 200),
+                           (c.INPUT_TOKENS, len(prompt)), (c.OUTPUT_TOKENS, output), (c.CACHED_TOKENS, cached),
+                           (c.FINISH_REASONS, ["length"]), (c.QUEUE_MS, queue / 1e6), (c.LOAD_WAIT_MS, 0.0),
+                           (c.PREFILL_MS, prefill / 1e6), (c.DECODE_MS, (t_end - t_decode) / 1e6),
+                           (c.TTFT_MS, (t_decode - t0) / 1e6), (c.TPOT_MS, itl / 1e6)):
+            _set(root, key, value)
+        parent = root.span_id
+        q = _span(spans, trace_id, parent, c.SPAN_QUEUE, t0, t_prefill, rid)
+        _set(q, c.QUEUE_DEPTH, rng.randrange(0, 4))
+        _set(q, c.QUEUE_RUNNING, rng.randrange(0, 8))
+        lookup = _span(spans, trace_id, parent, c.SPAN_CACHE_LOOKUP, t_prefill, t_prefill + 200_000, rid)
+        for key, value in ((c.CACHE_PROMPT_TOKENS, len(prompt)), (c.CACHE_MATCHED_TOKENS, cached),
+                           (c.CACHE_MATCH, c.MATCH_PREFIX if cached else c.MATCH_NONE), (c.CACHE_ENTRIES, 10),
+                           (c.CACHE_BYTES, 50_000_000), (c.CACHE_BLOCK_SIZE, BLOCK),
+                           (c.CACHE_BLOCK_HASHES, block_hashes(prompt)),
+                           (c.SEGMENT_ROLES, ["system", "user"]),
+                           (c.SEGMENT_STARTS, [0, len(self.systems[system])]),
+                           (c.SEGMENT_ENDS, [len(self.systems[system]), len(prompt)]),
+                           (c.SEGMENT_HASHES, [segment_hash(self.systems[system]), segment_hash(turn)])):
+            _set(lookup, key, value)
+        pre = _span(spans, trace_id, parent, c.SPAN_PREFILL, t_prefill, t_decode, rid)
+        half = t_prefill + prefill // 2
+        for offset, (a, b) in enumerate(((t_prefill, half), (half, t_decode))):
+            chunk = _span(spans, trace_id, pre.span_id, c.SPAN_PREFILL_CHUNK, a, b, rid)
+            _set(chunk, c.CHUNK_OFFSET, cached + offset * (len(prompt) - cached) // 2)
+            _set(chunk, c.CHUNK_TOKENS, (len(prompt) - cached) // 2)
+        dec = _span(spans, trace_id, parent, c.SPAN_DECODE, t_decode, t_end, rid)
+        _set(dec, c.DECODE_STEPS, output)
+        _set(dec, c.DECODE_STEP_OFFSETS, [i * itl for i in range(output)])
+        ins = _span(spans, trace_id, parent, c.SPAN_CACHE_INSERT, t_end, t_end + 300_000, rid)
+        stored = prompt + [1] * output
+        hashes = block_hashes(stored)
+        for key, value in ((c.ENTRY_FINGERPRINT, hashes[-1]), (c.ENTRY_TOKENS, len(stored)),
+                           (c.ENTRY_BYTES, len(stored) * 4096), (c.CACHE_BLOCK_SIZE, BLOCK),
+                           (c.CACHE_BLOCK_HASHES, hashes)):
+            _set(ins, key, value)
+        added = 9
+        if self.count % 16 == 0:
+            added += self._steps(spans, t0, rid)
+        return added
+
+    def _steps(self, spans, t0: int, rid: str) -> int:
+        n = 64
+        window = spans.add(trace_id=os.urandom(16), span_id=os.urandom(8), name=c.SPAN_ENGINE_STEPS,
+                           start_time_unix_nano=t0, end_time_unix_nano=t0 + n * 10_000_000)
+        for key, value in ((c.STEPS_COUNT, n), (c.STEPS_START_OFFSETS, [i * 10_000_000 for i in range(n)]),
+                           (c.STEPS_DURATIONS, [9_000_000] * n), (c.STEPS_PREFILL_SEQS, [0] * n),
+                           (c.STEPS_DECODE_SEQS, [1] * n), (c.STEPS_PREFILL_TOKENS, [0] * n),
+                           (c.STEPS_DECODE_TOKENS, [1] * n), (c.STEPS_REQUESTS, [rid]), (c.STEPS_MEMBERS, [0] * n)):
+            _set(window, key, value)
+        return 1
+
+    def batches(self, spans_per_batch: int) -> Iterator[ExportTraceServiceRequest]:
+        """Endless requests of about ``spans_per_batch`` spans, one instance per request."""
+        while True:
+            request = ExportTraceServiceRequest()
+            resource = request.resource_spans.add()
+            instance = self.instances[self.count % len(self.instances)]
+            for key, value in ((c.SERVICE_INSTANCE_ID, instance), (c.SERVICE_NAME, "tokentrace-engine"),
+                               (c.ENGINE, c.ENGINE_MLX)):
+                resource.resource.attributes.add(key=key).value.string_value = value
+            spans = resource.scope_spans.add().spans
+            total = 0
+            while total < spans_per_batch:
+                total += self.request(spans)
+            yield request
