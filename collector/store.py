@@ -1,23 +1,39 @@
 """Store roles. Each caller receives one role: the ingest path a ``TraceWriter``, analyzers and
-dashboards a ``TraceReader``. One backend class may implement both (DuckDB does); a second backend
-must pass the same conformance tests (tests/test_store_conformance.py).
+dashboards a ``TraceReader``. One backend class implements both (``DuckDBStore``,
+``ClickHouseStore`` for a ClickHouse server or chdb); every backend passes the same conformance
+suite (tests/test_store_conformance.py). Where the backends differ, each item says so.
 
 Writer contract
-    - ``write(batch, spool)`` stores every row of ``batch`` in one transaction and returns only once
-      it is committed (durable): the HTTP request is acknowledged after that, never before.
-    - On failure it raises ``StoreError`` and stores none of the batch.
+    - ``write(batch, spool)`` returns only once every row of ``batch`` is stored: the HTTP request
+      is acknowledged after that, never before.
+        DuckDB: one transaction, committed (WAL) before it returns.
+        ClickHouse: one INSERT per table, ``requests`` last, each committed as a part before the
+        next; no transaction spans tables (store_clickhouse.py).
+    - On failure it raises ``StoreError``.
+        DuckDB: nothing of the batch is stored.
+        ClickHouse: the tables inserted before the failure stay; the sender's retry stores them
+        again (as any batch written twice).
     - Spans are not deduplicated: a batch written twice is stored twice (OTLP senders retry only
       on errors). Spool files are: ``write(batch, spool=record)`` with a sha256 already stored stores
       nothing and returns False.
+        DuckDB: the sha256 is recorded in the batch's transaction.
+        ClickHouse: per-table deduplication tokens make a re-ingest after a crash mid-batch store
+        nothing twice; the sha256 is recorded after every table.
     - One thread calls it (the writer thread); it is not thread-safe.
+    - Writers per store: DuckDB and chdb allow one process per file or directory; a ClickHouse
+      server takes any number of collectors at once.
 
 Reader contract
-    - Reads committed data only; rows appear in commit order.
+    - Reads stored data only: DuckDB committed transactions; ClickHouse INSERTed parts, so a
+      reader may see the earlier tables of a batch being written, but a visible ``requests`` row
+      has all its batch's rows. Row order is only what a query's ORDER BY fixes.
     - An unknown id gives ``None`` (one object) or an empty frame (collections), never an error.
-    - Frames carry their documented columns even when empty; times are integer nanoseconds.
+    - Frames carry their documented columns even when empty, with the same dtypes on every
+      backend; times are integer nanoseconds.
     - ``frame(name, **params)`` runs the named query ``sql/<backend>/queries/<name>.sql`` with bound
-      parameters; every backend ships every named query.
-    - Safe from many threads: each thread reads through its own cursor.
+      parameters; every backend ships every named query, and the twins return equal frames.
+    - Safe from many threads: each thread reads through its own cursor (DuckDB) or client
+      (ClickHouse).
 """
 
 from __future__ import annotations

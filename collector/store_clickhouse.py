@@ -116,7 +116,7 @@ class ClickHouseStore:
             self._schemas = self._arrow_schemas()
         except ClickHouseError as exc:
             self.close()
-            raise StoreError(_explain(exc, self.path)) from exc
+            raise StoreError(_explain(exc, self.target)) from exc
         except BaseException:
             self.close()
             raise
@@ -228,7 +228,7 @@ class ClickHouseStore:
             try:
                 client = self._local.client = self._track(self.target.client(self.target.database))
             except ClickHouseError as exc:
-                raise StoreError(_explain(exc, self.path)) from exc
+                raise StoreError(_explain(exc, self.target)) from exc
         return client
 
     def frame(self, name: str, **params) -> pl.DataFrame:
@@ -286,9 +286,23 @@ def _expand(table: str, packed: pa.Table) -> pa.Table:
     return pa.table({name: columns[name] if name in columns else of_parent(name) for name in TABLES[table]})
 
 
-def _explain(exc: ClickHouseError, label: str) -> str:
-    text = str(exc)
-    if "Cannot lock file" in text or "already initialized with path" in text:
-        return (f"the store {label} is held by another process (chdb opens a data directory in one "
-                f"process only; several collectors need a ClickHouse server): {text.splitlines()[0]}")
+def _explain(exc: ClickHouseError, target: Target) -> str:
+    text, label = str(exc), target.label()
+    if target.path is not None and _locked_elsewhere(target.path):
+        return (f"the store {label} is held by another process: chdb opens a data directory in one "
+                f"process only, so several collectors need a ClickHouse server (docs/scale-out.md)")
     return f"cannot use the store {label}: {text}"
+
+
+def _locked_elsewhere(path: str) -> bool:
+    """Whether another process holds chdb's lock on ``path`` (ClickHouse flocks ``status``)."""
+    import fcntl
+
+    try:
+        with open(f"{path}/status", "rb") as status:
+            fcntl.flock(status, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False

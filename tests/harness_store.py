@@ -52,6 +52,11 @@ def chdb_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("chdb")
 
 
+def sql(store, query: str, **params) -> list[tuple]:
+    """Ad-hoc SQL on an open ClickHouse store, for assertions the reader role has no query for."""
+    return store._reader().query(query, parameters=params or None).result_rows
+
+
 def store_url(backend: str, tmp_path, chdb_dir) -> stores.StoreURL:
     """A fresh, empty store of ``backend``."""
     if backend == "duckdb":
