@@ -10,10 +10,11 @@ import time
 
 import golden
 import pytest
-from harness_collector import CollectorProcess, wait_for
+from harness_collector import wait_for
 from harness_store import clickhouse_available, server_url, sql, unique_database
 from test_collector_durability import _stream
 from test_collector_errors import make_request
+
 from tokentrace.collector import stores
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.otlp import PROTOBUF, Encoding

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 from test_cli import _run
+
 from tokentrace.collector import settings, stores
 from tokentrace.errors import ConfigError
 
