@@ -16,17 +16,27 @@ from contextlib import asynccontextmanager
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokentrace import __version__
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.writer import WriteQueue
-from tokentrace.errors import Overloaded, PayloadError, PayloadTooLarge, StoreError, UnsupportedMediaType
+from tokentrace.errors import (
+    ConfigError,
+    NotFound,
+    Overloaded,
+    PayloadError,
+    PayloadTooLarge,
+    StoreError,
+    UnsupportedMediaType,
+)
 
 log = logging.getLogger("tokentrace.collector")
 _GRPC_CODE = {400: 3, 413: 8, 415: 3, 503: 14, 500: 13}
@@ -109,12 +119,14 @@ class Collector:
         self.config = config
         self.store = store
         self.counters = Counters()
-        self.pipeline = Pipeline(self.counters, config.max_body_bytes, config.max_attribute_length)
+        self.pipeline = Pipeline(self.counters, config.max_body_bytes, config.max_attribute_length,
+                                 config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
 
     def start(self) -> None:
-        """Start the writer thread and, when configured, the spool watcher."""
+        """Start the parse workers, the writer thread and, when configured, the spool watcher."""
+        self.pipeline.start()
         self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
@@ -126,6 +138,7 @@ class Collector:
         """Stop the spool, write what was submitted, checkpoint and close the store."""
         if self.spool is not None:
             self.spool.stop()
+        self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
         self.store.close()
@@ -154,6 +167,33 @@ class Collector:
         return (503 if problems else 200), body
 
 
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every query-API error answers with the one JSON envelope."""
+
+    @app.exception_handler(NotFound)
+    async def not_found(_request: Request, exc: NotFound) -> JSONResponse:
+        return error_envelope(404, "not_found", str(exc))
+
+    @app.exception_handler(ConfigError)
+    async def bad_parameter(_request: Request, exc: ConfigError) -> JSONResponse:
+        return error_envelope(400, "bad_parameter", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return error_envelope(400, "bad_parameter", f"{where}: {first.get('msg', 'invalid value')}")
+
+    @app.exception_handler(StoreError)
+    async def store_failed(_request: Request, exc: StoreError) -> JSONResponse:
+        return error_envelope(503, "store_unavailable", str(exc), headers={"Retry-After": "5"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_envelope(exc.status_code, code, str(exc.detail))
+
+
 def create_app(collector: Collector) -> FastAPI:
     """The ASGI app: receiver and health; other parts add their routers to it."""
 
@@ -168,6 +208,8 @@ def create_app(collector: Collector) -> FastAPI:
     app = FastAPI(title="tokentrace collector", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.collector = collector
+    app.state.reader = collector.store
+    _install_error_handlers(app)
 
     @app.post("/v1/traces")
     async def receive_traces(request: Request) -> Response:
@@ -183,9 +225,7 @@ def create_app(collector: Collector) -> FastAPI:
             return _otlp_error(413, str(exc), encoding)
         try:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
-            batch = await run_in_threadpool(
-                collector.pipeline.batch, body, encoding, request.headers.get("content-encoding")
-            )
+            batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
             await asyncio.wrap_future(collector.queue.submit(batch))
         except PayloadTooLarge as exc:
             return _otlp_error(413, str(exc), encoding)

@@ -15,5 +15,9 @@ def open_store(config: CollectorConfig):
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:
-    """The collector's ASGI app over an open store."""
-    return create_app(Collector(config, store))
+    """The collector's ASGI app over an open store: receiver, health, verdict API."""
+    from tokentrace.analyzers.api import router as verdicts
+
+    app = create_app(Collector(config, store))
+    app.include_router(verdicts)
+    return app

@@ -16,6 +16,7 @@ from tokentrace.errors import ConfigError, NotFound, TokentraceError
 #: (command, module, one-line help). The order is the order of ``tokentrace --help``.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("collector", "tokentrace.collector.cli", "run the OTLP collector, its DuckDB store and dashboard"),
+    ("analyze", "tokentrace.analyzers.cli", "verdicts: why a request was slow, why its cache lookup missed"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
 )
 

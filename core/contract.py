@@ -159,8 +159,9 @@ ENUMS: dict[str, tuple[str, ...]] = {
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
-#: Evictions caused by a full cache; only these can make a later miss a *capacity* miss.
-CAPACITY_EVICT_REASONS = (EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE)
+#: Evictions that drop cached tokens; a superseded entry lives on inside the longer entry that
+#: replaced it, so only these can make a later miss a *capacity* miss.
+CAPACITY_EVICT_REASONS = (EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM)
 
 #: Tokens per block for the chained prefix fingerprint (DESIGN §3).
 DEFAULT_BLOCK_SIZE = 16

@@ -2,3 +2,16 @@
 
 from harness_collector import collector_factory  # noqa: F401
 from harness_store import chdb_dir  # noqa: F401
+
+# --- vLLM shim (issue 6): --skip-vllm and the session-scoped real-vLLM fixture ---------------------
+from vllm_fixtures import add_options, skip_if_asked, vllm_run  # noqa: F401
+
+
+def pytest_addoption(parser):
+    """Command-line options of the test suite."""
+    add_options(parser)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip vllm-marked tests only when --skip-vllm is given (never silently)."""
+    skip_if_asked(config, items)

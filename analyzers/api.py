@@ -1,0 +1,46 @@
+"""The verdicts over HTTP, served by the collector:
+
+    GET /api/requests/{id}/slow     slowness verdict
+    GET /api/requests/{id}/cache    cache verdict
+    GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
+    GET /api/report?since=15m       the window report
+
+Errors use the collector's JSON envelope: 404 for an unknown request id, 400 for a bad parameter.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.report import summarize
+from tokentrace.analyzers.slowness import analyze_slowness
+from tokentrace.window import since_ns
+
+router = APIRouter(prefix="/api")
+
+
+@router.get("/requests/{request_id}/slow")
+def slow_verdict(request_id: str, request: Request) -> dict:
+    """The slowness verdict of one request."""
+    return analyze_slowness(request.app.state.reader, request_id).as_dict()
+
+
+@router.get("/requests/{request_id}/cache")
+def cache_verdict(request_id: str, request: Request) -> dict:
+    """The cache verdict of one request."""
+    return analyze_cache(request.app.state.reader, request_id).as_dict()
+
+
+@router.get("/requests/{request_id}/verdict")
+def both_verdicts(request_id: str, request: Request) -> dict:
+    """Both verdicts of one request."""
+    reader = request.app.state.reader
+    slow, cache = analyze_slowness(reader, request_id), analyze_cache(reader, request_id)
+    return {"slow": slow.as_dict(), "cache": cache.as_dict()}
+
+
+@router.get("/report")
+def window_report(request: Request, since: str = "15m", causes: int = 50) -> dict:
+    """The report over requests that started in the last ``since`` (or 'all')."""
+    return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes).as_dict()

@@ -1,0 +1,295 @@
+"""Cache verdict: why did this request's prefix-cache lookup reuse what it reused?
+
+Definitions (the contract; tests check them):
+- ``cached`` = prompt tokens reused; ``seen`` = the longest prefix of this prompt that any earlier
+  request on any instance had (as prompt or stored entry), at block granularity; a prefix is
+  *longer* than ``cached`` when it covers at least one block more.
+- ``cause``, the first that holds:
+  ``capacity``        a longer prefix was cached on this instance and evicted before the lookup;
+  ``instance_change`` a longer prefix was never cached on this instance but was cached on another;
+  ``prefix_change``   an earlier request shares later segments (same content hashes) but diverges
+                      before them: the first divergent token and the segment it falls in;
+  ``new_prefix``      nothing reusable was ever cached and nothing resembles the prompt;
+  ``null``            everything reusable was reused.
+  ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans).
+- ``result``: hit when cause is null, partial when cached > 0, miss when cached = 0.
+
+``load_cache_facts`` reads through the reader role; ``classify_cache`` is a pure function of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from tokentrace import contract as c
+from tokentrace.analyzers.evidence import Evidence
+from tokentrace.collector.store import TraceReader
+from tokentrace.errors import NotFound
+
+CAUSES = ("capacity", "instance_change", "prefix_change", "new_prefix", None, "unknown")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a prompt first differs from an earlier one that shares later content."""
+
+    token_index: int  #: first token of the first differing block
+    segment_role: str | None  #: role of the segment that token falls in (system, user, tools ...)
+    segment_index: int | None  #: index of that segment in the prompt (0 = first message)
+
+
+@dataclass
+class CacheVerdict:
+    """The cache verdict of one request (schema in the module docstring)."""
+
+    request_id: str
+    instance_id: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    seen_tokens: int
+    result: str  #: hit | partial | miss
+    cause: str | None  #: capacity | instance_change | prefix_change | new_prefix | None | unknown
+    evidence: list[Evidence] = field(default_factory=list)
+    evicted_by: str | None = None  #: request whose insert evicted the longer prefix (capacity)
+    cached_on: str | None = None  #: instance holding the longer prefix (instance_change)
+    divergence: Divergence | None = None  #: first divergence (prefix_change)
+    block_size: int = c.DEFAULT_BLOCK_SIZE
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (evidence flattened to {kind, text, ...})."""
+        return {
+            "request_id": self.request_id, "instance_id": self.instance_id,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "seen_tokens": self.seen_tokens, "result": self.result, "cause": self.cause,
+            "evidence": [e.as_dict() for e in self.evidence], "evicted_by": self.evicted_by,
+            "cached_on": self.cached_on,
+            "divergence": None if self.divergence is None else vars(self.divergence),
+            "block_size": self.block_size,
+        }
+
+
+@dataclass
+class CacheFacts:
+    """Everything the cache verdict needs, read from the store."""
+
+    request: dict  #: the requests row
+    lookup: dict | None  #: the cache_lookups row; None when the engine sent no fingerprint
+    hashes: list[int]  #: chained block hashes of the prompt
+    segments: pl.DataFrame  #: the prompt's segments
+    seen: dict | None  #: the deepest earlier match (prefix_seen), or None
+    entries: pl.DataFrame  #: earlier cache entries holding a longer prefix (entries_longer)
+    evictions: pl.DataFrame  #: evictions of those entries before the lookup
+    segment_matches: pl.DataFrame  #: earlier segments with equal content hashes
+    common: dict[str, int]  #: request id -> deepest block it shares with this prompt
+
+
+def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
+    """Read the facts of one request; NotFound when the store has no such request."""
+    request = reader.request(request_id)
+    if request is None:
+        raise NotFound(f"no request with id {request_id!r} in the store")
+    lookups = reader.frame("cache_lookup", request_id=request_id)
+    if lookups.height == 0:
+        return CacheFacts(request, None, [], pl.DataFrame(), None, pl.DataFrame(), pl.DataFrame(),
+                          pl.DataFrame(), {})
+    lookup = lookups.row(0, named=True)
+    t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
+    hashes = reader.frame("lookup_blocks", request_id=request_id)["hash"].to_list()
+    segments = reader.frame("segments_of", request_id=request_id)
+    seen = reader.frame("prefix_seen", hashes=hashes, before_ns=t, request_id=request_id)
+    cached = lookup["matched_tokens"] or 0
+    entries = reader.frame("entries_longer", hashes=hashes, min_block=cached // block, before_ns=t)
+    evictions = reader.frame("evictions_of", fingerprints=entries["fingerprint"].drop_nulls().to_list(),
+                             before_ns=t) if entries.height else pl.DataFrame()
+    matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
+                           request_id=request_id) if segments.height else pl.DataFrame()
+    common = {}
+    if matches.height:
+        ids = matches["request_id"].unique().to_list()
+        shared = reader.frame("common_prefix", request_ids=ids, hashes=hashes)
+        common = dict(zip(shared["request_id"].to_list(), shared["last_block"].to_list(), strict=True))
+    return CacheFacts(request, lookup, hashes, segments, seen.row(0, named=True) if seen.height else None,
+                      entries, evictions, matches, common)
+
+
+def _covered(last_block: int, block: int, prompt_tokens: int) -> int:
+    """Tokens of the prompt covered by blocks 0..last_block (the last block may be partial)."""
+    return min(prompt_tokens, (last_block + 1) * block)
+
+
+def classify_cache(facts: CacheFacts) -> CacheVerdict:
+    """The verdict, by the definitions in the module docstring. Pure."""
+    request, lookup = facts.request, facts.lookup
+    if lookup is None:
+        return _unknown(request)
+    block = lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
+    prompt = lookup["prompt_tokens"] or request.get("prompt_tokens") or 0
+    cached = lookup["matched_tokens"] or 0
+    seen = max(cached, _covered(facts.seen["last_block"], block, prompt)) if facts.seen else cached
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, cached, seen, "miss", None,
+                           block_size=block)
+    verdict.evidence.append(Evidence(
+        "lookup", f"Lookup matched {cached} of {prompt} prompt tokens ({lookup['match']} match); the cache "
+                  f"held {lookup['cache_entries']} entries, {lookup['cache_bytes']} bytes.",
+        {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
+         "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
+    ))
+    longer = _longer_entries(facts, block, prompt, cached)
+    if not (_capacity(verdict, facts, longer) or _instance_change(verdict, facts, longer)
+            or _prefix_change(verdict, facts, block, cached)):
+        _new_or_reused(verdict, facts, block)
+    verdict.result = "hit" if verdict.cause is None else ("partial" if cached > 0 else "miss")
+    return verdict
+
+
+def _unknown(request: dict) -> CacheVerdict:
+    prompt, cached = request.get("prompt_tokens") or 0, request.get("cached_tokens") or 0
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, cached, cached,
+                           "partial" if cached else "miss", "unknown")
+    if prompt and cached >= prompt - 1:
+        verdict.result = "hit"
+    verdict.evidence.append(Evidence(
+        "unavailable", f"The engine reported {cached} of {prompt} prompt tokens cached but no prompt "
+                       "fingerprint, so the cause of a miss cannot be determined.",
+        {"engine": request.get("engine")},
+    ))
+    return verdict
+
+
+def _longer_entries(facts: CacheFacts, block: int, prompt: int, cached: int) -> pl.DataFrame:
+    """Earlier entries covering at least one block more than what was reused."""
+    if facts.entries.height == 0:
+        return facts.entries
+    covered = [_covered(k, block, prompt) for k in facts.entries["last_block"].to_list()]
+    entries = facts.entries.with_columns(pl.Series("covered", covered))
+    return entries.filter(pl.col("covered") - cached >= block).sort(["covered", "t_ns"], descending=True)
+
+
+def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: pl.DataFrame) -> bool:
+    here = longer.filter(pl.col("instance_id") == verdict.instance_id) if longer.height else longer
+    if here.height == 0 or facts.evictions.height == 0:
+        return False
+    for entry in here.iter_rows(named=True):
+        evicted = facts.evictions.filter(
+            (pl.col("fingerprint") == entry["fingerprint"]) & (pl.col("instance_id") == verdict.instance_id)
+            & (pl.col("t_ns") >= entry["t_ns"]) & pl.col("reason").is_in(list(c.CAPACITY_EVICT_REASONS))
+        )
+        if evicted.height == 0:
+            continue
+        eviction = evicted.row(0, named=True)
+        verdict.cause, verdict.evicted_by = "capacity", eviction["evicted_by_request_id"]
+        by = f"by request {eviction['evicted_by_request_id']}'s insert" if eviction["evicted_by_request_id"] \
+            else "outside any insert"
+        verdict.evidence.append(Evidence(
+            "eviction", f"{entry['covered']} tokens of this prompt were cached on {verdict.instance_id} "
+                        f"(entry of request {entry['request_id']}) and evicted ({eviction['reason']}) {by} "
+                        f"before this lookup; {entry['covered'] - verdict.cached_tokens} tokens were lost.",
+            {"evicted_at_ns": eviction["t_ns"], "reason": eviction["reason"],
+             "evicted_by": eviction["evicted_by_request_id"], "entry_request_id": entry["request_id"],
+             "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"],
+             "lost_tokens": entry["covered"] - verdict.cached_tokens,
+             "cache_entries_after": eviction["cache_entries"], "cache_bytes_after": eviction["cache_bytes"]},
+        ))
+        return True
+    return False
+
+
+def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: pl.DataFrame) -> bool:
+    if longer.height == 0 or longer.filter(pl.col("instance_id") == verdict.instance_id).height:
+        return False
+    rows = longer.to_dicts()
+    for row in rows:
+        row["alive"] = _alive(facts, row["instance_id"], row["fingerprint"])
+    entry = max(rows, key=lambda row: (row["alive"], row["covered"], row["t_ns"]))
+    verdict.cause, verdict.cached_on = "instance_change", entry["instance_id"]
+    state = "still cached there at this lookup" if entry["alive"] else "since evicted there"
+    verdict.evidence.append(Evidence(
+        "cached_elsewhere", f"{entry['covered']} tokens of this prompt were cached on instance "
+                            f"{entry['instance_id']} (entry of request {entry['request_id']}, {state}), never "
+                            f"on {verdict.instance_id}: the conversation moved instances.",
+        {"instance_id": entry["instance_id"], "entry_request_id": entry["request_id"], "alive": entry["alive"],
+         "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"], "covered_tokens": entry["covered"]},
+    ))
+    return True
+
+
+def _alive(facts: CacheFacts, instance_id: str, fingerprint: int) -> bool:
+    """Whether an entry was still cached at the lookup (no eviction of it before)."""
+    if facts.evictions.height == 0:
+        return True
+    gone = facts.evictions.filter((pl.col("fingerprint") == fingerprint) & (pl.col("instance_id") == instance_id))
+    return gone.height == 0
+
+
+def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached: int) -> bool:
+    if facts.segment_matches.height == 0 or facts.segments.height == 0:
+        return False
+    segments = facts.segments.to_dicts()
+    best = None
+    for match in facts.segment_matches.iter_rows(named=True):
+        shared_last = facts.common.get(match["request_id"])
+        diverge = 0 if shared_last is None else (shared_last + 1) * block
+        for segment in segments:
+            if segment["hash"] != match["hash"] or segment["token_start"] < diverge:
+                continue
+            if segment["token_end"] <= cached:
+                continue  # that shared segment was reused: nothing to explain
+            shared = segment["token_end"] - segment["token_start"]
+            if shared < block:
+                continue  # a few equal tokens ("hi") across unrelated prompts are no evidence
+            if best is None or shared > best[0]:
+                best = (shared, diverge, segment, match)
+    if best is None:
+        return False
+    shared, diverge, segment, match = best
+    where = next((s for s in segments if s["token_start"] <= diverge < s["token_end"]), None)
+    verdict.cause = "prefix_change"
+    verdict.divergence = Divergence(diverge, where["role"] if where else None,
+                                    where["segment_index"] if where else None)
+    place = f"{where['role']} segment {where['segment_index']}" if where else f"token {diverge}"
+    verdict.evidence.append(Evidence(
+        "divergence", f"Request {match['request_id']} had the same {segment['role']} segment "
+                      f"({shared} tokens) but its prompt differs from this one at token {diverge}, in the "
+                      f"{place}: everything after the change had to be recomputed.",
+        {"earlier_request_id": match["request_id"], "earlier_instance_id": match["instance_id"],
+         "shared_segment_index": segment["segment_index"], "shared_segment_role": segment["role"],
+         "shared_tokens": shared, "token_index": diverge,
+         "segment_role": verdict.divergence.segment_role, "segment_index": verdict.divergence.segment_index,
+         "snippet": where.get("snippet") if where else None},
+    ))
+    return True
+
+
+def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None:
+    gap = verdict.seen_tokens - verdict.cached_tokens
+    if gap >= block:
+        # Seen earlier but in no cache at lookup time: still being computed, or never stored.
+        seen = facts.seen or {}
+        verdict.cause = "new_prefix"
+        verdict.evidence.append(Evidence(
+            "not_cached_yet", f"Request {seen.get('request_id')} had {verdict.seen_tokens} tokens of this "
+                              "prompt, but no cache held them at this lookup (still in flight, or never stored).",
+            {"request_id": seen.get("request_id"), "instance_id": seen.get("instance_id"),
+             "seen_tokens": verdict.seen_tokens},
+        ))
+    elif verdict.cached_tokens < block:
+        verdict.cause = "new_prefix"
+        verdict.evidence.append(Evidence(
+            "new_prefix", "No earlier request on any instance had a prefix of this prompt, and none shares "
+                          "its segments: a first-time prompt.",
+            {"seen_tokens": verdict.seen_tokens},
+        ))
+    else:
+        verdict.evidence.append(Evidence(
+            "reused", f"Reused {verdict.cached_tokens} of {verdict.prompt_tokens} prompt tokens: everything an "
+                      "earlier request had was reused; the rest is new.",
+            {"new_tokens": verdict.prompt_tokens - verdict.cached_tokens},
+        ))
+
+
+def analyze_cache(reader: TraceReader, request_id: str) -> CacheVerdict:
+    """Load and classify."""
+    return classify_cache(load_cache_facts(reader, request_id))

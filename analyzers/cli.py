@@ -1,0 +1,110 @@
+"""Verdicts from the command line: ``tokentrace analyze slow|cache|report``.
+
+Asks a running collector (``--url``, default http://127.0.0.1:4318) or reads a DuckDB file directly
+(``--db``) when no collector holds it. Both paths produce the same JSON, rendered the same way;
+``--json`` prints it as one object. Exit 0 with a verdict, 2 on bad input (unknown request id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from tokentrace.errors import ConfigError, NotFound, StoreError, TokentraceError
+
+DEFAULT_URL = "http://127.0.0.1:4318"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Subcommands slow, cache, report with their options."""
+    sub = parser.add_subparsers(dest="analysis", metavar="ANALYSIS")
+    sub.required = True
+    for name, help_text in (("slow", "why was this request slow: cold_start, queueing, prefill or decode"),
+                            ("cache", "why did this request's prefix-cache lookup miss")):
+        one = sub.add_parser(name, help=help_text, description=help_text)
+        one.add_argument("--request-id", required=True, help="the request's id (X-Request-Id)")
+        _source_options(one)
+    report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
+                            description="A summary of the requests that started in the window.")
+    report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
+    report.add_argument("--causes", type=int, default=50, help="latest misses to compute causes for (default 50)")
+    _source_options(report)
+
+
+def _source_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--url", default=None, help=f"collector to ask (default {DEFAULT_URL})")
+    source.add_argument("--db", default=None, help="DuckDB store file to read directly (collector stopped)")
+    parser.add_argument("--token", default=None, help="bearer token of the collector (env TOKENTRACE_TOKEN)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute or fetch the verdict, then print it."""
+    if args.analysis == "report" and args.causes < 0:
+        raise ConfigError(f"--causes must be 0 or more, received {args.causes}")
+    result = _from_db(args) if args.db else _from_url(args)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        from tokentrace.analyzers.render import render
+
+        print(render(args.analysis, result))
+    return 0
+
+
+def _from_db(args: argparse.Namespace) -> dict:
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.slowness import analyze_slowness
+    from tokentrace.collector.store_duckdb import DuckDBStore
+    from tokentrace.window import since_ns
+
+    store = DuckDBStore(args.db, read_only=True)
+    try:
+        if args.analysis == "slow":
+            result = analyze_slowness(store, args.request_id).as_dict()
+        elif args.analysis == "cache":
+            result = analyze_cache(store, args.request_id).as_dict()
+        else:
+            result = summarize(store, since_ns(args.since), cause_sample=args.causes).as_dict()
+    finally:
+        store.close()
+    return json.loads(json.dumps(result))  # the same types the HTTP path yields
+
+
+def _from_url(args: argparse.Namespace) -> dict:
+    base = (args.url or os.environ.get("TOKENTRACE_URL") or DEFAULT_URL).rstrip("/")
+    if args.analysis == "report":
+        path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes})
+    else:
+        path = f"/api/requests/{urllib.parse.quote(args.request_id, safe='')}/{args.analysis}"
+    request = urllib.request.Request(base + path, headers={"Accept": "application/json"})
+    token = args.token or os.environ.get("TOKENTRACE_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        message = _envelope_message(exc)
+        if exc.code == 404:
+            raise NotFound(message) from None
+        if exc.code in (400, 401):
+            raise ConfigError(message) from None
+        raise StoreError(f"the collector at {base} answered {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TokentraceError(f"cannot reach the collector at {base} ({reason}); start it, or read a stopped "
+                              "collector's file with --db FILE") from None
+
+
+def _envelope_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(exc.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {exc.code}"

@@ -1,0 +1,93 @@
+"""The window report: categories and causes, slowest requests, per-instance latency, cache reuse.
+
+Categories are computed for every request of the window in one vectorized pass (the same rule as
+``slowness.classify_slowness``: the largest component, ties in the order load_wait, queue, prefill,
+decode). Cache causes need a full cache verdict per request, so they are counted over the most
+recent ``cause_sample`` requests that did not reuse their whole prompt, and the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.slowness import CATEGORIES
+from tokentrace.collector.store import TraceReader
+
+_COMPONENTS = [name for name, _ in CATEGORIES]
+
+
+@dataclass
+class Report:
+    """A window's summary (all durations in ms)."""
+
+    since_ns: int | None
+    until_ns: int | None
+    requests: int
+    categories: dict[str, int]  #: requests per slowness category
+    causes: dict[str, int]  #: cache causes over the sampled requests (None counted as "null")
+    cause_sample: int  #: how many requests the causes were computed over
+    cache: dict[str, Any]  #: token hit rate, requests with any reuse / none
+    instances: list[dict[str, Any]]  #: per instance: count, ttft/tpot/e2e p50 p95 p99, tokens/s
+    slowest: list[dict[str, Any]] = field(default_factory=list)  #: top requests by e2e
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return dict(vars(self))
+
+
+def with_categories(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add ``e2e_ms`` and ``category`` columns to a requests frame (vectorized slowness rule)."""
+    parts = [pl.col(f"{name}_ms").fill_null(0.0) for name in _COMPONENTS]
+    best = pl.max_horizontal(parts)
+    # The first component equal to the maximum wins: ties go to the earlier one in CATEGORIES.
+    category = pl.when(parts[0] == best).then(pl.lit(CATEGORIES[0][1]))
+    for part, (_, label) in zip(parts[1:], CATEGORIES[1:], strict=True):
+        category = category.when(part == best).then(pl.lit(label))
+    return frame.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("e2e_ms"),
+                              category.otherwise(pl.lit(CATEGORIES[-1][1])).alias("category"))
+
+
+def _percentiles(column: pl.Series) -> dict[str, float | None]:
+    clean = column.drop_nulls()
+    if clean.is_empty():
+        return {"p50": None, "p95": None, "p99": None}
+    return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
+
+
+def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
+              cause_sample: int = 50, limit: int = 1_000_000) -> Report:
+    """The report over requests that started in [since, until)."""
+    frame = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit)
+    if frame.height == 0:
+        return Report(since_ns, until_ns, 0, {}, {}, 0, {"token_hit_rate": None}, [], [])
+    frame = with_categories(frame)
+    categories = dict(frame.group_by("category").len().iter_rows())
+    prompt, cached = frame["prompt_tokens"].fill_null(0), frame["cached_tokens"].fill_null(0)
+    cache = {
+        "token_hit_rate": round(cached.sum() / prompt.sum(), 4) if prompt.sum() else None,
+        "requests_with_reuse": int((cached > 0).sum()),
+        "requests_without_reuse": int((cached == 0).sum()),
+    }
+    span_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
+    instances = []
+    for (instance,), group in frame.group_by(["instance_id"], maintain_order=True):
+        instances.append({
+            "instance_id": instance, "requests": group.height,
+            "ttft_ms": _percentiles(group["ttft_ms"]), "tpot_ms": _percentiles(group["tpot_ms"]),
+            "e2e_ms": _percentiles(group["e2e_ms"]),
+            "output_tokens_per_s": round(group["completion_tokens"].fill_null(0).sum() / span_s, 2),
+        })
+    top = frame.sort("e2e_ms", descending=True).head(slowest)
+    slow_rows = top.select("request_id", "instance_id", "category", "e2e_ms", "ttft_ms", "tpot_ms",
+                           "prompt_tokens", "cached_tokens", "completion_tokens").to_dicts()
+    causes: dict[str, int] = {}
+    sample = frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(cause_sample)
+    for request_id in sample["request_id"].to_list():
+        cause = analyze_cache(reader, request_id).cause or "null"
+        causes[cause] = causes.get(cause, 0) + 1
+    return Report(since_ns, until_ns, frame.height, categories, causes, sample.height, cache,
+                  sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows)

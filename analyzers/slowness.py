@@ -1,0 +1,283 @@
+"""Slowness verdict: where did this request's time go, and is that out of line for its instance?
+
+Definitions (the contract; tests check them):
+- ``breakdown_ms``: load_wait, queue, prefill, decode, other (= e2e - the four), ttft, tpot, e2e.
+- ``category``: the largest of load_wait -> cold_start, queue -> queueing, prefill -> prefill,
+  decode -> decode; ties go to the earlier one in that order. ``ttft_category``: the same over
+  load_wait, queue and prefill.
+- ``abnormal``: the category's component against the instance's own baseline, the median over
+  comparable recent requests (same instance, the 30 minutes before, at most 200, successful, not
+  cold): load_wait and queue in ms, prefill as ms per uncached token (comparable: uncached tokens
+  within 4x), decode as TPOT. Abnormal when observed > factor x baseline + floor (table below);
+  None when fewer than 3 comparable requests exist.
+- ``evidence`` per category: cold_start -> the load and its dominant stage; queueing -> queue depth
+  at arrival and the requests that held batch slots during the wait; prefill -> uncached and cached
+  tokens, prefill rate vs baseline, the cache verdict; decode -> TPOT vs baseline, batch size over the
+  decode, steps shared with other requests' prefill chunks (named), context length.
+
+``load_slow_facts`` reads through the reader role; ``classify_slowness`` is a pure function of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from tokentrace.analyzers.cache import CacheVerdict, analyze_cache
+from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
+from tokentrace.collector.store import TraceReader
+from tokentrace.errors import NotFound
+
+CATEGORIES = (("load_wait", "cold_start"), ("queue", "queueing"), ("prefill", "prefill"), ("decode", "decode"))
+#: (factor, floor) of the abnormal test per component; floors keep sub-noise differences normal.
+THRESHOLDS = {"load_wait": (2.0, 25.0), "queue": (2.0, 25.0), "prefill": (2.0, 25.0), "decode": (1.5, 1.0)}
+BASELINE_WINDOW_NS = 30 * 60 * 1_000_000_000
+BASELINE_LIMIT = 200
+MIN_SAMPLES = 3
+
+
+@dataclass
+class SlowVerdict:
+    """The slowness verdict of one request (schema in the module docstring)."""
+
+    request_id: str
+    instance_id: str | None
+    engine: str | None
+    breakdown_ms: dict[str, float | None]
+    category: str  #: cold_start | queueing | prefill | decode
+    ttft_category: str  #: cold_start | queueing | prefill
+    abnormal: bool | None  #: None when the baseline has too few comparable requests
+    baseline: dict[str, Any]  #: {metric, unit, observed, value, samples, factor, floor}
+    tokens: dict[str, int | None]  #: prompt, cached, completion
+    evidence: list[Evidence] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (evidence flattened to {kind, text, ...})."""
+        return {
+            "request_id": self.request_id, "instance_id": self.instance_id, "engine": self.engine,
+            "breakdown_ms": self.breakdown_ms, "category": self.category, "ttft_category": self.ttft_category,
+            "abnormal": self.abnormal, "baseline": self.baseline, "tokens": self.tokens,
+            "evidence": [e.as_dict() for e in self.evidence],
+        }
+
+
+@dataclass
+class SlowFacts:
+    """Everything the slowness verdict needs, read from the store."""
+
+    request: dict  #: the requests row
+    phases: pl.DataFrame  #: the request's phase spans
+    baseline: pl.DataFrame  #: recent requests of the instance (baseline.sql)
+    load: pl.DataFrame  #: the model load waited on, one row per stage (empty unless cold)
+    holders: pl.DataFrame  #: requests holding batch slots during the queue wait
+    steps: pl.DataFrame  #: engine steps in which this request decoded
+    cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
+
+
+def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
+    """Read the facts of one request; NotFound when the store has no such request."""
+    request = reader.request(request_id)
+    if request is None:
+        raise NotFound(f"no request with id {request_id!r} in the store")
+    instance, start = request["instance_id"], request["start_ns"]
+    phases = reader.frame("phases", request_id=request_id)
+    baseline = reader.frame("baseline", instance_id=instance, request_id=request_id,
+                            since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
+    load = holders = steps = pl.DataFrame()
+    waits = phases.filter(pl.col("name") == "llm.load_wait") if phases.height else phases
+    if waits.height and waits["load_id"][0]:
+        load = reader.frame("model_load", load_id=waits["load_id"][0])
+    window = _queue_window(request, phases)
+    if window:
+        holders = reader.frame("slot_holders", instance_id=instance, request_id=request_id,
+                               t0_ns=window[0], t1_ns=window[1])
+    decode = phases.filter(pl.col("name") == "llm.decode") if phases.height else phases
+    if decode.height:
+        steps = reader.frame("decode_context", instance_id=instance, request_id=request_id,
+                             t0_ns=decode["start_ns"][0] - 1_000_000_000, t1_ns=decode["end_ns"][0])
+    cache = analyze_cache(reader, request_id)
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache)
+
+
+def _queue_window(request: dict, phases: pl.DataFrame) -> tuple[int, int] | None:
+    queue = phases.filter(pl.col("name") == "llm.queue") if phases.height else phases
+    if queue.height:
+        return queue["start_ns"][0], queue["end_ns"][0]
+    if request.get("queue_ms"):
+        start = request["start_ns"] + int((request.get("load_wait_ms") or 0) * 1e6)
+        return start, start + int(request["queue_ms"] * 1e6)
+    return None
+
+
+def classify_slowness(facts: SlowFacts) -> SlowVerdict:
+    """The verdict, by the definitions in the module docstring. Pure."""
+    r = facts.request
+    parts = {name: float(r.get(f"{name}_ms") or 0.0) for name, _ in CATEGORIES}
+    e2e = (r["end_ns"] - r["start_ns"]) / 1e6
+    other = round(max(0.0, e2e - sum(parts.values())), 3)
+    breakdown = {**{k: round(v, 3) for k, v in parts.items()}, "other": other,
+                 "ttft": r.get("ttft_ms"), "tpot": r.get("tpot_ms"), "e2e": round(e2e, 3)}
+    order = [name for name, _ in CATEGORIES]
+    top = max(order, key=lambda name: (parts[name], -order.index(name)))
+    ttft_top = max(order[:3], key=lambda name: (parts[name], -order.index(name)))
+    baseline = _baseline(top, r, facts.baseline)
+    verdict = SlowVerdict(
+        r["request_id"], r["instance_id"], r.get("engine"), breakdown, dict(CATEGORIES)[top],
+        dict(CATEGORIES)[ttft_top], baseline.pop("abnormal"), baseline,
+        {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"), "completion": r.get("completion_tokens")},
+    )
+    {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
+    return verdict
+
+
+def _uncached(row: dict) -> int:
+    return max(0, (row.get("prompt_tokens") or 0) - (row.get("cached_tokens") or 0))
+
+
+def _baseline(component: str, r: dict, history: pl.DataFrame) -> dict[str, Any]:
+    """Observed vs median of comparable recent requests, and the abnormal test."""
+    factor, floor = THRESHOLDS[component]
+    rows = [row for row in history.to_dicts() if not (row.get("load_wait_ms") or 0)] if history.height else []
+    if component == "prefill":
+        uncached = max(1, _uncached(r))
+        similar = [row for row in rows if row.get("prefill_ms") is not None
+                   and uncached / 4 <= _uncached(row) <= uncached * 4 and _uncached(row) > 0]
+        values = [row["prefill_ms"] / _uncached(row) for row in similar]
+        observed, metric, unit = (r.get("prefill_ms") or 0.0) / uncached, "prefill_ms_per_uncached_token", "ms/token"
+        scale = uncached
+    elif component == "decode":
+        values = [row["tpot_ms"] for row in rows if row.get("tpot_ms") is not None
+                  and (row.get("completion_tokens") or 0) >= 2]
+        observed, metric, unit, scale = r.get("tpot_ms") or 0.0, "tpot_ms", "ms", 1
+    else:
+        values = [row.get(f"{component}_ms") or 0.0 for row in rows]
+        observed, metric, unit, scale = r.get(f"{component}_ms") or 0.0, f"{component}_ms", "ms", 1
+    base = median(values)
+    abnormal = None
+    if len(values) >= MIN_SAMPLES and base is not None:
+        # The floor is in ms of the whole component, so per-token rates compare over this request's tokens.
+        abnormal = observed * scale > factor * base * scale + floor
+    return {"metric": metric, "unit": unit, "observed": round(observed, 4),
+            "value": None if base is None else round(base, 4), "samples": len(values), "factor": factor,
+            "floor_ms": floor, "abnormal": abnormal}
+
+
+def _cold_start(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    waited = verdict.breakdown_ms["load_wait"]
+    if facts.load.height == 0:
+        verdict.evidence.append(Evidence("load", f"Waited {fmt_ms(waited)} for the model to load; the load "
+                                                 "itself was not reported.", {"load_wait_ms": waited}))
+        return
+    load = facts.load.row(0, named=True)
+    stages = [(row["stage"], (row["stage_end_ns"] - row["stage_start_ns"]) / 1e6)
+              for row in facts.load.iter_rows(named=True) if row["stage"]]
+    total = (load["end_ns"] - load["start_ns"]) / 1e6
+    verdict.evidence.append(Evidence(
+        "load", f"Waited {fmt_ms(waited)} for model load {load['load_id']} "
+                f"({'lazy, triggered by a request' if load['lazy'] else 'at start'}), "
+                f"which took {fmt_ms(total)} in all.",
+        {"load_id": load["load_id"], "lazy": load["lazy"], "load_ms": round(total, 3), "load_wait_ms": waited,
+         "stages": [{"name": name, "ms": round(d, 3)} for name, d in stages]},
+    ))
+    if stages:
+        name, duration = max(stages, key=lambda stage: stage[1])
+        verdict.evidence.append(Evidence(
+            "dominant_stage", f"The slowest stage was {name}: {fmt_ms(duration)} of {fmt_ms(total)}.",
+            {"stage": name, "ms": round(duration, 3), "share": round(duration / total, 3) if total else None},
+        ))
+
+
+def _queueing(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    queue = facts.phases.filter(pl.col("name") == "llm.queue") if facts.phases.height else facts.phases
+    waited = verdict.breakdown_ms["queue"]
+    if queue.height:
+        q = queue.row(0, named=True)
+        t0, t1 = q["start_ns"], q["end_ns"]
+        verdict.evidence.append(Evidence(
+            "queue_depth", f"Arrived with {q['queue_depth']} requests waiting and {q['queue_running']} running "
+                           f"(the engine admits {q['max_batch']} at once); waited {fmt_ms(waited)}.",
+            {"queue_depth": q["queue_depth"], "running": q["queue_running"], "max_batch": q["max_batch"],
+             "queue_ms": waited},
+        ))
+    else:
+        t0 = facts.request["start_ns"]
+        t1 = t0 + int(waited * 1e6)
+        verdict.evidence.append(Evidence(
+            "queue_depth", f"Waited {fmt_ms(waited)} in the queue; this engine does not report the queue depth "
+                           "at arrival.", {"queue_ms": waited}))
+    blockers = []
+    for row in facts.holders.iter_rows(named=True) if facts.holders.height else []:
+        held = min(row["end_ns"], t1) - max(row["admitted_ns"], t0)
+        if held > 0:
+            blockers.append((held, row))
+    for held, row in sorted(blockers, key=lambda item: -item[0])[:5]:
+        verdict.evidence.append(Evidence(
+            "blocker", f"Request {row['request_id']} held a batch slot for {fmt_ms(held / 1e6)} of the wait "
+                       f"(prompt {row['prompt_tokens']} tokens, output {row['completion_tokens']} tokens).",
+            {"request_id": row["request_id"], "held_ms": ms(held), "prompt_tokens": row["prompt_tokens"],
+             "completion_tokens": row["completion_tokens"], "admitted_ns": row["admitted_ns"], "end_ns": row["end_ns"]},
+        ))
+
+
+def _prefill(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    r, base = facts.request, verdict.baseline
+    uncached, cached = _uncached(r), r.get("cached_tokens") or 0
+    rate = uncached / (verdict.breakdown_ms["prefill"] / 1000) if verdict.breakdown_ms["prefill"] else None
+    base_rate = 1000 / base["value"] if base.get("value") else None
+    verdict.evidence.append(Evidence(
+        "prefill_tokens", f"Computed {uncached} uncached prompt tokens; {cached} were reused from the cache.",
+        {"uncached_tokens": uncached, "cached_tokens": cached, "prompt_tokens": r.get("prompt_tokens")},
+    ))
+    verdict.evidence.append(Evidence(
+        "prefill_rate", f"Prefill ran at {rate:,.0f} tokens/s" + (f" against a baseline of {base_rate:,.0f} tokens/s "
+                        f"over {base['samples']} comparable requests." if base_rate else "; no baseline yet.")
+        if rate else "Prefill time was not reported.",
+        {"tokens_per_s": round(rate, 1) if rate else None,
+         "baseline_tokens_per_s": round(base_rate, 1) if base_rate else None},
+    ))
+    if facts.cache is not None:
+        cache = facts.cache
+        verdict.evidence.append(Evidence(
+            "cache", f"Cache verdict: {cache.result}" + (f", cause {cache.cause}" if cache.cause else "") + ".",
+            {"result": cache.result, "cause": cache.cause, "seen_tokens": cache.seen_tokens},
+        ))
+
+
+def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    r, base = facts.request, verdict.baseline
+    tpot = verdict.breakdown_ms["tpot"]
+    verdict.evidence.append(Evidence(
+        "tpot", f"Time per output token {fmt_ms(tpot)}" + (f" against a baseline of {fmt_ms(base['value'])} over "
+                f"{base['samples']} comparable requests." if base.get("value") else "; no baseline yet."),
+        {"tpot_ms": tpot, "baseline_tpot_ms": base.get("value")},
+    ))
+    context = (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
+    verdict.evidence.append(Evidence("context", f"Context grew to {context} tokens.", {"context_tokens": context}))
+    if facts.steps.height == 0:
+        return
+    steps = facts.steps
+    sizes = steps["decode_seqs"].to_list()
+    verdict.evidence.append(Evidence(
+        "batch", f"Decoded in {len(sizes)} engine steps with {sum(sizes) / len(sizes):.1f} sequences per step on "
+                 f"average (max {max(sizes)}).",
+        {"steps": len(sizes), "mean_batch": round(sum(sizes) / len(sizes), 2), "max_batch": max(sizes)},
+    ))
+    shared = steps.filter(pl.col("prefill_tokens") > 0)
+    if shared.height:
+        ids = shared["prefill_request_ids"].to_list()
+        others = sorted({rid for step_ids in ids for rid in step_ids if rid != r["request_id"]})
+        stalled_ms = shared["duration_ns"].sum() / 1e6
+        verdict.evidence.append(Evidence(
+            "prefill_interference", f"{shared.height} of its decode steps also computed prefill chunks of "
+                                    f"{', '.join(others[:5]) or 'other requests'} "
+                                    f"({fmt_ms(stalled_ms)} in those steps).",
+            {"steps": shared.height, "step_ms": round(stalled_ms, 3), "prefill_request_ids": others,
+             "prefill_tokens": int(shared["prefill_tokens"].sum())},
+        ))
+
+
+def analyze_slowness(reader: TraceReader, request_id: str) -> SlowVerdict:
+    """Load and classify."""
+    return classify_slowness(load_slow_facts(reader, request_id))
