@@ -35,7 +35,6 @@ def _positive(text: str) -> int:
     return _integer(text, "a positive integer", 1)
 
 
-<<<<<<< HEAD
 def _store(text: str) -> stores.StoreURL:
     return stores.parse(text)
 
@@ -47,7 +46,8 @@ def _retention(text: str) -> int:
     if len(text) > 1 and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0:
         return int(text[:-1])
     raise ValueError("a number of days like 30d, or off")
-=======
+
+
 def _non_negative(text: str) -> int:
     return _integer(text, "0 or a positive integer", 0)
 
@@ -55,7 +55,6 @@ def _non_negative(text: str) -> int:
 def default_parse_workers() -> int:
     """One worker per core but one (the collector's own process), at most 4."""
     return max(0, min(4, (os.cpu_count() or 1) - 1))
->>>>>>> main
 
 
 def _token(text: str) -> str:

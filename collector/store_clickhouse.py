@@ -47,7 +47,9 @@ WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
 _PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
-#: Session settings for readers: SQL-standard NULLs for outer joins, as DuckDB gives.
+#: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
+#: gives. (ClickHouse also lets an output alias shadow a column in WHERE, unlike DuckDB; the twins
+#: of such queries alias inside a subquery instead: sql/clickhouse/queries/entries_longer.sql.)
 _READ_SETTINGS = {"join_use_nulls": 1}
 #: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
 _INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0, "insert_deduplicate": 0}

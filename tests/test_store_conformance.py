@@ -15,7 +15,7 @@ from polars.testing import assert_frame_equal
 
 from tokentrace.collector import sqlfiles, stores
 from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.normalize import TABLES
+from tokentrace.collector.normalize import TABLES, Batch
 from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 from tokentrace.collector.store import SpoolRecord
 
@@ -25,20 +25,33 @@ SPOOL = SpoolRecord("ab" * 32, "golden.pb")
 
 @pytest.fixture(scope="module")
 def payloads():
-    """The golden engine trace as the SDK exports it, and the hand-written OTLP JSON; made once so
-    that every backend receives the very same bytes."""
+    """The golden engine trace as the SDK exports it, the hand-written OTLP JSON and the spans vLLM
+    itself exported (captured); made once so that every backend receives the very same bytes."""
     body, ids = golden.encode(golden.load("golden_engine_trace.json"), BASE)
-    return {"golden": body, "json": (golden.FIXTURES / "otlp_handwritten.json").read_bytes(), "ids": ids}
+    return {"golden": body, "json": (golden.FIXTURES / "otlp_handwritten.json").read_bytes(),
+            "vllm": (golden.FIXTURES / "vllm_native_spans.json").read_bytes(), "ids": ids}
+
+
+def _batches(payloads: dict) -> list[tuple[Batch, SpoolRecord | None]]:
+    """What the conformance store receives: the JSON twice (a plain resend, then as a spool file)."""
+    pipeline = Pipeline(Counters(), 16 * 1024 * 1024, 65536)
+    golden_batch = pipeline.batch(payloads["golden"], Encoding("protobuf", PROTOBUF))
+    json_batch = pipeline.batch(payloads["json"], Encoding("json", JSON))
+    vllm_batch = pipeline.batch(payloads["vllm"], Encoding("json", JSON))
+    return [(golden_batch, None), (json_batch, None), (vllm_batch, None), (json_batch, SPOOL)]
 
 
 def _load(url: stores.StoreURL, payloads: dict):
     store = stores.open_store(url)
-    pipeline = Pipeline(Counters(), 16 * 1024 * 1024, 65536)
-    assert store.write(pipeline.batch(payloads["golden"], Encoding("protobuf", PROTOBUF)))
-    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)))  # a sender's resend
-    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)), SPOOL)
-    assert store.write(pipeline.batch(payloads["json"], Encoding("json", JSON)), SPOOL) is False
+    for batch, spool in _batches(payloads):
+        assert store.write(batch, spool)
+    assert store.write(_batches(payloads)[-1][0], SPOOL) is False
     return store
+
+
+def _expected_counts(payloads: dict) -> dict[str, int]:
+    """Every row the normalizer made, packed tables expanded: what a store must hold."""
+    return {table: sum(len(batch.expanded(table)) for batch, _ in _batches(payloads)) for table in TABLES}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +96,8 @@ CASES = [
     ("request of an unknown id is None", lambda r, p: r.request("no-such-request"), None),
     ("a request sent twice: request(id) gives one row", lambda r, p: r.request("json-req-1")["ttft_ms"], 120.5),
     ("requests() without bounds: every request, oldest first",
-     lambda r, p: r.requests()["request_id"].to_list(), ["json-req-1", "json-req-1", "golden-req-1"]),
+     lambda r, p: (r.requests().height, r.requests()["request_id"].to_list()[:3]),
+     (5, ["json-req-1", "json-req-1", "golden-req-1"])),
     ("requests() in [since, until)",
      lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_001)["request_id"].to_list(),
      ["golden-req-1"]),
@@ -91,8 +105,8 @@ CASES = [
      lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_000).height, 0),
     ("requests() of one instance", lambda r, p: r.requests(instance_id="golden-1")["request_id"].to_list(),
      ["golden-req-1"]),
-    ("requests() limit keeps the newest", lambda r, p: r.requests(limit=1)["request_id"].to_list(),
-     ["golden-req-1"]),
+    ("requests() limit keeps the newest",
+     lambda r, p: r.requests(until_ns=BASE + 10**9, limit=1)["request_id"].to_list(), ["golden-req-1"]),
     ("requests() of an empty window keeps its columns",
      lambda r, p: (r.requests(since_ns=1, until_ns=2).height, tuple(r.requests(since_ns=1, until_ns=2).columns)),
      (0, TABLES["requests"])),
@@ -105,13 +119,7 @@ CASES = [
     ("trace(id) spans keep kind, status and ids",
      lambda r, p: r.trace(_golden_trace(p)).select("kind", "status_code", "parent_span_id").row(0),
      (2, 0, None)),
-    ("counts(): rows per table",
-     lambda r, p: r.counts(),
-     # golden trace + the hand-written JSON twice (a plain resend and the spool file)
-     {"spans": 17 + 2 * 3, "resources": 1 + 2 * 2, "requests": 1 + 2 * 1, "phases": 6 + 2 * 1,
-      "prefill_chunks": 2, "decode_steps": 5, "steps": 3, "cache_lookups": 1 + 2 * 1,
-      "prefix_blocks": 3 + 4 + 2 * 2, "segments": 2, "cache_inserts": 1, "cache_evictions": 2,
-      "instance_events": 3, "model_loads": 1, "load_stages": 4, "heartbeats": 1}),
+    ("counts(): every row the normalizer made, per table", lambda r, p: r.counts() == _expected_counts(p), True),
     ("spool_seen(): an ingested spool file", lambda r, p: r.spool_seen(SPOOL.sha256), True),
     ("spool_seen(): an unknown hash", lambda r, p: r.spool_seen("cd" * 32), False),
 ]
@@ -124,15 +132,29 @@ def test_reader_role(loaded, payloads, backend, caption, query, expected):
 
 
 # --- every named query, on every backend ---------------------------------------------------------
-#: Values for named-query parameters: (one that finds golden data, one that finds nothing).
+_GOLDEN = golden.load("golden_engine_trace.json")
+_LOOKUP_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "lookup")["attributes"]["tokentrace.cache.block_hashes"]
+_INSERT_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "insert")["attributes"]["tokentrace.cache.block_hashes"]
+_SEGMENT_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "lookup")["attributes"]["tokentrace.segments.hashes"]
+#: Values for named-query parameters, by name: the golden request's, the hand-written JSON request's
+#: (so that queries excluding the asking request still find the golden rows), and values that find
+#: nothing (None where DuckDB takes NULL).
 PARAMS = {
-    "request_id": ("golden-req-1", "no-such-request"),
-    "trace_id": (None, "0" * 32),  # None: the golden trace, known only once the payload is built
-    "since_ns": (BASE, None),
-    "until_ns": (BASE + 10**9, None),
-    "instance_id": ("golden-1", None),
-    "limit": (100, 1),
-    "sha256": (SPOOL.sha256, "cd" * 32),
+    "request_id": ("golden-req-1", "json-req-1", "no-such-request"),
+    "trace_id": (None, "0" * 32, "f" * 32),  # None: the golden trace, known once the payload is built
+    "instance_id": ("golden-1", "json-engine", None),
+    "since_ns": (BASE, 0, None),
+    "until_ns": (BASE + 10**9, BASE, None),
+    "before_ns": (BASE + 10**9, BASE + 10**9, None),
+    "t0_ns": (BASE, BASE, None),
+    "t1_ns": (BASE + 10**9, BASE + 10**9, None),
+    "limit": (100, 1, 0),
+    "sha256": (SPOOL.sha256, SPOOL.sha256, "cd" * 32),
+    "hashes": (_LOOKUP_HASHES + _INSERT_HASHES, _INSERT_HASHES + _SEGMENT_HASHES + [-(2**63)], []),
+    "min_block": (0, 1, 10**6),
+    "fingerprints": ([-1234567890123, 987654321], [987654321], []),
+    "request_ids": (["golden-req-1", "json-req-1"], ["golden-req-1"], []),
+    "load_id": ("load-1", "load-1", None),
 }
 _DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
 _CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
@@ -156,7 +178,7 @@ def test_named_query_twins_bind_the_same_parameters(name):
     assert not unknown, f"add values for {unknown} to PARAMS in tests/test_store_conformance.py"
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["finds", "finds-nothing"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["golden", "json", "nothing"])
 @pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
 def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, name, which):
     params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
@@ -189,5 +211,28 @@ def test_every_table_stores_the_same_rows_and_types(loaded, table):
 def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded):
     for backend, store in loaded.items():
         assert store.frame("request", request_id="json-req-1").height == 1, backend
-        assert store.counts()["requests"] == 3, backend  # golden, the plain write, the spool file
+        assert store.counts()["requests"] == 5, backend  # golden, 2 vLLM, the JSON plain and as spool
         assert store.spool_seen(SPOOL.sha256), backend
+
+
+# --- the analyzers' verdicts --------------------------------------------------------------------
+def _request_ids(store) -> list[str]:
+    return sorted(set(store.requests(limit=10_000)["request_id"].to_list()))
+
+
+def test_every_verdict_is_identical_on_every_backend(loaded):
+    """Slowness and cache verdicts of every stored request (golden engine trace, hand-written OTLP,
+    real vLLM spans) and the window report, computed through each backend's reader role."""
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.slowness import analyze_slowness
+
+    reference = loaded["duckdb"]
+    request_ids = _request_ids(reference)
+    assert len(request_ids) == 4
+    for backend, store in loaded.items():
+        assert _request_ids(store) == request_ids, backend
+        for request_id in request_ids:
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
+        assert summarize(store, None).as_dict() == summarize(reference, None).as_dict(), backend
