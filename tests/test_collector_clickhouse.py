@@ -3,17 +3,18 @@ TOKENTRACE_CLICKHOUSE_URL is set (skipped otherwise, and the skip says so)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 import time
 
 import golden
+import httpx
 import pytest
 from harness_collector import wait_for
 from harness_store import clickhouse_available, server_url, sql, unique_database
 from test_collector_durability import _stream
-from test_collector_errors import make_request
 
 from tokentrace.collector import stores
 from tokentrace.collector.ingest import Counters, Pipeline
@@ -27,18 +28,34 @@ def _open(url: str):
     return stores.open_store(stores.parse(url))
 
 
-def test_golden_trace_through_a_chdb_collector(collector_factory, tmp_path):
+def _verdict(collector, request_id: str) -> dict:
+    response = httpx.get(f"{collector.url}/api/requests/{request_id}/verdict", timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_golden_trace_through_a_chdb_collector_gives_duckdb_verdicts(collector_factory, tmp_path):
     url = f"chdb://{tmp_path / 'chdb'}"
-    collector = collector_factory(store=url).start()
-    assert collector.health()["store"]["path"] == url
+    on_chdb = collector_factory(store=url).start()
+    on_duckdb = collector_factory().start()
+    assert on_chdb.health()["store"]["path"] == url
     base = time.time_ns() - 5_000_000_000
-    ids = golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces", base)
-    assert collector.stop() == 0
+    fixture = golden.load("golden_engine_trace.json")
+    for collector in (on_chdb, on_duckdb):
+        golden.replay(fixture, collector.url + "/v1/traces", base)
+    verdict = _verdict(on_chdb, "golden-req-1")
+    assert (verdict["slow"]["category"], verdict["cache"]["result"]) == ("cold_start", "hit")
+    assert verdict == _verdict(on_duckdb, "golden-req-1")
+    cli = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "golden-req-1",
+                          "--url", on_chdb.url, "--json"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == verdict["slow"]
+    assert httpx.get(f"{on_chdb.url}/api/requests/nope/slow", timeout=30).status_code == 404
+    assert on_chdb.stop() == 0
     store = _open(url)
     try:
         request = store.request("golden-req-1")
         assert (request["start_ns"] - base, request["ttft_ms"], request["cached_tokens"]) == (100_000_000, 500.0, 16)
-        assert store.trace(ids["req"][0]).height == 9
         assert store.counts()["spans"] == 17
     finally:
         store.close()
@@ -116,22 +133,39 @@ def test_spool_file_re_ingested_after_a_crash_mid_batch_is_stored_once(chdb_dir)
         store.close()
 
 
+def _split(fixture: dict) -> tuple[dict, dict]:
+    """The golden trace as two exports: the request's spans, and the model load it waited on."""
+    load = {"load", "resolve", "weights", "tok", "warm"}
+    request = [s for s in fixture["spans"] if s["id"] not in load]
+    return {**fixture, "spans": request}, {**fixture, "spans": [s for s in fixture["spans"] if s["id"] in load]}
+
+
+def _split_verdicts(first, second) -> None:
+    """The request to ``first``, the model load it waited on to ``second``: both must serve the
+    same, complete verdict."""
+    request_part, load_part = _split(golden.load("golden_engine_trace.json"))
+    base = time.time_ns() - 5_000_000_000
+    golden.replay(request_part, first.url + "/v1/traces", base)
+    golden.replay(load_part, second.url + "/v1/traces", base)
+    verdicts = [_verdict(collector, "golden-req-1") for collector in (first, second)]
+    assert verdicts[0] == verdicts[1]
+    slow = verdicts[0]["slow"]
+    assert slow["category"] == "cold_start"
+    assert "load-1" in json.dumps(slow["evidence"])  # the load, written by the other collector
+
+
+def test_split_exports_on_one_chdb_collector(collector_factory, tmp_path):
+    """chdb allows one process per directory, so here both halves go to one collector: the same
+    checks as the two-collector server test below, which runs only against a real server."""
+    collector = collector_factory(store=f"chdb://{tmp_path / 'chdb'}").start()
+    _split_verdicts(collector, collector)
+
+
 def test_two_collectors_share_one_clickhouse_server(collector_factory):
-    """Requests split between two collectors on one server: each sees what the other wrote."""
+    """A verdict needs spans the other collector wrote (issue 7)."""
     base_url = server_url()
     url = base_url.split("?")[0].rsplit("/", 1)[0] + "/" + unique_database("shared")
     first = collector_factory(store=url).start()
     second = collector_factory(store=url).start()
-    fixture = golden.load("golden_engine_trace.json")
-    base = time.time_ns() - 5_000_000_000
-    ids = golden.replay(fixture, first.url + "/v1/traces", base)
-    assert second.post(make_request(3, name="via-second").SerializeToString(),
-                       "application/x-protobuf").status_code == 200
-    store = _open(url)
-    try:
-        assert store.request("golden-req-1") is not None
-        assert store.trace(ids["req"][0]).height == 9
-        assert sql(store, "SELECT count() FROM spans WHERE name = 'via-second'") == [(3,)]
-    finally:
-        store.close()
+    _split_verdicts(first, second)
     assert first.stop() == 0 and second.stop() == 0
