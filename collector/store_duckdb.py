@@ -35,6 +35,18 @@ _ARROW_TYPES = {
 _PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 
 
+_POLARS_TYPES = {"VARCHAR": pl.String, "BIGINT": pl.Int64, "INTEGER": pl.Int32, "DOUBLE": pl.Float64,
+                 "BOOLEAN": pl.Boolean, "HUGEINT": pl.Int128, "UBIGINT": pl.UInt64, "FLOAT": pl.Float32}
+
+
+def _polars_type(duckdb_type: str) -> pl.DataType | None:
+    """The polars dtype of a DuckDB result type; None for types left to polars' inference."""
+    if duckdb_type.endswith("[]"):
+        inner = _polars_type(duckdb_type[:-2])
+        return None if inner is None else pl.List(inner)
+    return _POLARS_TYPES.get(duckdb_type)
+
+
 def migrations() -> list[tuple[int, str, str]]:
     """(version, file name, SQL) of every migration, in order."""
     found = []
@@ -178,8 +190,13 @@ class DuckDBStore:
             rows = cursor.execute(self._query(name), params).fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
+        # The result's own types, not types inferred from the rows: an empty result or an all-NULL
+        # column must keep its dtype (reader contract; tests/test_store_conformance.py).
         names = [column[0] for column in cursor.description]
-        return pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
+        frame = pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
+        known = {name: dtype for name, kind in zip(names, cursor.description, strict=True)
+                 if (dtype := _polars_type(str(kind[1]))) is not None}
+        return frame.cast(known)
 
     def _bulk(self, name: str, **params) -> pl.DataFrame:
         """Run a named query whose result is large: columnar transfer through Arrow."""

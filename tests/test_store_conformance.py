@@ -151,7 +151,7 @@ PARAMS = {
     "limit": (100, 1, 0),
     "sha256": (SPOOL.sha256, SPOOL.sha256, "cd" * 32),
     "hashes": (_LOOKUP_HASHES + _INSERT_HASHES, _INSERT_HASHES + _SEGMENT_HASHES + [-(2**63)], []),
-    "min_block": (0, 1, 10**6),
+    "hash": (_LOOKUP_HASHES[1], _INSERT_HASHES[-1], 42),
     "fingerprints": ([-1234567890123, 987654321], [987654321], []),
     "request_ids": (["golden-req-1", "json-req-1"], ["golden-req-1"], []),
     "load_id": ("load-1", "load-1", None),

@@ -2,4 +2,5 @@
 SELECT block_index, hash
 FROM prefix_blocks
 WHERE request_id = {request_id:Nullable(String)} AND source = 'lookup'
+  AND t_ns BETWEEN {t0_ns:Nullable(Int64)} AND {t1_ns:Nullable(Int64)}
 ORDER BY block_index
