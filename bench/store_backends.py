@@ -144,28 +144,28 @@ def _param_names(name: str) -> list[str]:
 
 
 def calls_for(reference, request_id: str) -> dict:
-    """{label: call(store)} for one request: reader-role methods, every named query whose parameters
-    can be derived from the request, and the analyzers when installed."""
+    """{label: call(store)} for one request: the analyzers' verdicts, the reader role's methods, and
+    every named query whose parameters follow from the request."""
+    from tokentrace.analyzers.cache import analyze_cache, request_window
+    from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.slowness import analyze_slowness
+
     row = reference.request(request_id)
-    hashes = reference.frame("lookup_blocks", request_id=request_id)["hash"].to_list() \
-        if "lookup_blocks" in sqlfiles.query_names("duckdb") else []
+    window = request_window(row)
+    hashes = reference.frame("lookup_blocks", request_id=request_id, **window)["hash"].to_list()
     hour = 3_600_000_000_000
     known = {"request_id": request_id, "trace_id": row["trace_id"], "instance_id": row["instance_id"],
              "since_ns": row["start_ns"] - hour, "until_ns": row["start_ns"] + 1, "before_ns": row["start_ns"],
-             "t0_ns": row["start_ns"], "t1_ns": row["end_ns"], "limit": 1000, "sha256": "0" * 64,
-             "hashes": hashes, "min_block": 0, "fingerprints": [], "request_ids": [request_id],
-             "load_id": "none"}
-    calls = {"request()": lambda s: s.request(request_id), "trace()": lambda s: s.trace(known["trace_id"])}
+             **window, "limit": 1000, "sha256": "0" * 64, "hashes": hashes, "hash": hashes[-1] if hashes else 0,
+             "fingerprints": [], "request_ids": [request_id], "load_id": "none"}
+    calls = {"analyze slow": lambda s: analyze_slowness(s, request_id),
+             "analyze cache": lambda s: analyze_cache(s, request_id),
+             "report, 1 h window": lambda s: summarize(s, row["start_ns"] - hour, row["start_ns"]),
+             "request()": lambda s: s.request(request_id), "trace()": lambda s: s.trace(known["trace_id"])}
     for name in sorted(sqlfiles.query_names("duckdb")):
         wanted = _param_names(name)
         if set(wanted) <= set(known):
             calls[name] = lambda s, n=name, w=wanted: s.frame(n, **{k: known[k] for k in w})
-    try:
-        from tokentrace.analyzers import cache, slowness
-    except ImportError:
-        return calls
-    calls["analyze slow"] = lambda s: slowness.analyze(s, request_id)
-    calls["analyze cache"] = lambda s: cache.analyze(s, request_id)
     return calls
 
 
