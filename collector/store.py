@@ -62,6 +62,36 @@ def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+class NamedQueryReader:
+    """The reader role's fixed methods, written once over a backend's ``frame(name, **params)``.
+
+    A backend may override ``_bulk`` with a faster path for large results (DuckDB: Arrow)."""
+
+    def frame(self, name: str, **params) -> pl.DataFrame:  # pragma: no cover - every backend defines it
+        raise NotImplementedError
+
+    def _bulk(self, name: str, **params) -> pl.DataFrame:
+        return self.frame(name, **params)
+
+    def request(self, request_id: str) -> dict | None:
+        """The requests row of one request (the latest, should a sender have resent it)."""
+        rows = self.frame("request", request_id=request_id)
+        return rows.row(0, named=True) if rows.height else None
+
+    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
+                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
+        """Requests that started in [since, until), newest last."""
+        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
+
+    def trace(self, trace_id: str) -> pl.DataFrame:
+        """Every stored span of a trace, by start time."""
+        return self._bulk("trace", trace_id=trace_id)
+
+    def spool_seen(self, sha256: str) -> bool:
+        """Whether a spool file with this hash was already ingested."""
+        return self.frame("spool_seen", sha256=sha256).height > 0
+
+
 class TraceWriter(Protocol):
     """The ingest side of a store (contract in the module docstring)."""
 

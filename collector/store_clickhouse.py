@@ -39,7 +39,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import SpoolRecord, arrow_rows
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
 from tokentrace.errors import StoreError
 
 #: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
@@ -97,7 +97,7 @@ def _arrow_type(ch_type: str) -> pa.DataType:
     return _ARROW[ch_type]
 
 
-class ClickHouseStore:
+class ClickHouseStore(NamedQueryReader):
     """Both store roles over one ClickHouse database (contracts in ``tokentrace.collector.store``;
     what differs from DuckDB is in this module's docstring)."""
 
@@ -241,20 +241,6 @@ class ClickHouseStore:
         except ClickHouseError as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
 
-    def request(self, request_id: str) -> dict | None:
-        """The requests row of one request (the latest, should a sender have resent it)."""
-        rows = self.frame("request", request_id=request_id)
-        return rows.row(0, named=True) if rows.height else None
-
-    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
-                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
-        """Requests that started in [since, until), newest last."""
-        return self.frame("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
-
-    def trace(self, trace_id: str) -> pl.DataFrame:
-        """Every stored span of a trace, by start time."""
-        return self.frame("trace", trace_id=trace_id)
-
     def counts(self) -> dict[str, int]:
         """Rows per table."""
         client = self._reader()
@@ -264,9 +250,7 @@ class ClickHouseStore:
         except ClickHouseError as exc:
             raise StoreError(f"counting rows failed: {exc}") from exc
 
-    def spool_seen(self, sha256: str) -> bool:
-        """Whether a spool file with this hash was already ingested."""
-        return self.frame("spool_seen", sha256=sha256).height > 0
+
 
 
 def _expand(table: str, packed: pa.Table) -> pa.Table:

@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import SpoolRecord
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
 from tokentrace.errors import NotFound, StoreError
 
 _SQL = resources.files("tokentrace.collector") / "sql" / "duckdb"
@@ -57,7 +57,7 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-class DuckDBStore:
+class DuckDBStore(NamedQueryReader):
     """Both store roles over one DuckDB file (contracts in ``tokentrace.collector.store``)."""
 
     def __init__(self, path: str | Path, read_only: bool = False):
@@ -144,10 +144,7 @@ class DuckDBStore:
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def _arrow(self, schema_name: str, rows: list[tuple]) -> pa.Table:
-        schema = self._schemas[schema_name]
-        columns = list(zip(*rows, strict=True))
-        arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema, strict=True)]
-        return pa.Table.from_arrays(arrays, schema=schema)
+        return arrow_rows(self._schemas[schema_name], rows)
 
     def close(self) -> None:
         """Checkpoint (so the file is self-contained) and close."""
@@ -205,20 +202,6 @@ class DuckDBStore:
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
 
-    def request(self, request_id: str) -> dict | None:
-        """The requests row of one request (the latest, should a sender have resent it)."""
-        rows = self.frame("request", request_id=request_id)
-        return rows.row(0, named=True) if rows.height else None
-
-    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
-                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
-        """Requests that started in [since, until), newest last."""
-        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
-
-    def trace(self, trace_id: str) -> pl.DataFrame:
-        """Every stored span of a trace, by start time."""
-        return self._bulk("trace", trace_id=trace_id)
-
     def counts(self) -> dict[str, int]:
         """Rows per table."""
         cursor = self._cursor()
@@ -227,6 +210,3 @@ class DuckDBStore:
         except duckdb.Error as exc:
             raise StoreError(f"counting rows failed: {exc}") from exc
 
-    def spool_seen(self, sha256: str) -> bool:
-        """Whether a spool file with this hash was already ingested."""
-        return self.frame("spool_seen", sha256=sha256).height > 0

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import golden
 import httpx
 import pytest
-from harness_collector import wait_for
 from harness_store import clickhouse_available, server_url, sql, unique_database
-from test_collector_durability import _stream
+from test_collector_durability import kill_mid_stream
 
 from tokentrace.collector import stores
 from tokentrace.collector.ingest import Counters, Pipeline
@@ -63,16 +61,7 @@ def test_golden_trace_through_a_chdb_collector_gives_duckdb_verdicts(collector_f
 
 def test_kill_9_on_chdb_keeps_every_acknowledged_span(collector_factory, tmp_path):
     url = f"chdb://{tmp_path / 'chdb'}"
-    collector = collector_factory(store=url).start()
-    acked: list[str] = []
-    stop = threading.Event()
-    threads = _stream(collector, acked, stop)
-    wait_for(lambda: len(acked) >= 2000, 120, "2000 acknowledged spans")
-    collector.kill()
-    stop.set()
-    for thread in threads:
-        thread.join(30)
-    snapshot = list(acked)
+    snapshot = kill_mid_stream(collector_factory(store=url).start(), 2000)
     restarted = collector_factory(store=url).start()  # chdb's directory lock died with the process
     assert restarted.stop() == 0
     store = _open(url)
