@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from urllib.parse import quote, urlencode
 
 import pytest
 
@@ -39,6 +40,14 @@ def server_url() -> str:
     return url
 
 
+def server_database_url(prefix: str) -> str:
+    """The test server's URL with a fresh database in place of its own (settings kept)."""
+    url = stores.parse(server_url())
+    credentials = f"{quote(url.username)}:{quote(url.password)}@" if url.password else f"{quote(url.username)}@"
+    query = f"?{urlencode(url.settings)}" if url.settings else ""
+    return f"{url.scheme}://{credentials}{url.location}:{url.port}/{unique_database(prefix)}{query}"
+
+
 def unique_database(prefix: str = "t") -> str:
     """A database name no other store of this session uses."""
     return f"{prefix}_{os.getpid()}_{next(_databases)}"
@@ -63,4 +72,4 @@ def store_url(backend: str, tmp_path, chdb_dir) -> stores.StoreURL:
         return stores.parse(f"duckdb://{tmp_path / f'{unique_database()}.duckdb'}")
     if backend == "chdb":
         return stores.parse(f"chdb://{chdb_dir}?database={unique_database()}")
-    return stores.parse(server_url().split("?")[0].rsplit("/", 1)[0] + "/" + unique_database())
+    return stores.parse(server_database_url("t"))

@@ -11,7 +11,7 @@ import time
 import golden
 import httpx
 import pytest
-from harness_store import clickhouse_available, server_url, sql, unique_database
+from harness_store import clickhouse_available, server_database_url, sql, unique_database
 from test_collector_durability import kill_mid_stream
 
 from tokentrace.collector import stores
@@ -152,8 +152,7 @@ def test_split_exports_on_one_chdb_collector(collector_factory, tmp_path):
 
 def test_two_collectors_share_one_clickhouse_server(collector_factory):
     """A verdict needs spans the other collector wrote (issue 7)."""
-    base_url = server_url()
-    url = base_url.split("?")[0].rsplit("/", 1)[0] + "/" + unique_database("shared")
+    url = server_database_url("shared")
     first = collector_factory(store=url).start()
     second = collector_factory(store=url).start()
     _split_verdicts(first, second)
