@@ -5,6 +5,7 @@ table compared value for value. A server (TOKENTRACE_CLICKHOUSE_URL) joins as a 
 
 from __future__ import annotations
 
+import json
 import re
 
 import golden
@@ -236,3 +237,46 @@ def test_every_verdict_is_identical_on_every_backend(loaded):
             assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
             assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
         assert summarize(store, None).as_dict() == summarize(reference, None).as_dict(), backend
+
+
+# --- verdicts of a real workload, replayed ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_loaded(tmp_path_factory, request):
+    """Both backends, loaded with what two real engines exported during the demo's workload
+    (tests/fixtures/demo_trace.jsonl, made by tests/capture_demo_trace.py)."""
+    chdb_dir = request.getfixturevalue("chdb_dir")
+    tmp = tmp_path_factory.mktemp("demo")
+    pipeline = Pipeline(Counters(), 1 << 26, 65536)
+    lines = (golden.FIXTURES / "demo_trace.jsonl").read_bytes().splitlines()
+    batches = [pipeline.batch(line, Encoding("json", JSON)) for line in lines if line.strip()]
+    made = {}
+    for backend in BACKENDS:
+        made[backend] = stores.open_store(store_url(backend, tmp, chdb_dir))
+        for batch in batches:
+            assert made[backend].write(batch)
+    yield made
+    for store in made.values():
+        store.close()
+
+
+def test_a_real_workload_gets_the_same_verdicts_on_every_backend(demo_loaded):
+    """Every category and cause, produced by real engines: each shown request gets the verdict the
+    demo expects on every backend, and every request's verdicts are identical across backends."""
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.slowness import analyze_slowness
+
+    shown = json.loads((golden.FIXTURES / "demo_trace.shown.json").read_text(encoding="utf-8"))
+    reference = demo_loaded["duckdb"]
+    request_ids = _request_ids(reference)
+    assert len(request_ids) >= 20
+    for backend, store in demo_loaded.items():
+        for item in shown:
+            if item["expect"] is None:
+                continue  # "fast" / "hit": asserted by identity below, not by a category
+            verdict = (analyze_slowness(store, item["request_id"]).category if item["verdict"] == "slow"
+                       else analyze_cache(store, item["request_id"]).cause)
+            assert verdict == item["expect"], (backend, item["label"])
+        assert _request_ids(store) == request_ids, backend
+        for request_id in request_ids:
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
