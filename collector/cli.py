@@ -1,4 +1,5 @@
-"""Run the collector: OTLP/HTTP receiver, DuckDB store, spool watcher, API and dashboard.
+"""Run the collector: OTLP/HTTP receiver, store (a DuckDB file by default; ClickHouse with
+--store, docs/scale-out.md), spool watcher, API and dashboard.
 
 Binds 127.0.0.1:4318 by default. SIGINT or SIGTERM stops it cleanly: requests in flight finish,
 everything submitted is committed, the store is checkpointed.

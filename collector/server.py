@@ -6,12 +6,12 @@ from fastapi import FastAPI
 
 from tokentrace.collector.app import Collector, create_app
 from tokentrace.collector.settings import CollectorConfig
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.stores import open_store as _open
 
 
-def open_store(config: CollectorConfig) -> DuckDBStore:
-    """The store named by the settings (DuckDB file)."""
-    return DuckDBStore(config.db)
+def open_store(config: CollectorConfig):
+    """The store named by the settings: --store, or the DuckDB file --db."""
+    return _open(config.store, config.retention)
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokentrace.collector import stores
 from tokentrace.errors import ConfigError
 
 
@@ -32,6 +33,19 @@ def _port(text: str) -> int:
 
 def _positive(text: str) -> int:
     return _integer(text, "a positive integer", 1)
+
+
+def _store(text: str) -> stores.StoreURL:
+    return stores.parse(text)
+
+
+def _retention(text: str) -> int:
+    # Whole days: ClickHouse drops whole daily partitions (sql/clickhouse/ttl.sql).
+    if text == "off":
+        return 0
+    if len(text) > 1 and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0:
+        return int(text[:-1])
+    raise ValueError("a number of days like 30d, or off")
 
 
 def _non_negative(text: str) -> int:
@@ -62,6 +76,11 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("db", "./tokentrace.duckdb", "TOKENTRACE_DB", "DuckDB file of the store (created if missing)"),
+    Setting("store", None, "TOKENTRACE_STORE",
+            "store URL instead of --db: duckdb:///FILE, chdb:///DIR or clickhouse://HOST:8123/DB", _store),
+    Setting("retention", None, "TOKENTRACE_RETENTION",
+            "ClickHouse stores only: drop data older than this many days (30d), or off; unset leaves "
+            "the store's retention as it is", _retention),
     Setting("host", "127.0.0.1", "TOKENTRACE_HOST", "address to bind; 127.0.0.1 keeps it on this machine"),
     Setting("port", 4318, "TOKENTRACE_PORT", "port of OTLP/HTTP, the API and the dashboard", _port),
     Setting("token", None, "TOKENTRACE_TOKEN", "bearer token required on every endpoint when set", _token),
@@ -84,6 +103,8 @@ class CollectorConfig:
     """Validated settings of one collector process."""
 
     db: str
+    store: stores.StoreURL  #: --store, or duckdb:// of --db when it is not given
+    retention: int | None  #: days to keep (0: everything); None leaves the store's TTL alone
     host: str
     port: int
     token: str | None
@@ -108,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> CollectorConfig:
     """Resolve and validate every setting, or raise ConfigError naming the first bad one."""
     environ = os.environ if environ is None else environ
-    values = {}
+    values, given = {}, set()
     for setting in SETTINGS:
         raw = getattr(args, setting.name, None)
         source = "--" + setting.name.replace("_", "-")
@@ -117,6 +138,7 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
         if raw is None:
             values[setting.name] = setting.default
             continue
+        given.add(setting.name)
         try:
             values[setting.name] = setting.parse(str(raw))
         except ValueError as exc:
@@ -125,7 +147,22 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
         values["parse_workers"] = default_parse_workers()
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
-    db_parent = Path(values["db"]).expanduser().resolve().parent
-    if not db_parent.is_dir():
-        raise ConfigError(f"--db must be in an existing directory, {db_parent} does not exist")
+    _check_store(values, given)
     return CollectorConfig(**values)
+
+
+def _check_store(values: dict, given: set[str]) -> None:
+    """Resolve --store from --db when absent; refuse contradictions in one line."""
+    if values["store"] is None:
+        db_parent = Path(values["db"]).expanduser().resolve().parent
+        if not db_parent.is_dir():
+            raise ConfigError(f"--db must be in an existing directory, {db_parent} does not exist")
+        values["store"] = stores.StoreURL("duckdb", values["db"])
+    elif "db" in given:
+        raise ConfigError("--db and --store both name the store; give one of them")
+    problem = stores.check_location(values["store"])
+    if problem:
+        raise ConfigError(f"--store must be in an existing directory, {problem}")
+    if values["retention"] is not None and not values["store"].clickhouse:
+        raise ConfigError("--retention needs a ClickHouse store (--store chdb:///DIR or clickhouse://...); "
+                          "a DuckDB store keeps everything")

@@ -1,23 +1,39 @@
 """Store roles. Each caller receives one role: the ingest path a ``TraceWriter``, analyzers and
-dashboards a ``TraceReader``. One backend class may implement both (DuckDB does); a second backend
-must pass the same conformance tests (tests/test_store_conformance.py).
+dashboards a ``TraceReader``. One backend class implements both (``DuckDBStore``,
+``ClickHouseStore`` for a ClickHouse server or chdb); every backend passes the same conformance
+suite (tests/test_store_conformance.py). Where the backends differ, each item says so.
 
 Writer contract
-    - ``write(batch, spool)`` stores every row of ``batch`` in one transaction and returns only once
-      it is committed (durable): the HTTP request is acknowledged after that, never before.
-    - On failure it raises ``StoreError`` and stores none of the batch.
+    - ``write(batch, spool)`` returns only once every row of ``batch`` is stored: the HTTP request
+      is acknowledged after that, never before.
+        DuckDB: one transaction, committed (WAL) before it returns.
+        ClickHouse: one INSERT per table, ``requests`` last, each committed as a part before the
+        next; no transaction spans tables (store_clickhouse.py).
+    - On failure it raises ``StoreError``.
+        DuckDB: nothing of the batch is stored.
+        ClickHouse: the tables inserted before the failure stay; the sender's retry stores them
+        again (as any batch written twice).
     - Spans are not deduplicated: a batch written twice is stored twice (OTLP senders retry only
       on errors). Spool files are: ``write(batch, spool=record)`` with a sha256 already stored stores
       nothing and returns False.
+        DuckDB: the sha256 is recorded in the batch's transaction.
+        ClickHouse: per-table deduplication tokens make a re-ingest after a crash mid-batch store
+        nothing twice; the sha256 is recorded after every table.
     - One thread calls it (the writer thread); it is not thread-safe.
+    - Writers per store: DuckDB and chdb allow one process per file or directory; a ClickHouse
+      server takes any number of collectors at once.
 
 Reader contract
-    - Reads committed data only; rows appear in commit order.
+    - Reads stored data only: DuckDB committed transactions; ClickHouse INSERTed parts, so a
+      reader may see the earlier tables of a batch being written, but a visible ``requests`` row
+      has all its batch's rows. Row order is only what a query's ORDER BY fixes.
     - An unknown id gives ``None`` (one object) or an empty frame (collections), never an error.
-    - Frames carry their documented columns even when empty; times are integer nanoseconds.
+    - Frames carry their documented columns even when empty, with the same dtypes on every
+      backend; times are integer nanoseconds.
     - ``frame(name, **params)`` runs the named query ``sql/<backend>/queries/<name>.sql`` with bound
-      parameters; every backend ships every named query.
-    - Safe from many threads: each thread reads through its own cursor.
+      parameters; every backend ships every named query, and the twins return equal frames.
+    - Safe from many threads: each thread reads through its own cursor (DuckDB) or client
+      (ClickHouse).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import polars as pl
+import pyarrow as pa
 
 from tokentrace.collector.normalize import Batch
 
@@ -36,6 +53,43 @@ class SpoolRecord:
 
     sha256: str  #: hex digest of the file's bytes
     name: str  #: file name, for the record
+
+
+def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
+    """Rows (tuples in ``schema`` order) as one Arrow table: how every backend appends in bulk."""
+    columns = list(zip(*rows, strict=True))
+    arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+class NamedQueryReader:
+    """The reader role's fixed methods, written once over a backend's ``frame(name, **params)``.
+
+    A backend may override ``_bulk`` with a faster path for large results (DuckDB: Arrow)."""
+
+    def frame(self, name: str, **params) -> pl.DataFrame:  # pragma: no cover - every backend defines it
+        raise NotImplementedError
+
+    def _bulk(self, name: str, **params) -> pl.DataFrame:
+        return self.frame(name, **params)
+
+    def request(self, request_id: str) -> dict | None:
+        """The requests row of one request (the latest, should a sender have resent it)."""
+        rows = self.frame("request", request_id=request_id)
+        return rows.row(0, named=True) if rows.height else None
+
+    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
+                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
+        """Requests that started in [since, until), newest last."""
+        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
+
+    def trace(self, trace_id: str) -> pl.DataFrame:
+        """Every stored span of a trace, by start time."""
+        return self._bulk("trace", trace_id=trace_id)
+
+    def spool_seen(self, sha256: str) -> bool:
+        """Whether a spool file with this hash was already ingested."""
+        return self.frame("spool_seen", sha256=sha256).height > 0
 
 
 class TraceWriter(Protocol):

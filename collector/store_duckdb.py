@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import SpoolRecord
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
 from tokentrace.errors import NotFound, StoreError
 
 _SQL = resources.files("tokentrace.collector") / "sql" / "duckdb"
@@ -35,6 +35,18 @@ _ARROW_TYPES = {
 _PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 
 
+_POLARS_TYPES = {"VARCHAR": pl.String, "BIGINT": pl.Int64, "INTEGER": pl.Int32, "DOUBLE": pl.Float64,
+                 "BOOLEAN": pl.Boolean, "HUGEINT": pl.Int128, "UBIGINT": pl.UInt64, "FLOAT": pl.Float32}
+
+
+def _polars_type(duckdb_type: str) -> pl.DataType | None:
+    """The polars dtype of a DuckDB result type; None for types left to polars' inference."""
+    if duckdb_type.endswith("[]"):
+        inner = _polars_type(duckdb_type[:-2])
+        return None if inner is None else pl.List(inner)
+    return _POLARS_TYPES.get(duckdb_type)
+
+
 def migrations() -> list[tuple[int, str, str]]:
     """(version, file name, SQL) of every migration, in order."""
     found = []
@@ -45,7 +57,7 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-class DuckDBStore:
+class DuckDBStore(NamedQueryReader):
     """Both store roles over one DuckDB file (contracts in ``tokentrace.collector.store``)."""
 
     def __init__(self, path: str | Path, read_only: bool = False):
@@ -132,10 +144,7 @@ class DuckDBStore:
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def _arrow(self, schema_name: str, rows: list[tuple]) -> pa.Table:
-        schema = self._schemas[schema_name]
-        columns = list(zip(*rows, strict=True))
-        arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema, strict=True)]
-        return pa.Table.from_arrays(arrays, schema=schema)
+        return arrow_rows(self._schemas[schema_name], rows)
 
     def close(self) -> None:
         """Checkpoint (so the file is self-contained) and close."""
@@ -178,8 +187,13 @@ class DuckDBStore:
             rows = cursor.execute(self._query(name), params).fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
+        # The result's own types, not types inferred from the rows: an empty result or an all-NULL
+        # column must keep its dtype (reader contract; tests/test_store_conformance.py).
         names = [column[0] for column in cursor.description]
-        return pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
+        frame = pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
+        known = {name: dtype for name, kind in zip(names, cursor.description, strict=True)
+                 if (dtype := _polars_type(str(kind[1]))) is not None}
+        return frame.cast(known)
 
     def _bulk(self, name: str, **params) -> pl.DataFrame:
         """Run a named query whose result is large: columnar transfer through Arrow."""
@@ -187,20 +201,6 @@ class DuckDBStore:
             return self._cursor().sql(self._query(name), params=params).pl()
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
-
-    def request(self, request_id: str) -> dict | None:
-        """The requests row of one request (the latest, should a sender have resent it)."""
-        rows = self.frame("request", request_id=request_id)
-        return rows.row(0, named=True) if rows.height else None
-
-    def requests(self, since_ns: int | None = None, until_ns: int | None = None,
-                 instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
-        """Requests that started in [since, until), newest last."""
-        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
-
-    def trace(self, trace_id: str) -> pl.DataFrame:
-        """Every stored span of a trace, by start time."""
-        return self._bulk("trace", trace_id=trace_id)
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""
@@ -210,6 +210,3 @@ class DuckDBStore:
         except duckdb.Error as exc:
             raise StoreError(f"counting rows failed: {exc}") from exc
 
-    def spool_seen(self, sha256: str) -> bool:
-        """Whether a spool file with this hash was already ingested."""
-        return self.frame("spool_seen", sha256=sha256).height > 0

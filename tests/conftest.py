@@ -4,6 +4,7 @@ from harness_collector import collector_factory  # noqa: F401
 
 # --- engine (issue 3): tiny model, engine processes ----------------------------------------------
 from harness_engine import engine_factory, tiny_model  # noqa: F401
+from harness_store import chdb_dir  # noqa: F401
 
 # --- vLLM shim (issue 6): --skip-vllm and the session-scoped real-vLLM fixture ---------------------
 from vllm_fixtures import add_options, skip_if_asked, vllm_run  # noqa: F401

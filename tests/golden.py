@@ -1,5 +1,6 @@
 """Replays golden traces (tests/fixtures/*.json, our own span-list format) through the real
-OpenTelemetry SDK and its OTLP proto-HTTP exporter, with explicit ids of parents and timestamps."""
+OpenTelemetry SDK, with explicit ids of parents and timestamps: over HTTP with its OTLP proto-HTTP
+exporter (``replay``), or as the protobuf body that exporter would send (``encode``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import json
 from pathlib import Path
 
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -20,11 +23,11 @@ def load(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text(encoding="utf-8"))
 
 
-def replay(fixture: dict, endpoint: str, base_ns: int, headers: dict | None = None) -> dict[str, tuple[str, str]]:
-    """Send every span of the fixture; returns {fixture span id: (trace id hex, span id hex)}."""
+def _emit(fixture: dict, processor, base_ns: int) -> dict[str, tuple[str, str]]:
+    """Start and end every span of the fixture on a provider feeding ``processor``; returns
+    {fixture span id: (trace id hex, span id hex)}."""
     provider = TracerProvider(resource=Resource.create(fixture["resource"]))
-    exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers or {})
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(processor)
     tracer = provider.get_tracer("tokentrace.tests.golden")
     live, ids = {}, {}
     for spec in fixture["spans"]:
@@ -41,6 +44,19 @@ def replay(fixture: dict, endpoint: str, base_ns: int, headers: dict | None = No
         ids[spec["id"]] = (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
     for spec in fixture["spans"]:
         live[spec["id"]].end(end_time=base_ns + spec["end"])
-    assert provider.force_flush(30_000), "the exporter did not flush"
+    assert provider.force_flush(30_000), "the span processor did not flush"
     provider.shutdown()
     return ids
+
+
+def replay(fixture: dict, endpoint: str, base_ns: int, headers: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Send every span of the fixture; returns {fixture span id: (trace id hex, span id hex)}."""
+    exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers or {})
+    return _emit(fixture, BatchSpanProcessor(exporter), base_ns)
+
+
+def encode(fixture: dict, base_ns: int) -> tuple[bytes, dict[str, tuple[str, str]]]:
+    """The OTLP protobuf body the SDK's exporter would send for the fixture, and its ids."""
+    exporter = InMemorySpanExporter()
+    ids = _emit(fixture, SimpleSpanProcessor(exporter), base_ns)
+    return encode_spans(exporter.get_finished_spans()).SerializeToString(), ids

@@ -41,9 +41,11 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 class CollectorProcess:
     """One ``tokentrace collector`` subprocess on a free port."""
 
-    def __init__(self, workdir: Path, *args: str, db: Path | None = None, token: str | None = None):
+    def __init__(self, workdir: Path, *args: str, db: Path | None = None, token: str | None = None,
+                 store: str | None = None):
         self.workdir = Path(workdir)
         self.db = Path(db) if db else self.workdir / "store.duckdb"
+        self.store = store  #: a --store URL, used instead of --db when set
         self.args = list(args)
         self.token = token
         self.port = free_port()
@@ -62,7 +64,8 @@ class CollectorProcess:
 
     def start(self, timeout: float = 60) -> CollectorProcess:
         """Start and wait until /healthz answers 200."""
-        cmd = [sys.executable, "-m", "tokentrace", "collector", "--db", str(self.db), "--port", str(self.port),
+        where = ["--store", self.store] if self.store else ["--db", str(self.db)]
+        cmd = [sys.executable, "-m", "tokentrace", "collector", *where, "--port", str(self.port),
                "--log-level", "warning", *self.args]
         if self.token:
             cmd += ["--token", self.token]

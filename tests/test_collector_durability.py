@@ -42,17 +42,22 @@ def _stored(collector: CollectorProcess, span_ids: list[str]) -> int:
     return count
 
 
-def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory):
-    collector = collector_factory().start()
+def kill_mid_stream(collector: CollectorProcess, spans: int) -> list[str]:
+    """Stream to ``collector``, kill -9 it once ``spans`` are acknowledged; the acknowledged ids."""
     acked: list[str] = []
     stop = threading.Event()
     threads = _stream(collector, acked, stop)
-    wait_for(lambda: len(acked) >= 3000, 120, "3000 acknowledged spans")
+    wait_for(lambda: len(acked) >= spans, 120, f"{spans} acknowledged spans")
     collector.kill()
     stop.set()
     for thread in threads:
         thread.join(30)
-    snapshot = list(acked)
+    return list(acked)
+
+
+def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory):
+    collector = collector_factory().start()
+    snapshot = kill_mid_stream(collector, 3000)
     restarted = collector_factory(db=collector.db).start()  # DuckDB replays its WAL on open
     assert restarted.health()["status"] == "ok"
     assert restarted.stop() == 0

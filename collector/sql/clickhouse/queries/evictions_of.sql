@@ -1,0 +1,7 @@
+-- Evictions of given cache entries (by fingerprint) before a moment.
+SELECT instance_id, t_ns, fingerprint, tokens, bytes, reason, entry_request_id, evicted_by_request_id,
+       cache_entries, cache_bytes
+FROM cache_evictions
+WHERE fingerprint IN {fingerprints:Array(Int64)}
+  AND t_ns < {before_ns:Nullable(Int64)}
+ORDER BY t_ns

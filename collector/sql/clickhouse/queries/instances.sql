@@ -1,0 +1,8 @@
+-- Every instance seen, with its latest resource attributes and when it last spoke.
+SELECT instance_id, argMax(service_name, seen_ns) AS service_name, argMax(host_name, seen_ns) AS host_name,
+       argMax(engine, seen_ns) AS engine, argMax(engine_version, seen_ns) AS engine_version,
+       argMax(model, seen_ns) AS model, min(seen_ns) AS first_seen_ns, max(seen_ns) AS last_seen_ns
+FROM resources
+WHERE instance_id IS NOT NULL
+GROUP BY instance_id
+ORDER BY instance_id

@@ -1,0 +1,294 @@
+"""The scale-out store: both roles on ClickHouse, a server over HTTP or chdb in-process.
+
+One code path serves both: clickhouse-connect's client speaks HTTP to a server
+(``clickhouse://host:8123/db``) or drives chdb's embedded engine (``chdb:///dir``) through the same
+API, so the SQL, parameter binding, Arrow inserts and reads that CI runs on chdb are the ones a
+server gets. Schema: ``sql/clickhouse/NNN_*.sql``; named queries: ``sql/clickhouse/queries/``.
+
+Writer guarantees (ClickHouse has no multi-table transactions; compare store.py's contract):
+    - ``write`` inserts each non-empty table of the batch as one Arrow INSERT, tables in
+      ``WRITE_ORDER`` (``requests`` last), and returns once every INSERT returned: the server has
+      then committed those parts, so an acknowledged batch is complete and readable from any
+      collector. A reader that sees a ``requests`` row sees every row its batch carried.
+    - Each INSERT is atomic per partition (one part per UTC day it touches). A failure or crash
+      mid-batch can leave the tables already inserted; the sender got no 200 and will resend, so
+      those rows can then be stored twice (as DuckDB stores a twice-sent batch twice).
+    - Spool files stay exactly-once: a file whose sha256 is in ``spool_files`` is skipped; each
+      table of a spool batch is inserted with the deduplication token ``spool:<sha256>:<table>``
+      (kept for the last 1000 inserts of each table), and the ``spool_files`` row goes in last.
+      Re-ingesting a file after a crash, or the same file in two collectors' spools, stores
+      nothing twice.
+    - Durability is the server's: an INSERT returns after its part is written, not fsynced
+      (ClickHouse's default; the table setting ``fsync_after_insert`` changes that). A collector
+      killed with -9 loses nothing acknowledged; a power cut of the database host can lose the
+      last parts unless replicated or fsynced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import clickhouse_connect
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from tokentrace.collector import sqlfiles
+from tokentrace.collector.normalize import PACKED, TABLES, Batch
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
+from tokentrace.errors import StoreError
+
+#: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
+WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
+_ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
+          "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
+_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
+#: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
+#: gives. (ClickHouse also lets an output alias shadow a column in WHERE, unlike DuckDB; the twins
+#: of such queries alias inside a subquery instead: sql/clickhouse/queries/entries_longer.sql.)
+_READ_SETTINGS = {"join_use_nulls": 1}
+#: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
+_INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0, "insert_deduplicate": 0}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a ClickHouse store lives: a chdb directory or an HTTP server, plus a database."""
+
+    database: str  #: database holding the tables (created if missing)
+    path: str | None = None  #: chdb data directory; None for a server
+    host: str = "localhost"  #: server host
+    port: int = 8123  #: server HTTP port
+    username: str = "default"  #: server user
+    password: str = ""  #: server password (never shown)
+    secure: bool = False  #: HTTPS
+    settings: dict = field(default_factory=dict)  #: extra ClickHouse settings for every query
+
+    def label(self) -> str:
+        """The store as users named it, without the password."""
+        if self.path is not None:
+            return f"chdb://{self.path}"
+        scheme = "clickhouses" if self.secure else "clickhouse"
+        return f"{scheme}://{self.username}@{self.host}:{self.port}/{self.database}"
+
+    def client(self, database: str | None):
+        """A new clickhouse-connect client (one per thread: chdb handles and HTTP sessions are not
+        meant to be shared by concurrent queries)."""
+        settings = {**_READ_SETTINGS, **self.settings}
+        if self.path is not None:
+            return clickhouse_connect.get_client(interface="chdb", path=self.path, database=database,
+                                                 settings=settings)
+        return clickhouse_connect.get_client(
+            host=self.host, port=self.port, username=self.username, password=self.password,
+            database=database, secure=self.secure, settings=settings, autogenerate_session_id=False,
+        )
+
+
+def _arrow_type(ch_type: str) -> pa.DataType:
+    for wrapper in ("LowCardinality(", "Nullable("):
+        if ch_type.startswith(wrapper):
+            return _arrow_type(ch_type[len(wrapper):-1])
+    if ch_type.startswith("Array("):
+        return pa.list_(_arrow_type(ch_type[6:-1]))
+    return _ARROW[ch_type]
+
+
+class ClickHouseStore(NamedQueryReader):
+    """Both store roles over one ClickHouse database (contracts in ``tokentrace.collector.store``;
+    what differs from DuckDB is in this module's docstring)."""
+
+    def __init__(self, target: Target, retention_days: int | None = None):
+        self.target = target
+        self.path = target.label()
+        self._clients: list = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._queries = sqlfiles.NamedQueries("clickhouse", "ClickHouse")
+        try:
+            admin = self._track(target.client(None))
+            admin.command("CREATE DATABASE IF NOT EXISTS {db:Identifier}", parameters={"db": target.database})
+            self._writer = self._track(target.client(target.database))
+            self._migrate()
+            if retention_days is not None:
+                self._retain(retention_days)
+            self._schemas = self._arrow_schemas()
+        except ClickHouseError as exc:
+            self.close()
+            raise StoreError(_explain(exc, self.target)) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _track(self, client):
+        with self._lock:
+            self._clients.append(client)
+        return client
+
+    # --- schema -----------------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        con = self._writer
+        con.command("CREATE TABLE IF NOT EXISTS schema_migrations (version Int64, name String, "
+                    "applied_ns Int64) ENGINE = MergeTree ORDER BY version")
+        applied = {row[0] for row in con.query("SELECT DISTINCT version FROM schema_migrations").result_rows}
+        for version, name, sql in sqlfiles.migrations("clickhouse"):
+            if version in applied:
+                continue
+            # Statements are idempotent, so a crash (or a second collector) mid-migration re-runs it.
+            for statement in sqlfiles.statements(sql):
+                con.command(statement)
+            con.insert("schema_migrations", [(version, name, time.time_ns())],
+                       column_names=["version", "name", "applied_ns"])
+
+    def _retain(self, days: int) -> None:
+        """Set the TTL of every timed table to ``days`` (0: keep everything), when it changed."""
+        con = self._writer
+        current = con.query("SELECT argMax(value, set_ns) FROM store_settings WHERE name = 'retention_days'")
+        if current.result_rows and current.result_rows[0][0] == str(days):
+            return
+        if days:
+            for statement in sqlfiles.statements(sqlfiles.read("clickhouse", "ttl.sql")):
+                con.command(statement, parameters={"days": days})
+        else:
+            with_ttl = {row[0] for row in con.query(
+                "SELECT name FROM system.tables WHERE database = currentDatabase() "
+                "AND position(engine_full, ' TTL ') > 0").result_rows}
+            for statement in sqlfiles.statements(sqlfiles.read("clickhouse", "ttl_remove.sql")):
+                if statement.split()[2] in with_ttl:
+                    con.command(statement)
+        con.insert("store_settings", [("retention_days", str(days), time.time_ns())],
+                   column_names=["name", "value", "set_ns"])
+
+    def _arrow_schemas(self) -> dict[str, pa.Schema]:
+        found: dict[str, list[tuple[str, str]]] = {}
+        for table, name, kind in self._writer.query(
+                "SELECT table, name, type FROM system.columns WHERE database = currentDatabase() "
+                "ORDER BY table, position").result_rows:
+            found.setdefault(table, []).append((name, kind))
+        schemas = {}
+        for table, columns in TABLES.items():
+            names = [name for name, _ in found.get(table, [])]
+            if names != list(columns):
+                raise StoreError(f"table {table} of {self.path} has columns {names}, expected "
+                                 f"{list(columns)}: the database comes from another version")
+            schemas[table] = pa.schema([(name, _arrow_type(kind)) for name, kind in found[table]])
+        self._packed = {table: pa.schema([(name, _PACKED_ONLY.get(name) or schemas[table].field(name).type)
+                                          for name in columns]) for table, columns in PACKED.items()}
+        return schemas
+
+    # --- writer role ------------------------------------------------------------------------------
+    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
+        """Insert ``batch`` table by table, ``requests`` last (guarantees in the module docstring)."""
+        try:
+            settings = dict(_INSERT_SETTINGS)
+            if spool is not None:
+                if self.spool_seen(spool.sha256):
+                    return False
+                settings["insert_deduplicate"] = 1
+            for table in WRITE_ORDER:
+                data = self._table(batch, table)
+                if data is None:
+                    continue
+                if spool is not None:
+                    settings["insert_deduplication_token"] = f"spool:{spool.sha256}:{table}"
+                self._writer.insert_arrow(table, data, settings=settings)
+            if spool is not None:
+                self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
+                                    column_names=["sha256", "name", "spans", "ingested_ns"])
+            return True
+        except (ClickHouseError, pa.ArrowException) as exc:
+            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _table(self, batch: Batch, table: str) -> pa.Table | None:
+        if table in PACKED:
+            packed = batch.packed.get(table)
+            return _expand(table, arrow_rows(self._packed[table], packed)) if packed else None
+        rows = batch.rows.get(table)
+        return arrow_rows(self._schemas[table], rows) if rows else None
+
+    def close(self) -> None:
+        """Close every client (chdb releases its data directory when the last one closes)."""
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    def probe(self) -> None:
+        """Raise StoreError unless the store answers (health check)."""
+        try:
+            self._reader().query("SELECT 1")
+        except ClickHouseError as exc:
+            raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+
+    # --- reader role ------------------------------------------------------------------------------
+    def _reader(self):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            try:
+                client = self._local.client = self._track(self.target.client(self.target.database))
+            except ClickHouseError as exc:
+                raise StoreError(_explain(exc, self.target)) from exc
+        return client
+
+    def frame(self, name: str, **params) -> pl.DataFrame:
+        """Run a named query with bound parameters."""
+        sql = self._queries.text(name)
+        try:
+            return pl.from_arrow(self._reader().query_arrow(sql, parameters=params or None))
+        except ClickHouseError as exc:
+            raise StoreError(f"query {name} failed: {exc}") from exc
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table."""
+        client = self._reader()
+        try:
+            return {t: client.query("SELECT count() FROM {t:Identifier}", parameters={"t": t}).result_rows[0][0]
+                    for t in TABLES}
+        except ClickHouseError as exc:
+            raise StoreError(f"counting rows failed: {exc}") from exc
+
+
+
+
+def _expand(table: str, packed: pa.Table) -> pa.Table:
+    """One row per list element of a packed table (normalize.PACKED), in Arrow compute: the same
+    rows as ``Batch.expanded`` and as DuckDB's sql/duckdb/expand/, without a Python loop per token."""
+    lists = packed.column(PACKED[table][-1]).combine_chunks()
+    parent = pc.list_parent_indices(lists)
+    value = pc.list_flatten(lists)
+    index = pc.subtract(pa.array(np.arange(len(value), dtype=np.int64)),
+                        pc.cast(pc.take(lists.offsets, parent), pa.int64()))
+
+    def of_parent(name: str) -> pa.Array:
+        return pc.take(packed.column(name), parent)
+
+    if table == "decode_steps":
+        columns = {"step": index, "t_ns": pc.add(of_parent("start_ns"), value)}
+    else:
+        columns = {"block_index": index, "hash": value}
+    return pa.table({name: columns[name] if name in columns else of_parent(name) for name in TABLES[table]})
+
+
+def _explain(exc: ClickHouseError, target: Target) -> str:
+    text, label = str(exc), target.label()
+    if target.path is not None and _locked_elsewhere(target.path):
+        return (f"the store {label} is held by another process: chdb opens a data directory in one "
+                f"process only, so several collectors need a ClickHouse server (docs/scale-out.md)")
+    return f"cannot use the store {label}: {text}"
+
+
+def _locked_elsewhere(path: str) -> bool:
+    """Whether another process holds chdb's lock on ``path`` (ClickHouse flocks ``status``)."""
+    import fcntl
+
+    try:
+        with open(f"{path}/status", "rb") as status:
+            fcntl.flock(status, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -1,0 +1,159 @@
+"""Real collector processes on a ClickHouse store: chdb in-process here, a server when
+TOKENTRACE_CLICKHOUSE_URL is set (skipped otherwise, and the skip says so)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import golden
+import httpx
+import pytest
+from harness_store import clickhouse_available, server_database_url, sql, unique_database
+from test_collector_durability import kill_mid_stream
+
+from tokentrace.collector import stores
+from tokentrace.collector.ingest import Counters, Pipeline
+from tokentrace.collector.otlp import PROTOBUF, Encoding
+from tokentrace.collector.store import SpoolRecord
+
+pytestmark = pytest.mark.skipif(not clickhouse_available(), reason="the clickhouse extra is not installed")
+
+
+def _open(url: str):
+    return stores.open_store(stores.parse(url))
+
+
+def _verdict(collector, request_id: str) -> dict:
+    response = httpx.get(f"{collector.url}/api/requests/{request_id}/verdict", timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_golden_trace_through_a_chdb_collector_gives_duckdb_verdicts(collector_factory, tmp_path):
+    url = f"chdb://{tmp_path / 'chdb'}"
+    on_chdb = collector_factory(store=url).start()
+    on_duckdb = collector_factory().start()
+    assert on_chdb.health()["store"]["path"] == url
+    base = time.time_ns() - 5_000_000_000
+    fixture = golden.load("golden_engine_trace.json")
+    for collector in (on_chdb, on_duckdb):
+        golden.replay(fixture, collector.url + "/v1/traces", base)
+    verdict = _verdict(on_chdb, "golden-req-1")
+    assert (verdict["slow"]["category"], verdict["cache"]["result"]) == ("cold_start", "hit")
+    assert verdict == _verdict(on_duckdb, "golden-req-1")
+    cli = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "golden-req-1",
+                          "--url", on_chdb.url, "--json"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == verdict["slow"]
+    assert httpx.get(f"{on_chdb.url}/api/requests/nope/slow", timeout=30).status_code == 404
+    assert on_chdb.stop() == 0
+    store = _open(url)
+    try:
+        request = store.request("golden-req-1")
+        assert (request["start_ns"] - base, request["ttft_ms"], request["cached_tokens"]) == (100_000_000, 500.0, 16)
+        assert store.counts()["spans"] == 17
+    finally:
+        store.close()
+
+
+def test_kill_9_on_chdb_keeps_every_acknowledged_span(collector_factory, tmp_path):
+    url = f"chdb://{tmp_path / 'chdb'}"
+    snapshot = kill_mid_stream(collector_factory(store=url).start(), 2000)
+    restarted = collector_factory(store=url).start()  # chdb's directory lock died with the process
+    assert restarted.stop() == 0
+    store = _open(url)
+    try:
+        [(stored,)] = sql(store, "SELECT uniqExact(span_id) FROM spans WHERE has({ids:Array(String)}, span_id)",
+                          ids=snapshot)
+    finally:
+        store.close()
+    assert stored == len(snapshot)
+
+
+def test_a_second_collector_on_the_same_chdb_directory_fails_fast_and_says_why(collector_factory, tmp_path):
+    url = f"chdb://{tmp_path / 'chdb'}"
+    first = collector_factory(store=url).start()
+    second = subprocess.run(
+        [sys.executable, "-m", "tokentrace", "collector", "--store", url, "--port", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    assert "held by another process" in second.stderr and "Traceback" not in second.stderr
+    assert first.health()["status"] == "ok"
+
+
+class _CrashOnce:
+    """Makes the client fail the INSERT of one table once: a collector dying mid-batch."""
+
+    def __init__(self, client, table: str):
+        self.client, self.table, self.crashed = client, table, False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def insert_arrow(self, table, data, settings=None):
+        if table == self.table and not self.crashed:
+            self.crashed = True
+            from clickhouse_connect.driver.exceptions import OperationalError
+
+            raise OperationalError("injected: the collector died here")
+        return self.client.insert_arrow(table, data, settings=settings)
+
+
+def test_spool_file_re_ingested_after_a_crash_mid_batch_is_stored_once(chdb_dir):
+    store = _open(f"chdb://{chdb_dir}?database={unique_database('spool')}")
+    try:
+        batch = Pipeline(Counters(), 1 << 24, 65536).batch(
+            golden.encode(golden.load("golden_engine_trace.json"), time.time_ns())[0], Encoding("protobuf", PROTOBUF))
+        record = SpoolRecord("ef" * 32, "crash.pb")
+        store._writer = _CrashOnce(store._writer, "requests")  # every table before requests is in
+        with pytest.raises(Exception, match="injected"):
+            store.write(batch, record)
+        assert store.counts()["spans"] == 17 and store.counts()["requests"] == 0
+        assert not store.spool_seen(record.sha256)
+        assert store.write(batch, record) is True  # the restart re-ingests the file
+        counts = store.counts()
+        assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (17, 1, 7)
+        assert store.spool_seen(record.sha256)
+        assert store.write(batch, record) is False
+    finally:
+        store.close()
+
+
+def _split(fixture: dict) -> tuple[dict, dict]:
+    """The golden trace as two exports: the request's spans, and the model load it waited on."""
+    load = {"load", "resolve", "weights", "tok", "warm"}
+    request = [s for s in fixture["spans"] if s["id"] not in load]
+    return {**fixture, "spans": request}, {**fixture, "spans": [s for s in fixture["spans"] if s["id"] in load]}
+
+
+def _split_verdicts(first, second) -> None:
+    """The request to ``first``, the model load it waited on to ``second``: both must serve the
+    same, complete verdict."""
+    request_part, load_part = _split(golden.load("golden_engine_trace.json"))
+    base = time.time_ns() - 5_000_000_000
+    golden.replay(request_part, first.url + "/v1/traces", base)
+    golden.replay(load_part, second.url + "/v1/traces", base)
+    verdicts = [_verdict(collector, "golden-req-1") for collector in (first, second)]
+    assert verdicts[0] == verdicts[1]
+    slow = verdicts[0]["slow"]
+    assert slow["category"] == "cold_start"
+    assert "load-1" in json.dumps(slow["evidence"])  # the load, written by the other collector
+
+
+def test_split_exports_on_one_chdb_collector(collector_factory, tmp_path):
+    """chdb allows one process per directory, so here both halves go to one collector: the same
+    checks as the two-collector server test below, which runs only against a real server."""
+    collector = collector_factory(store=f"chdb://{tmp_path / 'chdb'}").start()
+    _split_verdicts(collector, collector)
+
+
+def test_two_collectors_share_one_clickhouse_server(collector_factory):
+    """A verdict needs spans the other collector wrote (issue 7)."""
+    url = server_database_url("shared")
+    first = collector_factory(store=url).start()
+    second = collector_factory(store=url).start()
+    _split_verdicts(first, second)
+    assert first.stop() == 0 and second.stop() == 0

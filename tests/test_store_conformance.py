@@ -1,0 +1,282 @@
+"""One conformance suite for every store backend (STYLE §17): golden OTLP payloads in through the
+writer role, then a table of (caption, query through the reader role, expected) run on DuckDB and on
+chdb, every named query compared frame for frame between the two, and the stored rows of every
+table compared value for value. A server (TOKENTRACE_CLICKHOUSE_URL) joins as a third backend."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import golden
+import polars as pl
+import pytest
+from harness_store import BACKENDS, store_url
+from polars.testing import assert_frame_equal
+
+from tokentrace.collector import sqlfiles, stores
+from tokentrace.collector.ingest import Counters, Pipeline
+from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
+from tokentrace.collector.store import SpoolRecord
+
+BASE = 1_790_000_000_000_000_000  # a fixed instant (2026-09-21): the same rows in every backend
+SPOOL = SpoolRecord("ab" * 32, "golden.pb")
+
+
+@pytest.fixture(scope="module")
+def payloads():
+    """The golden engine trace as the SDK exports it, the hand-written OTLP JSON and the spans vLLM
+    itself exported (captured); made once so that every backend receives the very same bytes."""
+    body, ids = golden.encode(golden.load("golden_engine_trace.json"), BASE)
+    return {"golden": body, "json": (golden.FIXTURES / "otlp_handwritten.json").read_bytes(),
+            "vllm": (golden.FIXTURES / "vllm_native_spans.json").read_bytes(), "ids": ids}
+
+
+def _batches(payloads: dict) -> list[tuple[Batch, SpoolRecord | None]]:
+    """What the conformance store receives: the JSON twice (a plain resend, then as a spool file)."""
+    pipeline = Pipeline(Counters(), 16 * 1024 * 1024, 65536)
+    golden_batch = pipeline.batch(payloads["golden"], Encoding("protobuf", PROTOBUF))
+    json_batch = pipeline.batch(payloads["json"], Encoding("json", JSON))
+    vllm_batch = pipeline.batch(payloads["vllm"], Encoding("json", JSON))
+    return [(golden_batch, None), (json_batch, None), (vllm_batch, None), (json_batch, SPOOL)]
+
+
+def _load(url: stores.StoreURL, payloads: dict):
+    store = stores.open_store(url)
+    for batch, spool in _batches(payloads):
+        assert store.write(batch, spool)
+    assert store.write(_batches(payloads)[-1][0], SPOOL) is False
+    return store
+
+
+def _expected_counts(payloads: dict) -> dict[str, int]:
+    """Every row the normalizer made, packed tables expanded: what a store must hold."""
+    return {table: sum(len(batch.expanded(table)) for batch, _ in _batches(payloads)) for table in TABLES}
+
+
+@pytest.fixture(scope="module")
+def loaded(payloads, tmp_path_factory, request):
+    """Both backends, loaded with the same payloads (chdb's engine is shared by the process, so
+    each backend's store is module-scoped and closed at the end)."""
+    chdb_dir = request.getfixturevalue("chdb_dir")
+    tmp = tmp_path_factory.mktemp("conformance")
+    made = {backend: _load(store_url(backend, tmp, chdb_dir), payloads) for backend in BACKENDS}
+    yield made
+    for store in made.values():
+        store.close()
+
+
+def _golden_trace(payloads) -> str:
+    return payloads["ids"]["req"][0]
+
+
+def _trace_shape(spans: pl.DataFrame) -> tuple[bool, str, list[str]]:
+    # Spans with equal starts and non-null parents (llm.prefill and its first chunk) come in the
+    # order of their random parent ids, so only the time order and the root's place are fixed.
+    starts = spans["start_ns"].to_list()
+    return starts == sorted(starts), spans["name"][0], sorted(spans["name"].to_list())
+
+
+CASES = [
+    ("request(id) carries the phase summary",
+     lambda r, p: {k: v for k, v in r.request("golden-req-1").items() if k in (
+         "instance_id", "engine", "model", "session_id", "queue_ms", "load_wait_ms", "prefill_ms", "decode_ms",
+         "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
+         "streamed", "client_disconnected", "http_status", "error_type")},
+     {"instance_id": "golden-1", "engine": "mlx-lm", "model": "tiny-llama", "session_id": "sess-<b>1</b>",
+      "queue_ms": 50.0, "load_wait_ms": 300.0, "prefill_ms": 150.0, "decode_ms": 80.0, "ttft_ms": 500.0,
+      "tpot_ms": 20.0, "prompt_tokens": 40, "cached_tokens": 16, "completion_tokens": 5,
+      "finish_reason": "length", "streamed": True, "client_disconnected": False, "http_status": 200,
+      "error_type": None}),
+    ("request(id) times are integer nanoseconds",
+     lambda r, p: (r.request("golden-req-1")["start_ns"] - BASE, r.request("golden-req-1")["end_ns"] - BASE),
+     (100_000_000, 700_000_000)),
+    ("request(id) keeps the columns of the requests table, in order",
+     lambda r, p: tuple(r.request("golden-req-1")), TABLES["requests"]),
+    ("request of an unknown id is None", lambda r, p: r.request("no-such-request"), None),
+    ("a request sent twice: request(id) gives one row", lambda r, p: r.request("json-req-1")["ttft_ms"], 120.5),
+    ("requests() without bounds: every request, oldest first",
+     lambda r, p: (r.requests().height, r.requests()["request_id"].to_list()[:3]),
+     (5, ["json-req-1", "json-req-1", "golden-req-1"])),
+    ("requests() in [since, until)",
+     lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_001)["request_id"].to_list(),
+     ["golden-req-1"]),
+    ("requests() until is exclusive",
+     lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_000).height, 0),
+    ("requests() of one instance", lambda r, p: r.requests(instance_id="golden-1")["request_id"].to_list(),
+     ["golden-req-1"]),
+    ("requests() limit keeps the newest",
+     lambda r, p: r.requests(until_ns=BASE + 10**9, limit=1)["request_id"].to_list(), ["golden-req-1"]),
+    ("requests() of an empty window keeps its columns",
+     lambda r, p: (r.requests(since_ns=1, until_ns=2).height, tuple(r.requests(since_ns=1, until_ns=2).columns)),
+     (0, TABLES["requests"])),
+    ("trace(id): every span of the trace by start time, the root first",
+     lambda r, p: _trace_shape(r.trace(_golden_trace(p))),
+     (True, "llm.request", sorted(["llm.request", "llm.load_wait", "llm.queue", "llm.cache.lookup", "llm.prefill",
+                                   "llm.prefill.chunk", "llm.prefill.chunk", "llm.decode", "llm.cache.insert"]))),
+    ("trace(id) of an unknown id is empty with the span columns",
+     lambda r, p: (r.trace("0" * 32).height, tuple(r.trace("0" * 32).columns)), (0, TABLES["spans"])),
+    ("trace(id) spans keep kind, status and ids",
+     lambda r, p: r.trace(_golden_trace(p)).select("kind", "status_code", "parent_span_id").row(0),
+     (2, 0, None)),
+    ("counts(): every row the normalizer made, per table", lambda r, p: r.counts() == _expected_counts(p), True),
+    ("spool_seen(): an ingested spool file", lambda r, p: r.spool_seen(SPOOL.sha256), True),
+    ("spool_seen(): an unknown hash", lambda r, p: r.spool_seen("cd" * 32), False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("caption", "query", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_reader_role(loaded, payloads, backend, caption, query, expected):
+    assert query(loaded[backend], payloads) == expected, caption
+
+
+# --- every named query, on every backend ---------------------------------------------------------
+_GOLDEN = golden.load("golden_engine_trace.json")
+_LOOKUP_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "lookup")["attributes"]["tokentrace.cache.block_hashes"]
+_INSERT_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "insert")["attributes"]["tokentrace.cache.block_hashes"]
+_SEGMENT_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "lookup")["attributes"]["tokentrace.segments.hashes"]
+#: Values for named-query parameters, by name: the golden request's, the hand-written JSON request's
+#: (so that queries excluding the asking request still find the golden rows), and values that find
+#: nothing (None where DuckDB takes NULL).
+PARAMS = {
+    "request_id": ("golden-req-1", "json-req-1", "no-such-request"),
+    "trace_id": (None, "0" * 32, "f" * 32),  # None: the golden trace, known once the payload is built
+    "instance_id": ("golden-1", "json-engine", None),
+    "since_ns": (BASE, 0, None),
+    "until_ns": (BASE + 10**9, BASE, None),
+    "before_ns": (BASE + 10**9, BASE + 10**9, None),
+    "t0_ns": (BASE, BASE, None),
+    "t1_ns": (BASE + 10**9, BASE + 10**9, None),
+    "limit": (100, 1, 0),
+    "sha256": (SPOOL.sha256, SPOOL.sha256, "cd" * 32),
+    "hashes": (_LOOKUP_HASHES + _INSERT_HASHES, _INSERT_HASHES + _SEGMENT_HASHES + [-(2**63)], []),
+    "hash": (_LOOKUP_HASHES[1], _INSERT_HASHES[-1], 42),
+    "fingerprints": ([-1234567890123, 987654321], [987654321], []),
+    "request_ids": (["golden-req-1", "json-req-1"], ["golden-req-1"], []),
+    "load_id": ("load-1", "load-1", None),
+}
+_DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
+_CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
+
+
+def _params(backend: str, name: str) -> set[str]:
+    sql = "\n".join(sqlfiles.statements(sqlfiles.read(backend, f"queries/{name}.sql")))
+    return set((_DUCKDB_PARAM if backend == "duckdb" else _CLICKHOUSE_PARAM).findall(sql))
+
+
+def test_every_named_query_exists_for_every_backend():
+    duckdb, clickhouse = sqlfiles.query_names("duckdb"), sqlfiles.query_names("clickhouse")
+    assert duckdb - clickhouse == set(), "DuckDB queries without a ClickHouse twin (sql/clickhouse/queries/)"
+    assert clickhouse - duckdb == set(), "ClickHouse queries without a DuckDB twin (sql/duckdb/queries/)"
+
+
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_twins_bind_the_same_parameters(name):
+    assert _params("duckdb", name) == _params("clickhouse", name)
+    unknown = _params("duckdb", name) - set(PARAMS)
+    assert not unknown, f"add values for {unknown} to PARAMS in tests/test_store_conformance.py"
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["golden", "json", "nothing"])
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, name, which):
+    params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
+    if "trace_id" in params and params["trace_id"] is None:
+        params["trace_id"] = _golden_trace(payloads)
+    frames = {backend: store.frame(name, **params) for backend, store in loaded.items()}
+    reference = frames.pop("duckdb")
+    for backend, frame in frames.items():
+        assert_frame_equal(frame, reference, check_exact=False, rel_tol=1e-9), backend
+
+
+# --- the stored rows themselves -------------------------------------------------------------------
+def _table(store, table: str) -> pl.DataFrame:
+    """Every row of ``table`` (backend internals: the reader role has no raw-table query)."""
+    if hasattr(store, "_cursor"):
+        return store._cursor().sql(f"SELECT * FROM {table}").pl()
+    return pl.from_arrow(store._reader().query_arrow("SELECT * FROM {t:Identifier}", parameters={"t": table}))
+
+
+@pytest.mark.parametrize("table", list(TABLES))
+def test_every_table_stores_the_same_rows_and_types(loaded, table):
+    frames = {backend: _table(store, table) for backend, store in loaded.items()}
+    reference = frames.pop("duckdb")
+    assert reference.height > 0, f"the golden payloads put no row in {table}: extend them"
+    for backend, frame in frames.items():
+        assert frame.schema == reference.schema, backend
+        assert sorted(map(repr, frame.rows())) == sorted(map(repr, reference.rows())), backend
+
+
+def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded):
+    for backend, store in loaded.items():
+        assert store.frame("request", request_id="json-req-1").height == 1, backend
+        assert store.counts()["requests"] == 5, backend  # golden, 2 vLLM, the JSON plain and as spool
+        assert store.spool_seen(SPOOL.sha256), backend
+
+
+# --- the analyzers' verdicts --------------------------------------------------------------------
+def _request_ids(store) -> list[str]:
+    return sorted(set(store.requests(limit=10_000)["request_id"].to_list()))
+
+
+def test_every_verdict_is_identical_on_every_backend(loaded):
+    """Slowness and cache verdicts of every stored request (golden engine trace, hand-written OTLP,
+    real vLLM spans) and the window report, computed through each backend's reader role."""
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.slowness import analyze_slowness
+
+    reference = loaded["duckdb"]
+    request_ids = _request_ids(reference)
+    assert len(request_ids) == 4
+    for backend, store in loaded.items():
+        assert _request_ids(store) == request_ids, backend
+        for request_id in request_ids:
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
+        assert summarize(store, None).as_dict() == summarize(reference, None).as_dict(), backend
+
+
+# --- verdicts of a real workload, replayed ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_loaded(tmp_path_factory, request):
+    """Both backends, loaded with what two real engines exported during the demo's workload
+    (tests/fixtures/demo_trace.jsonl, made by tests/capture_demo_trace.py)."""
+    chdb_dir = request.getfixturevalue("chdb_dir")
+    tmp = tmp_path_factory.mktemp("demo")
+    pipeline = Pipeline(Counters(), 1 << 26, 65536)
+    lines = (golden.FIXTURES / "demo_trace.jsonl").read_bytes().splitlines()
+    batches = [pipeline.batch(line, Encoding("json", JSON)) for line in lines if line.strip()]
+    made = {}
+    for backend in BACKENDS:
+        made[backend] = stores.open_store(store_url(backend, tmp, chdb_dir))
+        for batch in batches:
+            assert made[backend].write(batch)
+    yield made
+    for store in made.values():
+        store.close()
+
+
+def test_a_real_workload_gets_the_same_verdicts_on_every_backend(demo_loaded):
+    """Every category and cause, produced by real engines: each shown request gets the verdict the
+    demo expects on every backend, and every request's verdicts are identical across backends."""
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.slowness import analyze_slowness
+
+    shown = json.loads((golden.FIXTURES / "demo_trace.shown.json").read_text(encoding="utf-8"))
+    reference = demo_loaded["duckdb"]
+    request_ids = _request_ids(reference)
+    assert len(request_ids) >= 20
+    for backend, store in demo_loaded.items():
+        for item in shown:
+            if item["expect"] is None:
+                continue  # "fast" / "hit": asserted by identity below, not by a category
+            verdict = (analyze_slowness(store, item["request_id"]).category if item["verdict"] == "slow"
+                       else analyze_cache(store, item["request_id"]).cause)
+            assert verdict == item["expect"], (backend, item["label"])
+        assert _request_ids(store) == request_ids, backend
+        for request_id in request_ids:
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
