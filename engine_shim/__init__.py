@@ -16,8 +16,8 @@ _EXPORTS = {
     "build_chat_prompt": "tokentrace.engine_shim.prompts",
     "build_text_prompt": "tokentrace.engine_shim.prompts",
     "Prompt": "tokentrace.engine_shim.prompts",
-    "engine_resource": "tokentrace.engine_shim.wiring",
-    "build_tracer_provider": "tokentrace.engine_shim.wiring",
+    "engine_resource": "tokentrace.engine_shim.exporter_process",
+    "build_tracer_provider": "tokentrace.engine_shim.exporter_process",
 }
 
 __all__ = sorted(_EXPORTS)

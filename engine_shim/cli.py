@@ -19,20 +19,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the engine until SIGINT/SIGTERM; 1 when the model cannot be loaded at start."""
     import uvicorn
+
     from tokentrace.engine_shim.engine import Engine
+    from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess, engine_resource
+    from tokentrace.engine_shim.records import Clock
     from tokentrace.engine_shim.server import create_app
     from tokentrace.engine_shim.telemetry import Telemetry
-    from tokentrace.engine_shim.wiring import build_tracer_provider, engine_resource
 
     settings = settings_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The OTLP exporter logs every failed batch; ours logs the outage once and spools instead.
-    logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
-    logging.getLogger("opentelemetry.exporter.otlp.common").setLevel(logging.CRITICAL)
     resource = engine_resource(settings.service_instance_id, settings.served_name)
-    provider, exporter = build_tracer_provider(resource, settings.otlp_endpoint, settings.spool_dir,
-                                               settings.spool_max_bytes, settings.otlp_token)
-    telemetry = Telemetry(provider, heartbeat_interval=settings.heartbeat_interval)
+    # Spans are built and exported in a process of their own (exporter_process.py explains why).
+    exporter = ExporterProcess(ExporterConfig(
+        resource={k: str(v) for k, v in resource.attributes.items()}, endpoint=settings.otlp_endpoint or None,
+        spool_dir=settings.spool_dir, spool_max_bytes=settings.spool_max_bytes, token=settings.otlp_token,
+        clock_offset_ns=Clock().offset_ns,
+    )).start()
+    telemetry = Telemetry(exporter, heartbeat_interval=settings.heartbeat_interval)
     engine = Engine(settings, telemetry)
     server = uvicorn.Server(uvicorn.Config(
         create_app(engine), host=settings.host, port=settings.port, log_level="warning", access_log=False,
@@ -50,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        provider.shutdown()
-    if exporter.dropped_spans:
-        print(f"tokentrace engine: {exporter.dropped_spans} spans were dropped (spool full)", file=sys.stderr)
+        telemetry.close()  # idempotent: the server's shutdown closed it unless startup failed
+    lost = exporter.counters.dropped_spans
+    records = exporter.dropped_records + telemetry.dropped
+    if lost or records:
+        print(f"tokentrace engine: {lost} spans and {records} records were dropped", file=sys.stderr)
     if engine.state == "failed" and not settings.lazy_load:
         print(f"tokentrace engine: error: {engine.scheduler.load_record.error}", file=sys.stderr)
         return 1

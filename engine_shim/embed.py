@@ -25,21 +25,41 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from opentelemetry import trace
+
 from tokentrace.contract import MATCH_NONE, MATCH_PREFIX
+from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess, engine_resource
 from tokentrace.engine_shim.loader import load_runtime, new_load_record
-from tokentrace.engine_shim.prompt_cache import Lookup
 from tokentrace.engine_shim.prompts import Prompt, build_text_prompt
-from tokentrace.engine_shim.records import RequestRecord, StepWindow
+from tokentrace.engine_shim.records import Clock, LookupRecord, RequestRecord, StepWindow
 from tokentrace.engine_shim.scheduler import WINDOW_NS, WINDOW_STEPS
-from tokentrace.engine_shim.telemetry import Telemetry
+from tokentrace.engine_shim.telemetry import RecordSink, SpanSink, Telemetry
 
 
 class Instrumentation:
-    """Wraps mlx-lm loading and generation; one per process is enough."""
+    """Wraps mlx-lm loading and generation; one per process is enough.
 
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False):
-        self.telemetry = Telemetry(tracer_provider)
+    By default spans are built on a background thread of this process, on ``tracer_provider`` (or
+    the global one). ``to_collector`` instead hands records to an exporter process, as the engine
+    does, which keeps span building off this process's GIL (~20 µs of CPU per token, see
+    docs/benchmarks.md).
+    """
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False,
+                 sink: RecordSink | None = None):
+        self.telemetry = Telemetry(sink or SpanSink(tracer_provider))
         self.capture_content = capture_content
+
+    @classmethod
+    def to_collector(cls, instance_id: str, model: str, endpoint: str = "http://127.0.0.1:4318",
+                     spool_dir: str | None = None, token: str | None = None,
+                     capture_content: bool = False) -> Instrumentation:
+        """Spans built and sent to a collector by a separate exporter process (multiprocessing
+        spawn: guard your script's entry point with ``if __name__ == "__main__":``)."""
+        resource = engine_resource(instance_id, model)
+        exporter = ExporterProcess(ExporterConfig(
+            {k: str(v) for k, v in resource.attributes.items()}, endpoint, spool_dir, 256 << 20, token,
+            Clock().offset_ns)).start()
+        return cls(capture_content=capture_content, sink=exporter)
 
     def load(self, path: str) -> tuple[Any, Any]:
         """``mlx_lm.load`` in timed stages (model.load spans); returns (model, tokenizer)."""
@@ -69,7 +89,7 @@ class Instrumentation:
         prompt_record.unknown_prefix = cached
         record.prompt = prompt_record
         record.admit_ns = record.arrival_ns
-        record.lookup = Lookup(None, cached, MATCH_PREFIX if cached else MATCH_NONE, None, 0, 0)
+        record.lookup = LookupRecord(cached, MATCH_PREFIX if cached else MATCH_NONE, 0, 0)
         record.lookup_end_ns = record.arrival_ns
         chunk_marks: list[tuple[int, int]] = []  # (perf_counter_ns, processed), one per callback
         user_callback = kwargs.pop("prompt_progress_callback", None)
@@ -95,6 +115,10 @@ class Instrumentation:
             record.finish_ns = record.end_ns = time.perf_counter_ns()
             record.finish_reason = reason
             self._finish(record, chunk_marks, cached)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Build every pending span and flush the provider; False on timeout."""
+        return self.telemetry.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Build every pending span and flush the provider."""

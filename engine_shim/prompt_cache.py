@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from tokentrace.contract import (
     DEFAULT_BLOCK_SIZE,
     EVICT_MAX_BYTES,
@@ -30,6 +31,7 @@ from tokentrace.contract import (
     MATCH_NONE,
     MATCH_PREFIX,
 )
+from tokentrace.engine_shim.records import EvictionRecord, InsertRecord, LookupRecord
 
 
 @dataclass(eq=False)
@@ -78,6 +80,21 @@ class Insertion:
     bytes_after: int  #: bytes after the insert and its evictions
     max_entries: int  #: entry limit in force
     max_bytes: int  #: byte limit in force
+
+
+def lookup_record(lookup: Lookup) -> LookupRecord:
+    """The plain summary of a lookup that telemetry records (no arrays)."""
+    tokens = lookup.entry.tokens if lookup.entry is not None else None
+    return LookupRecord(lookup.reused, lookup.kind, lookup.entries, lookup.nbytes, tokens)
+
+
+def insert_record(insertion: Insertion) -> InsertRecord:
+    """The plain summary of an insert and its evictions (no arrays)."""
+    evictions = [EvictionRecord(e.entry.tokens, e.entry.nbytes, e.entry.request_id, e.reason, e.entries_after,
+                                e.bytes_after) for e in insertion.evictions]
+    entry = insertion.entry
+    return InsertRecord(entry.tokens, entry.nbytes, insertion.entries_after, insertion.bytes_after,
+                        insertion.max_entries, insertion.max_bytes, evictions)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

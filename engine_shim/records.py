@@ -1,8 +1,10 @@
 """What the engine records while it works: plain numbers in plain lists, turned into spans later.
 
 The overhead rule (DESIGN §3): the generation loop only appends ``perf_counter_ns()`` readings and
-counters to these objects. Spans are built from finished records on the telemetry thread
-(``tokentrace.engine_shim.spans``), with explicit timestamps converted by a ``Clock``.
+counters to these objects. Spans are built from finished records elsewhere (the exporter process,
+or the telemetry thread for embedders; ``tokentrace.engine_shim.spans``), with explicit timestamps
+converted by a ``Clock``. Records hold plain data only (ints, strings, lists), so they pickle
+cheaply and never keep KV-cache arrays alive.
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokentrace.engine_shim.prompt_cache import Insertion, Lookup
 from tokentrace.engine_shim.prompts import Prompt
 
 
 class Clock:
-    """Maps ``perf_counter_ns()`` readings (monotonic, cheap) to Unix epoch nanoseconds for spans."""
+    """Maps ``perf_counter_ns()`` readings (monotonic, cheap) to Unix epoch nanoseconds for spans.
 
-    def __init__(self) -> None:
+    ``perf_counter`` is a system-wide monotonic clock, so an offset measured in one process holds
+    for readings taken in another on the same machine (the exporter process uses the engine's).
+    """
+
+    def __init__(self, offset_ns: int | None = None) -> None:
+        if offset_ns is not None:
+            self.offset_ns = offset_ns
+            return
         # Read both clocks back to back a few times and keep the tightest pair.
         best = None
         for _ in range(5):
@@ -32,6 +40,42 @@ class Clock:
     def epoch(self, perf_ns: int) -> int:
         """The Unix time in nanoseconds of a ``perf_counter_ns()`` reading."""
         return perf_ns + self.offset_ns
+
+
+@dataclass
+class LookupRecord:
+    """What a prompt-cache lookup found."""
+
+    reused: int  #: prompt tokens reused
+    kind: str  #: contract match kind (exact, prefix, none)
+    entries: int  #: cache entries at lookup
+    nbytes: int  #: cache bytes at lookup
+    entry_tokens: list[int] | None = None  #: tokens of the entry reused (its fingerprint), if any
+
+
+@dataclass
+class EvictionRecord:
+    """An entry pushed out of the prompt cache."""
+
+    tokens: list[int]  #: tokens the entry held (its fingerprint)
+    nbytes: int  #: bytes it held
+    request_id: str  #: request whose tokens they were
+    reason: str  #: contract evict reason
+    entries_after: int  #: entries left after the eviction
+    bytes_after: int  #: bytes left after the eviction
+
+
+@dataclass
+class InsertRecord:
+    """An entry stored in the prompt cache and what that evicted."""
+
+    tokens: list[int]  #: tokens stored (prompt and generated)
+    nbytes: int  #: bytes stored
+    entries_after: int  #: entries after the insert and its evictions
+    bytes_after: int  #: bytes after the insert and its evictions
+    max_entries: int  #: entry limit in force
+    max_bytes: int  #: byte limit in force
+    evictions: list[EvictionRecord] = field(default_factory=list)  #: in the order they happened
 
 
 @dataclass(eq=False)
@@ -58,7 +102,7 @@ class RequestRecord:
     max_batch: int = 0  #: admission limit of the engine
     admit_ns: int = 0  #: left the FIFO for a batch slot (0: never admitted)
     # prompt cache lookup
-    lookup: Lookup | None = None  #: what the prompt cache found
+    lookup: LookupRecord | None = None  #: what the prompt cache found
     lookup_end_ns: int = 0  #: lookup done, prefill can start
     # prefill chunks, parallel lists
     chunk_start_ns: list[int] = field(default_factory=list)  #: start of the step that ran the chunk
@@ -71,7 +115,7 @@ class RequestRecord:
     finish_ns: int = 0  #: generation finished or was cancelled
     finish_reason: str | None = None  #: stop, length, cancelled, error
     # prompt cache insert
-    insertion: Insertion | None = None  #: the entry stored and what it evicted
+    insertion: InsertRecord | None = None  #: the entry stored and what it evicted
     insert_start_ns: int = 0  #: insert began
     insert_end_ns: int = 0  #: insert done
     # response

@@ -23,8 +23,8 @@ from typing import Any
 from tokentrace.contract import MATCH_NONE
 from tokentrace.engine_shim.jobs import Job, SamplingObjects
 from tokentrace.engine_shim.loader import Runtime, load_runtime, new_load_record
-from tokentrace.engine_shim.prompt_cache import Lookup, PrefixCache, is_cacheable
-from tokentrace.engine_shim.records import HeartbeatRecord, LoadRecord, StepWindow
+from tokentrace.engine_shim.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
+from tokentrace.engine_shim.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
 from tokentrace.engine_shim.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -126,18 +126,27 @@ class Scheduler:
         if not self.settings.lazy_load:
             self.request_load(lazy=False)
         while not self._stopping:
-            if self.load_state == LOAD_RUNNING:
-                self._load()
-                continue
-            self._drain()
-            if self._running:
-                self._step()
-                continue
-            self._flush_window()
-            self._wake.clear()
-            if not (self._inbox or self._cancels or self._stopping or self.load_state == LOAD_RUNNING):
-                self._wake.wait(1.0)
+            try:
+                self._iterate()
+            except Exception:
+                # Whatever broke (an mlx error in admission, a cache insert), the thread must live
+                # on: a dead generation thread means every later request hangs.
+                log.exception("generation loop error; failing the running requests")
+                self._fail_running()
         self._shutdown()
+
+    def _iterate(self) -> None:
+        if self.load_state == LOAD_RUNNING:
+            self._load()
+            return
+        self._drain()
+        if self._running:
+            self._step()
+            return
+        self._flush_window()
+        self._wake.clear()
+        if not (self._inbox or self._cancels or self._stopping or self.load_state == LOAD_RUNNING):
+            self._wake.wait(1.0)
 
     def _load(self) -> None:
         record = self.load_record
@@ -159,7 +168,9 @@ class Scheduler:
 
         self.runtime = runtime
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]))
-        if is_cacheable(make_prompt_cache(runtime.model)):
+        if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
+            log.info("prompt cache off (--cache-max-entries/--cache-max-bytes 0); lookups still report fingerprints")
+        elif is_cacheable(make_prompt_cache(runtime.model)):
             self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes)
         else:
             log.warning("prompt cache disabled: the model's caches are not plain KVCache layers")
@@ -192,12 +203,21 @@ class Scheduler:
             self._admit(self._waiting.popleft())
 
     def _admit(self, job: Job) -> None:
+        try:
+            self._start(job)
+        except Exception:  # this request cannot start (e.g. mlx refuses its prompt); others go on
+            log.exception("cannot start request %s", job.record.request_id)
+            job.record.error_type = "GenerationError"
+            self._finish(job, "error", time.perf_counter_ns())
+            self._deliver([(job, -1, "error")])
+
+    def _start(self, job: Job) -> None:
         record = job.record
         record.admit_ns = time.perf_counter_ns()
         cache = self.cache
         lookup = cache.lookup(job.tokens) if cache is not None else Lookup(None, 0, MATCH_NONE, None, 0, 0)
-        record.lookup = lookup
         record.lookup_end_ns = time.perf_counter_ns()
+        record.lookup = lookup_record(lookup)
         sampling, objects = job.sampling, self._sampling
         job.uid = self._generator.insert(
             [job.tokens[lookup.reused:]],
@@ -227,12 +247,7 @@ class Scheduler:
 
     def _step(self) -> None:
         start = time.perf_counter_ns()
-        try:
-            prompt_responses, generated = self._generator.next()
-        except Exception:
-            log.exception("generation step failed; failing the running requests")
-            self._fail_running()
-            return
+        prompt_responses, generated = self._generator.next()  # errors: run() fails the batch
         end = time.perf_counter_ns()
         try:
             self._record_step(start, end, prompt_responses, generated)
@@ -288,14 +303,21 @@ class Scheduler:
         record.finish_ns = now
         record.finish_reason = reason
         if layers and tokens and self.cache is not None and reason in ("stop", "length"):
-            import mlx.core as mx
+            try:
+                self._store(record, layers, tokens)
+            except Exception:  # the answer is complete; only its reuse is lost
+                log.exception("cannot store request %s in the prompt cache", record.request_id)
 
-            record.insert_start_ns = time.perf_counter_ns()
-            record.insertion = self.cache.insert(list(tokens), layers, record.request_id)
-            # Materialise the entry's slices now (without waiting), so it stops pinning the
-            # batch's whole KV arrays.
-            mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
-            record.insert_end_ns = time.perf_counter_ns()
+    def _store(self, record: RequestRecord, layers: list, tokens: list[int]) -> None:
+        import mlx.core as mx
+
+        record.insert_start_ns = time.perf_counter_ns()
+        insertion = self.cache.insert(list(tokens), layers, record.request_id)
+        # Materialise the entry's slices now (without waiting), so it stops pinning the batch's
+        # whole KV arrays.
+        mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
+        record.insert_end_ns = time.perf_counter_ns()
+        record.insertion = insert_record(insertion)
 
     def _fail_running(self) -> None:
         now = time.perf_counter_ns()
@@ -303,9 +325,10 @@ class Scheduler:
         self._running.clear()
         for job in failed:
             job.record.error_type = "GenerationError"
-            self._finish(job, "error", now)
-        self._generator.close()
-        self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
+            job.record.finish_ns, job.record.finish_reason = now, "error"
+        if self.runtime is not None:
+            self._generator.close()
+            self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
         if failed:
             self._deliver([(job, -1, "error") for job in failed])
 

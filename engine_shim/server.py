@@ -18,11 +18,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
+
 from tokentrace.engine_shim.engine import Engine
 from tokentrace.engine_shim.jobs import Job
-from tokentrace.engine_shim.output import TextAssembler
 from tokentrace.engine_shim.protocol import (
     BadRequest,
+    TextAssembler,
     chunk_body,
     max_tokens_of,
     parse_request,

@@ -12,6 +12,7 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from tokentrace import contract as c
 from tokentrace.engine_shim.records import (
     Clock,
@@ -41,6 +42,17 @@ class SpanBuilder:
         self.tracer = tracer
         self.clock = clock
         self.block_size = block_size
+        self._handlers = {
+            RequestRecord: self.request,
+            StepWindow: self.steps,
+            LoadRecord: self.load,
+            LifecycleRecord: self.lifecycle,
+            HeartbeatRecord: self.heartbeat,
+        }
+
+    def build(self, record: Any) -> None:
+        """The spans of any finished record (request, step window, load, lifecycle, heartbeat)."""
+        self._handlers[type(record)](record)
 
     def _open(self, name: str, start: int, attributes: dict[str, Any], parent: trace.Span | None = None,
               kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
@@ -103,8 +115,8 @@ class SpanBuilder:
                 c.SEGMENT_HASHES: [
                     segment_hash(prompt.tokens[s:e]) for s, e in zip(prompt.starts, prompt.ends, strict=True)],
             })
-        if lookup.entry is not None:
-            attributes[c.CACHE_MATCHED_ENTRY] = self.fingerprint(lookup.entry.tokens)
+        if lookup.entry_tokens is not None:
+            attributes[c.CACHE_MATCHED_ENTRY] = self.fingerprint(lookup.entry_tokens)
         if prompt.snippets is not None and not prompt.unknown_prefix:
             attributes[c.SEGMENT_SNIPPETS] = list(prompt.snippets)
         self._leaf(c.SPAN_CACHE_LOOKUP, record.admit_ns, record.lookup_end_ns or record.admit_ns, attributes, root)
@@ -135,13 +147,12 @@ class SpanBuilder:
 
     def _insert(self, record: RequestRecord, root: trace.Span, rid: dict[str, Any]) -> None:
         insertion = record.insertion
-        entry = insertion.entry
-        hashes = block_hashes(entry.tokens, self.block_size)
+        hashes = block_hashes(insertion.tokens, self.block_size)
         span = self._open(c.SPAN_CACHE_INSERT, record.insert_start_ns, {
             **rid,
             c.ENTRY_FINGERPRINT: hashes[-1] if hashes else 0,
-            c.ENTRY_TOKENS: len(entry.tokens),
-            c.ENTRY_BYTES: entry.nbytes,
+            c.ENTRY_TOKENS: len(insertion.tokens),
+            c.ENTRY_BYTES: insertion.nbytes,
             c.CACHE_BLOCK_SIZE: self.block_size,
             c.CACHE_BLOCK_HASHES: hashes,
             c.CACHE_ENTRIES: insertion.entries_after,
@@ -152,10 +163,10 @@ class SpanBuilder:
         at = self.clock.epoch(record.insert_end_ns)
         for eviction in insertion.evictions:
             span.add_event(c.EVENT_CACHE_EVICT, timestamp=at, attributes={
-                c.ENTRY_FINGERPRINT: self.fingerprint(eviction.entry.tokens),
-                c.ENTRY_TOKENS: len(eviction.entry.tokens),
-                c.ENTRY_BYTES: eviction.entry.nbytes,
-                c.ENTRY_REQUEST_ID: eviction.entry.request_id,
+                c.ENTRY_FINGERPRINT: self.fingerprint(eviction.tokens),
+                c.ENTRY_TOKENS: len(eviction.tokens),
+                c.ENTRY_BYTES: eviction.nbytes,
+                c.ENTRY_REQUEST_ID: eviction.request_id,
                 c.EVICT_REASON: eviction.reason,
                 c.CACHE_ENTRIES: eviction.entries_after,
                 c.CACHE_BYTES: eviction.bytes_after,

@@ -295,3 +295,20 @@ def test_eight_concurrent_streams_survive_a_collector_outage(tmp_path, collector
     rows = restarted.sql("SELECT request_id, max(completion_tokens), count(DISTINCT step) FROM requests "
                          "JOIN decode_steps USING (request_id) WHERE request_id LIKE 'stream-%' GROUP BY 1")
     assert sorted(rows) == [(f"stream-{i}", 48, 48) for i in range(8)]
+
+
+def test_capture_content_stores_bounded_snippets_only_when_asked(collector_factory, engine_factory):
+    collector = collector_factory().start()
+    engine = engine_factory("--capture-content", collector=collector).start()
+    secret = "the launch code is 0000 " * 20
+    assert engine.chat([SYSTEM, {"role": "user", "content": secret}], max_tokens=2,
+                       headers={"X-Request-Id": "captured"}).status_code == 200
+    engine.stop()
+    collector.stop()
+    snippets = [row[0] for row in collector.sql("SELECT snippet FROM segments WHERE request_id = 'captured' "
+                                                "ORDER BY segment_index")]
+    assert len(snippets) == 3 and all(0 < len(s) <= 96 for s in snippets)
+    assert "launch code" in snippets[1] and "…" in snippets[1]
+    attributes = " ".join(row[0] for row in collector.sql("SELECT attributes FROM spans WHERE request_id = 'captured' "
+                                                          "AND name <> 'llm.cache.lookup'"))
+    assert "launch code" not in attributes

@@ -9,6 +9,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from tokentrace.engine_shim import Instrumentation, build_chat_prompt
 
 
@@ -109,3 +110,18 @@ def test_importing_the_package_loads_no_mlx_and_sets_no_provider():
             "assert type(trace.get_tracer_provider()).__name__ == 'ProxyTracerProvider'; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.slow
+def test_to_collector_sends_through_an_exporter_process(tiny_model, collector_factory):
+    from mlx_lm import load
+
+    collector = collector_factory().start()
+    shim = Instrumentation.to_collector("embedded-1", "tiny", endpoint=collector.url)
+    model, tokenizer = load(str(tiny_model))
+    responses = list(shim.stream_generate(model, tokenizer, "Hello there", request_id="embedded-req", max_tokens=3))
+    shim.close()
+    collector.stop()
+    assert len(responses) <= 3
+    rows = collector.sql("SELECT instance_id, endpoint, completion_tokens FROM requests")
+    assert rows == [("embedded-1", "stream_generate", len(responses))]

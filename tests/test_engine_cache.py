@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
+
 from tokentrace.engine_shim.prompt_cache import PrefixCache, common_prefix
 
 HEADS, DIM, LAYERS = 2, 4, 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokentrace.engine_shim.prompts import build_chat_prompt, build_text_prompt, snippet
 
 MESSAGES = [

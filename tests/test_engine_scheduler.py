@@ -1,0 +1,123 @@
+"""The scheduler in-process on the tiny model: FIFO admission, step records, and a failing batch
+that does not stop the engine."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from tokentrace.engine_shim.jobs import Job, Sampling
+from tokentrace.engine_shim.prompts import Prompt
+from tokentrace.engine_shim.records import RequestRecord, StepWindow
+from tokentrace.engine_shim.scheduler import LOAD_READY, Scheduler
+from tokentrace.engine_shim.settings import EngineSettings
+
+
+class Harness:
+    """A scheduler thread plus what it delivered and emitted."""
+
+    def __init__(self, model, **settings):
+        self.finished: dict[str, str] = {}
+        self.emitted: list = []
+        self.done = threading.Condition()
+        self.scheduler = Scheduler(EngineSettings(model=str(model), **settings), deliver=self._deliver,
+                                   submit=self.emitted.append)
+        self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while self.scheduler.load_state != LOAD_READY:
+            assert time.monotonic() < deadline, "model did not load"
+            time.sleep(0.01)
+
+    def _deliver(self, items):
+        with self.done:
+            for job, _token, reason in items:
+                if reason is not None:
+                    self.finished[job.record.request_id] = reason
+            self.done.notify_all()
+
+    def submit(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Job:
+        record = RequestRecord(rid, "/test", time.perf_counter_ns())
+        record.prompt = Prompt(tokens, ["prompt"], [0], [len(tokens)])
+        job = Job(record=record, tokens=tokens, max_tokens=max_tokens, sampling=Sampling(ignore_eos=True))
+        self.scheduler.submit(job)
+        return job
+
+    def wait(self, *rids: str) -> dict[str, str]:
+        with self.done:
+            assert self.done.wait_for(lambda: all(r in self.finished for r in rids), 60), self.finished
+        return {r: self.finished[r] for r in rids}
+
+    def stop(self):
+        self.scheduler.stop()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def harness(tiny_model):
+    made = []
+
+    def make(**settings):
+        made.append(Harness(tiny_model, **settings))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.stop()
+
+
+def test_fifo_admission_one_slot(harness):
+    h = harness(max_batch=1, cache_max_entries=0)
+    jobs = [h.submit(f"r{i}", [5 + i] * 40, max_tokens=6) for i in range(3)]
+    assert h.wait("r0", "r1", "r2") == {"r0": "length", "r1": "length", "r2": "length"}
+    admits = [j.record.admit_ns for j in jobs]
+    assert admits == sorted(admits)
+    # each was admitted only after the previous one's last token
+    for before, after in itertools.pairwise(jobs):
+        assert after.record.admit_ns >= before.record.token_ns[-1]
+
+
+def test_steps_name_who_prefilled_and_who_decoded(harness):
+    h = harness(max_batch=4, prefill_step_size=16, cache_max_entries=0)
+    long_job = h.submit("long", list(range(3, 83)), max_tokens=3)
+    short_job = h.submit("short", list(range(100, 110)), max_tokens=12)
+    h.wait("long", "short")
+    h.scheduler.stop()
+    h.thread.join(30)
+    windows = [r for r in h.emitted if isinstance(r, StepWindow)]
+    prefill = {"long": 0, "short": 0}
+    decode = {"long": 0, "short": 0}
+    for w in windows:
+        cursor = 0
+        for n_pre, n_dec, tokens in zip(w.prefill_seqs, w.decode_seqs, w.prefill_tokens, strict=True):
+            members = w.members[cursor:cursor + n_pre + n_dec]
+            cursor += n_pre + n_dec
+            for rid in members[:n_pre]:
+                prefill[rid] += 1
+            for rid in members[n_pre:]:
+                decode[rid] += 1
+            assert tokens <= 16 * n_pre
+    assert decode == {"long": 3, "short": 12}
+    assert prefill["long"] == len(long_job.record.chunk_tokens) >= 5  # 80 tokens in chunks of 16
+    assert sum(long_job.record.chunk_tokens) == 80 and sum(short_job.record.chunk_tokens) == 10
+
+
+def test_a_failing_batch_errors_its_requests_and_the_engine_serves_on(harness):
+    h = harness(max_batch=2, cache_max_entries=0)
+
+    def broken_sampler(logprobs):
+        raise RuntimeError("sampler exploded")
+
+    objects = h.scheduler._sampling
+    original = objects.sampler
+    objects.sampler = lambda sampling: broken_sampler if sampling.temperature == 1.5 else original(sampling)
+    record = RequestRecord("doomed", "/test", time.perf_counter_ns())
+    record.prompt = Prompt([7] * 20, ["prompt"], [0], [20])
+    h.scheduler.submit(Job(record=record, tokens=[7] * 20, max_tokens=4, sampling=Sampling(temperature=1.5)))
+    assert h.wait("doomed") == {"doomed": "error"}
+    assert record.error_type == "GenerationError"
+    h.submit("after", [9] * 20, max_tokens=4)
+    assert h.wait("after") == {"after": "length"}
