@@ -41,6 +41,6 @@ def both_verdicts(request_id: str, request: Request) -> dict:
 
 
 @router.get("/report")
-def window_report(request: Request, since: str = "15m", causes: int = 50) -> dict:
+def window_report(request: Request, since: str = "15m", causes: int = 25) -> dict:
     """The report over requests that started in the last ``since`` (or 'all')."""
     return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes).as_dict()

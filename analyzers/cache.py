@@ -83,7 +83,13 @@ class CacheFacts:
     entries: pl.DataFrame  #: earlier cache entries holding a longer prefix (entries_longer)
     evictions: pl.DataFrame  #: evictions of those entries before the lookup
     segment_matches: pl.DataFrame  #: earlier segments with equal content hashes
-    common: dict[str, int]  #: request id -> deepest block it shares with this prompt
+    divergences: dict[str, int]  #: earlier request id -> token where its prompt first differs
+
+
+def request_window(request: dict) -> dict[str, int]:
+    """The request's own time span (plus a second): child rows lie inside, and the bounds let the
+    store skip row groups by their min/max times instead of scanning whole tables."""
+    return {"t0_ns": request["start_ns"] - 1_000_000_000, "t1_ns": request["end_ns"] + 1_000_000_000}
 
 
 def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
@@ -91,28 +97,77 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     request = reader.request(request_id)
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
-    lookups = reader.frame("cache_lookup", request_id=request_id)
+    window = request_window(request)
+    lookups = reader.frame("cache_lookup", request_id=request_id, **window)
     if lookups.height == 0:
         return CacheFacts(request, None, [], pl.DataFrame(), None, pl.DataFrame(), pl.DataFrame(),
                           pl.DataFrame(), {})
     lookup = lookups.row(0, named=True)
     t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
-    hashes = reader.frame("lookup_blocks", request_id=request_id)["hash"].to_list()
-    segments = reader.frame("segments_of", request_id=request_id)
-    seen = reader.frame("prefix_seen", hashes=hashes, before_ns=t, request_id=request_id)
-    cached = lookup["matched_tokens"] or 0
-    entries = reader.frame("entries_longer", hashes=hashes, min_block=cached // block, before_ns=t)
+    prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
+    hashes = reader.frame("lookup_blocks", request_id=request_id, **window)["hash"].to_list()
+    segments = reader.frame("segments_of", request_id=request_id, **window)
+    seen = _deepest_seen(reader, request_id, hashes, t, prompt // block, cached // block)
+    deeper = hashes[cached // block:]
+    entries = reader.frame("entries_longer", hashes=deeper, before_ns=t) if deeper else pl.DataFrame()
     evictions = reader.frame("evictions_of", fingerprints=entries["fingerprint"].drop_nulls().to_list(),
                              before_ns=t) if entries.height else pl.DataFrame()
     matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
                            request_id=request_id) if segments.height else pl.DataFrame()
-    common = {}
-    if matches.height:
-        ids = matches["request_id"].unique().to_list()
-        shared = reader.frame("common_prefix", request_ids=ids, hashes=hashes)
-        common = dict(zip(shared["request_id"].to_list(), shared["last_block"].to_list(), strict=True))
-    return CacheFacts(request, lookup, hashes, segments, seen.row(0, named=True) if seen.height else None,
-                      entries, evictions, matches, common)
+    divergences = _divergences(reader, matches, segments, hashes, cached, block)
+    return CacheFacts(request, lookup, hashes, segments, seen, entries, evictions, matches, divergences)
+
+
+def _deepest_seen(reader: TraceReader, request_id: str, hashes: list[int], t: int, full: int,
+                  reused: int) -> dict | None:
+    """The deepest block of this prompt any earlier prompt or entry had, or None when nothing beyond
+    the ``reused`` blocks was seen. On a chain of full blocks 'block k was seen' implies 'block k-1
+    was seen', so this probes the first unreused block (usually the whole answer), then searches
+    upwards by halves. The last block, when partial, only matches an identical prompt."""
+
+    def probe(index: int) -> dict | None:
+        rows = reader.frame("block_seen", hash=hashes[index], before_ns=t, request_id=request_id)
+        return {"last_block": index, **rows.row(0, named=True)} if rows.height else None
+
+    if len(hashes) > full and (whole := probe(len(hashes) - 1)):
+        return whole
+    low, high = reused, min(full, len(hashes))
+    best = None
+    while low < high:
+        middle = (low + high) // 2
+        found = probe(middle)
+        if found:
+            best, low = found, middle + 1
+        else:
+            high = middle
+    return best
+
+
+#: Earlier requests sharing a segment whose divergence point is computed (most recent first).
+DIVERGENCE_CANDIDATES = 8
+
+
+def _divergences(reader: TraceReader, matches: pl.DataFrame, segments: pl.DataFrame, hashes: list[int],
+                 cached: int, block: int) -> dict[str, int]:
+    """For the most recent earlier requests sharing a segment worth explaining, the token where their
+    prompt first differs from this one (block granularity)."""
+    if matches.height == 0:
+        return {}
+    worth = {row["hash"] for row in segments.iter_rows(named=True)
+             if row["token_end"] > cached and row["token_end"] - row["token_start"] >= block}
+    candidates = (matches.filter(pl.col("hash").is_in(list(worth)))
+                  .group_by("request_id").agg(pl.col("t_ns").max()).sort("t_ns", descending=True)
+                  .head(DIVERGENCE_CANDIDATES))
+    if candidates.height == 0:
+        return {}
+    blocks = reader.frame("lookup_blocks_many", request_ids=candidates["request_id"].to_list(),
+                          t0_ns=candidates["t_ns"].min(), t1_ns=candidates["t_ns"].max())
+    found = {}
+    for (request_id,), theirs in blocks.group_by(["request_id"]):
+        pairs = zip(hashes, theirs["hash"].to_list(), strict=False)
+        shared = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(hashes), theirs.height))
+        found[request_id] = shared * block
+    return found
 
 
 def _covered(last_block: int, block: int, prompt_tokens: int) -> int:
@@ -230,8 +285,9 @@ def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached:
     segments = facts.segments.to_dicts()
     best = None
     for match in facts.segment_matches.iter_rows(named=True):
-        shared_last = facts.common.get(match["request_id"])
-        diverge = 0 if shared_last is None else (shared_last + 1) * block
+        diverge = facts.divergences.get(match["request_id"])
+        if diverge is None:
+            continue
         for segment in segments:
             if segment["hash"] != match["hash"] or segment["token_start"] < diverge:
                 continue

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
                             description="A summary of the requests that started in the window.")
     report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
-    report.add_argument("--causes", type=int, default=50, help="latest misses to compute causes for (default 50)")
+    report.add_argument("--causes", type=int, default=25, help="latest misses to compute causes for (default 25)")
     _analysis_options(report)
 
 

@@ -59,7 +59,7 @@ def _percentiles(column: pl.Series) -> dict[str, float | None]:
 
 
 def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
-              cause_sample: int = 50, limit: int = 1_000_000) -> Report:
+              cause_sample: int = 25, limit: int = 1_000_000) -> Report:
     """The report over requests that started in [since, until)."""
     frame = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit)
     if frame.height == 0:

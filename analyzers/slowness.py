@@ -25,7 +25,7 @@ from typing import Any
 
 import polars as pl
 
-from tokentrace.analyzers.cache import CacheVerdict, analyze_cache
+from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
@@ -82,7 +82,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     instance, start = request["instance_id"], request["start_ns"]
-    phases = reader.frame("phases", request_id=request_id)
+    phases = reader.frame("phases", request_id=request_id, **request_window(request))
     baseline = reader.frame("baseline", instance_id=instance, request_id=request_id,
                             since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
     load = holders = steps = pl.DataFrame()
@@ -97,8 +97,16 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     if decode.height:
         steps = reader.frame("decode_context", instance_id=instance, request_id=request_id,
                              t0_ns=decode["start_ns"][0] - 1_000_000_000, t1_ns=decode["end_ns"][0])
-    cache = analyze_cache(reader, request_id)
+    # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
+    cache = analyze_cache(reader, request_id) if category_of(request) == "prefill" else None
     return SlowFacts(request, phases, baseline, load, holders, steps, cache)
+
+
+def category_of(request: dict, components: tuple[str, ...] = tuple(name for name, _ in CATEGORIES)) -> str:
+    """The largest of ``components`` in a requests row, ties to the earlier one, as its category."""
+    parts = [float(request.get(f"{name}_ms") or 0.0) for name in components]
+    best = max(range(len(parts)), key=lambda i: (parts[i], -i))
+    return dict(CATEGORIES)[components[best]]
 
 
 def _queue_window(request: dict, phases: pl.DataFrame) -> tuple[int, int] | None:
@@ -119,13 +127,12 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
     other = round(max(0.0, e2e - sum(parts.values())), 3)
     breakdown = {**{k: round(v, 3) for k, v in parts.items()}, "other": other,
                  "ttft": r.get("ttft_ms"), "tpot": r.get("tpot_ms"), "e2e": round(e2e, 3)}
-    order = [name for name, _ in CATEGORIES]
-    top = max(order, key=lambda name: (parts[name], -order.index(name)))
-    ttft_top = max(order[:3], key=lambda name: (parts[name], -order.index(name)))
+    category = category_of(r)
+    top = next(name for name, label in CATEGORIES if label == category)
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
-        r["request_id"], r["instance_id"], r.get("engine"), breakdown, dict(CATEGORIES)[top],
-        dict(CATEGORIES)[ttft_top], baseline.pop("abnormal"), baseline,
+        r["request_id"], r["instance_id"], r.get("engine"), breakdown, category,
+        category_of(r, tuple(name for name, _ in CATEGORIES[:3])), baseline.pop("abnormal"), baseline,
         {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"), "completion": r.get("completion_tokens")},
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)

@@ -119,12 +119,14 @@ class Collector:
         self.config = config
         self.store = store
         self.counters = Counters()
-        self.pipeline = Pipeline(self.counters, config.max_body_bytes, config.max_attribute_length)
+        self.pipeline = Pipeline(self.counters, config.max_body_bytes, config.max_attribute_length,
+                                 config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
 
     def start(self) -> None:
-        """Start the writer thread and, when configured, the spool watcher."""
+        """Start the parse workers, the writer thread and, when configured, the spool watcher."""
+        self.pipeline.start()
         self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
@@ -136,6 +138,7 @@ class Collector:
         """Stop the spool, write what was submitted, checkpoint and close the store."""
         if self.spool is not None:
             self.spool.stop()
+        self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
         self.store.close()
@@ -222,9 +225,7 @@ def create_app(collector: Collector) -> FastAPI:
             return _otlp_error(413, str(exc), encoding)
         try:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
-            batch = await run_in_threadpool(
-                collector.pipeline.batch, body, encoding, request.headers.get("content-encoding")
-            )
+            batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
             await asyncio.wrap_future(collector.queue.submit(batch))
         except PayloadTooLarge as exc:
             return _otlp_error(413, str(exc), encoding)

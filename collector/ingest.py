@@ -4,12 +4,21 @@ the writer, so a bad payload never reaches the store."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import multiprocessing
 import threading
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from starlette.concurrency import run_in_threadpool
 
 from tokentrace.collector.normalize import Batch, normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
 from tokentrace.errors import PayloadError, PayloadTooLarge, UnsupportedMediaType
+
+log = logging.getLogger("tokentrace.collector")
 
 
 class Counters:
@@ -36,29 +45,96 @@ class Counters:
             return {"accepted_spans": self.accepted_spans, "rejected": dict(self.rejected)}
 
 
-class Pipeline:
-    """Turns one payload into a Batch, counting what it refuses."""
+def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
+          max_value_length: int) -> Batch:
+    """Decompress, decode and normalize one payload. Pure, so it runs in a worker process as well."""
+    return normalize(decode(decompress(body, content_encoding, max_body_bytes), encoding), max_value_length)
 
-    def __init__(self, counters: Counters, max_body_bytes: int, max_value_length: int):
+
+def _warm() -> None:
+    """Worker initializer: import the protobuf and normalizer modules before the first payload."""
+    import tokentrace.collector.normalize  # noqa: F401
+
+
+class Pipeline:
+    """Turns payloads into Batches, in worker processes when ``workers`` > 0, counting refusals.
+
+    Parsing is CPU-bound Python; in the collector's process it would share one core (the GIL) with
+    HTTP and the writer. Worker processes give it the machine's other cores. A worker that dies
+    breaks its pool: the pool is rebuilt and the payload parsed in-process, so no request fails.
+    """
+
+    def __init__(self, counters: Counters, max_body_bytes: int, max_value_length: int, workers: int = 0):
         self.counters = counters
         self.max_body_bytes = max_body_bytes
         self.max_value_length = max_value_length
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the worker processes (none when ``workers`` is 0)."""
+        if self.workers > 0:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_warm)
+
+    def stop(self) -> None:
+        """Stop the workers after the payloads they hold."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=False)
 
     def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
-        """Decode and normalize; PayloadError (counted) when nothing in it can be used."""
+        """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
+        args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         try:
-            payload = decompress(body, content_encoding, self.max_body_bytes)
-            request = decode(payload, encoding)
-        except PayloadTooLarge:
-            self.counters.reject("too_large")
+            pool = self._pool
+            try:
+                batch = pool.submit(parse, *args).result() if pool is not None else parse(*args)
+            except BrokenProcessPool:
+                self._rebuild(pool)
+                batch = parse(*args)
+        except PayloadError as exc:
+            self._count_error(exc)
             raise
         except UnsupportedMediaType:
             self.counters.reject("unsupported_media_type")
             raise
-        except PayloadError:
-            self.counters.reject("malformed")
+        return self._checked(batch)
+
+    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
+        """``batch`` for the event loop: waits on a worker, or on a thread when there is no pool."""
+        if self._pool is None:
+            return await run_in_threadpool(self.batch, body, encoding, content_encoding)
+        args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
+        pool = self._pool
+        try:
+            try:
+                batch = await asyncio.wrap_future(pool.submit(parse, *args))
+            except BrokenProcessPool:
+                self._rebuild(pool)
+                batch = await run_in_threadpool(parse, *args)
+        except PayloadError as exc:
+            self._count_error(exc)
             raise
-        batch = normalize(request, self.max_value_length)
+        except UnsupportedMediaType:
+            self.counters.reject("unsupported_media_type")
+            raise
+        return self._checked(batch)
+
+    def _rebuild(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:
+                log.error("a parse worker died; restarting the worker pool")
+                self._pool = None
+                self.start()
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def _count_error(self, exc: PayloadError) -> None:
+        self.counters.reject("too_large" if isinstance(exc, PayloadTooLarge) else "malformed")
+
+    def _checked(self, batch: Batch) -> Batch:
         if batch.rejected:
             self.counters.reject("invalid_span", batch.rejected)
         if batch.truncated:

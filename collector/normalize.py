@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
+from tokentrace import vllm_names as v
 
 TABLES: dict[str, tuple[str, ...]] = {
     "spans": (
@@ -352,6 +353,45 @@ def _heartbeat(scope: _Scope, span, a: dict, ids: tuple) -> None:
     ))
 
 
+# --- vLLM's native spans (docs/vllm.md) --------------------------------------------------------------
+def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    """vLLM's ``llm_request`` span (``--otlp-traces-endpoint``) as a request row.
+
+    Latencies arrive in seconds. A resource naming ``tokentrace.engine`` comes from a vLLM running
+    the tokentrace plugin, whose own ``llm.request`` (with cached tokens) is the row; this span then
+    stays in ``spans`` only, so that a request is never counted twice.
+    """
+    if scope.engine is not None:
+        return
+    ms = {key: _num(a.get(name)) for name, key in v.LATENCY_TO_CONTRACT_MS.items()}
+    ms = {key: None if value is None else value * 1e3 for key, value in ms.items()}
+    outputs = _int(a.get(v.USAGE_COMPLETION_TOKENS))
+    decode = ms[c.DECODE_MS]
+    tpot = decode / (outputs - 1) if decode is not None and outputs is not None and outputs > 1 else None
+    raw_id = _str(a.get(v.REQUEST_ID))
+    scope.batch.rows["requests"].append((
+        v.client_request_id(raw_id) if raw_id else ids[1], ids[0], ids[1], scope.instance_id,
+        scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
+        span.start_time_unix_nano, span.end_time_unix_nano,
+        ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
+        _int(a.get(v.USAGE_PROMPT_TOKENS)), None, outputs, _int(a.get(v.REQUEST_MAX_TOKENS)),
+        None, None, None, None, None,
+    ))
+
+
+def _vllm_load_stage(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    """One of vLLM's loading spans as a stage of the ``model.load`` its trace belongs to.
+
+    The vLLM plugin starts that trace for ``model.load`` and uses the trace id as the load id, so
+    the stage needs no join; the row is named by the contract stage, the vLLM name stays in
+    ``spans``.
+    """
+    scope.batch.rows["load_stages"].append((
+        ids[0], scope.instance_id, *ids, v.LOAD_STAGE_BY_SPAN[span.name], span.start_time_unix_nano,
+        span.end_time_unix_nano, None,
+    ))
+
+
 _Builder = Callable[[_Scope, object, dict, tuple], None]
 _BUILDERS: dict[str, _Builder] = {
     c.SPAN_REQUEST: _request,
@@ -369,6 +409,8 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_LOAD_WARMUP: _load_stage,
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
+    v.SPAN_LLM_REQUEST: _vllm_request,
+    **dict.fromkeys(v.LOAD_STAGE_BY_SPAN, _vllm_load_stage),
 }
 
 

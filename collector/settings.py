@@ -34,6 +34,15 @@ def _positive(text: str) -> int:
     return _integer(text, "a positive integer", 1)
 
 
+def _non_negative(text: str) -> int:
+    return _integer(text, "0 or a positive integer", 0)
+
+
+def default_parse_workers() -> int:
+    """One worker per core but one (the collector's own process), at most 4."""
+    return max(0, min(4, (os.cpu_count() or 1) - 1))
+
+
 def _token(text: str) -> str:
     if not text.strip() or any(ch.isspace() for ch in text):
         raise ValueError("a non-empty token without spaces")
@@ -63,6 +72,9 @@ SETTINGS: tuple[Setting, ...] = (
             "batches waiting for the writer before senders get 503 + Retry-After", _positive),
     Setting("max_attribute_length", 65536, "TOKENTRACE_MAX_ATTRIBUTE_LENGTH",
             "longer attribute strings are truncated (and reported in partial success)", _positive),
+    Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
+            "processes that decode and normalize payloads; 0 parses in the collector (default: cores - 1, "
+            "at most 4)", _non_negative),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
 )
 
@@ -79,6 +91,7 @@ class CollectorConfig:
     max_body_bytes: int
     max_queue: int
     max_attribute_length: int
+    parse_workers: int
     log_level: str
 
 
@@ -108,6 +121,8 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
             values[setting.name] = setting.parse(str(raw))
         except ValueError as exc:
             raise ConfigError(f"{source} must be {exc}, received {raw!r}") from None
+    if values["parse_workers"] is None:
+        values["parse_workers"] = default_parse_workers()
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     db_parent = Path(values["db"]).expanduser().resolve().parent

@@ -172,7 +172,17 @@ class DuckDBStore:
         return sql
 
     def frame(self, name: str, **params) -> pl.DataFrame:
-        """Run a named query with bound parameters."""
+        """Run a named query with bound parameters (small results: row fetch, the cheapest path)."""
+        cursor = self._cursor()
+        try:
+            rows = cursor.execute(self._query(name), params).fetchall()
+        except duckdb.Error as exc:
+            raise StoreError(f"query {name} failed: {exc}") from exc
+        names = [column[0] for column in cursor.description]
+        return pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
+
+    def _bulk(self, name: str, **params) -> pl.DataFrame:
+        """Run a named query whose result is large: columnar transfer through Arrow."""
         try:
             return self._cursor().sql(self._query(name), params=params).pl()
         except duckdb.Error as exc:
@@ -186,12 +196,11 @@ class DuckDBStore:
     def requests(self, since_ns: int | None = None, until_ns: int | None = None,
                  instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
         """Requests that started in [since, until), newest last."""
-        return self.frame("requests", since_ns=since_ns, until_ns=until_ns,
-                          instance_id=instance_id, limit=limit)
+        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
 
     def trace(self, trace_id: str) -> pl.DataFrame:
         """Every stored span of a trace, by start time."""
-        return self.frame("trace", trace_id=trace_id)
+        return self._bulk("trace", trace_id=trace_id)
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""

@@ -35,17 +35,21 @@ def _digest(payload: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
 
 
-def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
+def block_hashes(
+    tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, prev: int = 0
+) -> list[int]:
     """Chained hashes, one per block of ``block_size`` tokens (the last block may be shorter).
 
-    Returned as signed int64; ``h[i]`` identifies ``tokens[: (i + 1) * block_size]``.
+    Returned as signed int64; ``h[i]`` identifies ``tokens[: (i + 1) * block_size]``. ``prev``
+    continues a chain: the (signed) hash of the whole-block prefix that precedes ``tokens``, for
+    callers that learn a prompt block by block (vLLM's KV events carry only the new blocks).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     raw = _token_bytes(tokens)
     step = 4 * block_size
     hashes: list[int] = []
-    prev = 0
+    prev &= _MASK
     for start in range(0, len(raw), step):
         prev = _digest(_U64.pack(prev) + raw[start : start + step])
         hashes.append(to_signed(prev))

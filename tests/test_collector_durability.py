@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 from harness_collector import CollectorProcess, wait_for
@@ -70,3 +72,40 @@ def test_sigterm_mid_stream_exits_0_and_checkpoints_everything_acknowledged(coll
     assert _stored(collector, list(acked)) == len(acked)
     wal = collector.db.with_name(collector.db.name + ".wal")
     assert not wal.exists() or wal.stat().st_size == 0, "a clean stop checkpoints the store"
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_parse_worker_costs_no_request(collector_factory):
+    collector = collector_factory("--parse-workers", "1").start()
+    assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
+    workers = [pid for pid in _children(collector.proc.pid)
+               if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert workers, "the collector runs its parse worker as a child process"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(5):
+        assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
+    assert collector.stop() == 0
+    assert collector.sql("SELECT count(*) FROM spans") == [(18,)]
+
+
+def test_parsing_in_the_collector_process_stores_the_same(collector_factory):
+    collector = collector_factory("--parse-workers", "0").start()
+    for _ in range(3):
+        assert collector.post(make_request(4).SerializeToString(), "application/x-protobuf").status_code == 200
+    assert collector.health()["accepted_spans"] == 12
+    assert collector.stop() == 0
+    assert collector.sql("SELECT count(*) FROM spans") == [(12,)]

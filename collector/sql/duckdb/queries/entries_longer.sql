@@ -1,10 +1,9 @@
--- Cache entries inserted before a moment (any instance) that hold at least min_block + 1 blocks of a
--- prompt: one row per entry with its deepest shared block.
+-- Cache entries inserted before a moment (any instance) holding one of the given chained hashes
+-- (the caller passes only the blocks past what was reused): one row per entry, deepest block.
 SELECT request_id, instance_id, fingerprint, max(block_index) AS last_block, min(t_ns) AS t_ns
 FROM prefix_blocks
-WHERE source = 'insert'
-  AND hash IN (SELECT unnest($hashes::BIGINT[]))
-  AND block_index >= $min_block
+WHERE hash = ANY($hashes::BIGINT[])
+  AND source = 'insert'
   AND t_ns < $before_ns
 GROUP BY request_id, instance_id, fingerprint
 ORDER BY last_block DESC, t_ns DESC

@@ -1,5 +1,5 @@
 -- The chained block hashes of one request's prompt, in order.
 SELECT block_index, hash
 FROM prefix_blocks
-WHERE request_id = $request_id AND source = 'lookup'
+WHERE request_id = $request_id AND source = 'lookup' AND t_ns BETWEEN $t0_ns AND $t1_ns
 ORDER BY block_index

@@ -1,0 +1,233 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of the engine.
+
+Routes: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET /v1/models,
+GET /health (503 until the model is loaded and warmed up). ``X-Request-Id`` is honoured, echoed and
+generated when absent; ``X-Session-Id`` (else the ``user`` field) is the session id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from tokentrace.engine_shim.engine import Engine
+from tokentrace.engine_shim.jobs import Job
+from tokentrace.engine_shim.output import TextAssembler
+from tokentrace.engine_shim.protocol import (
+    BadRequest,
+    chunk_body,
+    max_tokens_of,
+    parse_request,
+    response_body,
+    stop_strings,
+    usage,
+    usage_chunk,
+)
+from tokentrace.engine_shim.records import RequestRecord
+from tokentrace.engine_shim.scheduler import LOAD_READY
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The ASGI app; the engine starts and stops with it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="tokentrace engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = engine.state
+        ok = state == LOAD_READY
+        return JSONResponse({"status": "ok" if ok else state}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = engine.settings.served_name
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tokentrace"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _handle(engine, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(engine, request, "completion")
+
+    return app
+
+
+class RequestStream:
+    """A job's consumer on the event loop: tokens in, text out; finalizes the record once both
+    the HTTP side and the generation are done (the scheduler may still be writing the record
+    after a client has gone)."""
+
+    def __init__(self, engine: Engine, job: Job, stops: list[str]):
+        self.engine = engine
+        self.job = job
+        self.queue: asyncio.Queue = asyncio.Queue()
+        runtime = engine.scheduler.runtime
+        self.text = TextAssembler(runtime.tokenizer, runtime.eos_token_ids, stops)
+        self.finish_reason: str | None = None
+        self.generation_done = False
+        self.http_done = False
+        self.completed = False  #: the whole response was written (streaming)
+        job.sink = self
+
+    def push(self, token: int, reason: str | None) -> None:
+        """From the generation thread (via the loop): one token, or the end."""
+        if reason is not None:
+            self.generation_done = True
+        self.queue.put_nowait((token, reason))
+        if self.generation_done and self.http_done:
+            self._finalize()
+
+    async def next_piece(self) -> tuple[str, str | None]:
+        """Wait for the next token; returns (new text, finish reason or None)."""
+        token, reason = await self.queue.get()
+        if self.finish_reason is not None:
+            return "", self.finish_reason
+        text, stopped = self.text.add(token, final=reason is not None, reason=reason)
+        if stopped and reason is None:
+            self.engine.cancel(self.job, "stop")
+            reason = "stop"
+        if reason is not None:
+            self.finish_reason = reason
+        return text, reason
+
+    def close(self, status: int, disconnected: bool = False) -> None:
+        """The HTTP side is done (last byte sent, or the client left)."""
+        record = self.job.record
+        record.end_ns = time.perf_counter_ns()
+        record.http_status = status
+        if disconnected and not self.generation_done:
+            record.client_disconnected = True
+            self.engine.cancel(self.job)
+        self.http_done = True
+        if self.generation_done:
+            self._finalize()
+
+    def _finalize(self) -> None:
+        if self.job.record.finish_reason == "error" and self.job.record.http_status == 200:
+            self.job.record.error_type = self.job.record.error_type or "GenerationError"
+        self.engine.finished(self.job.record)
+        self.http_done = self.generation_done = False  # finalize once
+
+    def usage_body(self) -> dict[str, Any]:
+        """Usage as sent to the client (and recorded on the span)."""
+        record = self.job.record
+        return usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
+
+
+async def _handle(engine: Engine, request: Request, kind: str) -> Response:
+    record = RequestRecord(request_id="", endpoint=request.url.path, arrival_ns=time.perf_counter_ns())
+    record.request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    headers = {"X-Request-Id": record.request_id}
+    try:
+        parsed = parse_request(kind, await request.body())
+        record.session_id = request.headers.get("x-session-id") or parsed.user
+        record.model, record.max_tokens, record.streamed = parsed.model, max_tokens_of(parsed), parsed.stream
+        engine.check_model(parsed.model)
+        await engine.wait_ready(record)
+        job = engine.new_job(kind, parsed, record)
+    except BadRequest as exc:
+        record.end_ns = time.perf_counter_ns()
+        record.http_status, record.error_type = exc.status, exc.code or exc.error_type
+        engine.finished(record)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    stream = RequestStream(engine, job, stop_strings(parsed))
+    engine.submit(job)
+    model = engine.settings.served_name
+    if parsed.stream:
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        return EventStream(_events(stream, kind, model, include_usage), stream, headers=headers)
+    return await _complete(stream, request, kind, model, headers)
+
+
+async def _complete(stream: RequestStream, request: Request, kind: str, model: str,
+                    headers: dict[str, str]) -> Response:
+    watcher = asyncio.ensure_future(_disconnected(request))
+    pieces: list[str] = []
+    try:
+        while True:
+            getter = asyncio.ensure_future(stream.next_piece())
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                stream.close(499, disconnected=True)
+                return Response(status_code=499)
+            text, reason = getter.result()
+            pieces.append(text)
+            if reason is not None:
+                break
+    finally:
+        watcher.cancel()
+    record = stream.job.record
+    status = 500 if stream.finish_reason == "error" else 200
+    if status == 500:
+        body = BadRequest("generation failed", status=500, error_type="server_error").body()
+    else:
+        body = response_body(kind, record.request_id, model, "".join(pieces), stream.finish_reason,
+                             stream.usage_body())
+    stream.close(status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    # After the body is read, the next ASGI message is http.disconnect when the client leaves.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(stream: RequestStream, kind: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    rid = stream.job.record.request_id
+    first = True
+    while True:
+        text, reason = await stream.next_piece()
+        if reason == "error":
+            yield _sse(BadRequest("generation failed", status=500, error_type="server_error").body())
+            break
+        if text or first or reason is not None:
+            yield _sse(chunk_body(kind, rid, model, text, reason, first))
+            first = False
+        if reason is not None:
+            break
+    if include_usage:
+        yield _sse(usage_chunk(kind, rid, model, stream.usage_body()))
+    yield "data: [DONE]\n\n"
+    stream.completed = True
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always tells the stream how it ended: completed, or the client left
+    (Starlette cancels a stream on disconnect without closing its generator)."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):
+            pass  # the client went away while we were writing
+        finally:
+            await self.body_iterator.aclose()
+            self.stream.close(200, disconnected=not self.stream.completed)

