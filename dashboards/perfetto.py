@@ -16,6 +16,7 @@ from typing import Any
 
 import polars as pl
 
+from tokentrace.analyzers.cache import request_window
 from tokentrace.analyzers.report import with_categories
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
@@ -125,8 +126,8 @@ def _facts(reader: TraceReader, request_id: str | None, since_ns: int | None, un
         requests = with_categories(requests)
         row = requests.row(0, named=True)
         lo, hi = row["start_ns"], row["end_ns"]
-        phases = reader.frame("phases", request_id=request_id)
-        chunks = reader.frame("prefill_chunks_of", request_id=request_id)
+        phases = reader.frame("phases", request_id=request_id, **request_window(row))
+        chunks = reader.frame("prefill_chunks_of", request_id=request_id, **request_window(row))
         scope = pl.col("instance_id") == row["instance_id"]
         steps = reader.frame("steps_in", since_ns=lo, until_ns=hi, instance_id=row["instance_id"])
         evictions = reader.frame("evictions_in", since_ns=lo, until_ns=hi).filter(scope)

@@ -13,6 +13,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
+from tokentrace.analyzers.cache import analyze_cache, request_window
 from tokentrace.analyzers.slowness import classify_slowness, load_slow_facts
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
@@ -32,7 +33,8 @@ def _detail(attributes: str | None) -> str:
         values = json.loads(attributes or "{}")
     except ValueError:
         return ""
-    parts = [f"{key.removeprefix('tokentrace.').removeprefix('gen_ai.')}={value}" for key, value in values.items()
+    parts = [f"{key.removeprefix('tokentrace.').removeprefix('gen_ai.')}="
+             f"{round(value, 3) if isinstance(value, float) else value}" for key, value in values.items()
              if key not in _SKIP and not isinstance(value, (list, dict))]
     return " · ".join(parts[:_MAX_DETAIL])
 
@@ -81,22 +83,25 @@ def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
     """Everything the request page shows; NotFound for an unknown id."""
     facts = load_slow_facts(reader, request_id)  # NotFound here when the store has no such request
     slow = classify_slowness(facts)
+    # The slowness facts carry the cache verdict only for prefill-bound requests; the page shows both.
+    cache = facts.cache or analyze_cache(reader, request_id)
     row = facts.request
     e2e = slow.breakdown_ms["e2e"] or 0.0
     batched = reader.frame("batched_with", instance_id=row["instance_id"], request_id=request_id,
                            t0_ns=row["start_ns"], t1_ns=row["end_ns"])
-    itl = inter_token(reader.frame("decode_steps_of", request_id=request_id))
+    window = request_window(row)  # per-request reads are bounded by its own time span
+    itl = inter_token(reader.frame("decode_steps_of", request_id=request_id, **window))
     return {
         "request": row,
         "e2e_ms": e2e,
         "split": [{"phase": p, "ms": slow.breakdown_ms[p], "share": round((slow.breakdown_ms[p] or 0) / e2e, 5)
                    if e2e else 0.0} for p in PHASES],
         "slow": slow.as_dict(),
-        "cache": facts.cache.as_dict() if facts.cache else None,
+        "cache": cache.as_dict(),
         "spans": waterfall(reader.trace(row["trace_id"])),
         "batched_with": batched.to_dicts(),
         "itl": itl,
-        "segments": reader.frame("segments_of", request_id=request_id).to_dicts(),
+        "segments": reader.frame("segments_of", request_id=request_id, **window).to_dicts(),
         "charts": {"itl": {"kind": "line", "x_type": "index", "unit": "ms", "x": itl["token"],
                            "series": [{"name": "inter-token latency", "y": itl["itl_ms"]}],
                            "empty": "fewer than two tokens: no inter-token latency"}},
