@@ -14,6 +14,7 @@ from fastapi import Request
 from tokentrace.analyzers.report import _percentiles, summarize, with_categories
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
 from tokentrace.dashboards.instances import instance_health
 from tokentrace.dashboards.web import page
@@ -34,19 +35,14 @@ def thin(rows: pl.DataFrame, max_points: int = MAX_POINTS) -> pl.DataFrame:
     return rows.reverse().gather_every(k).reverse()
 
 
-def queue_series(reader: TraceReader, window_ns: int | None) -> list[dict[str, Any]]:
+def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
     """Per instance: heartbeat times (epoch ms), queue depth and running sequences."""
-    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
-    series = []
+    lines = []
     for (instance,), rows in beats.group_by(["instance_id"], maintain_order=True):
         rows = thin(rows)
-        series.append({"instance_id": instance, "t": (rows["t_ns"] / 1e6).to_list(),
-                       "queue_depth": rows["queue_depth"].to_list(), "running": rows["running"].to_list()})
-    return series
-
-
-def _ms(ns: int | None) -> float | None:
-    return None if ns is None else ns / 1e6
+        lines.append({"instance_id": instance, "t": (rows["t_ns"] / 1e6).to_list(),
+                      "queue_depth": rows["queue_depth"].to_list(), "running": rows["running"].to_list()})
+    return lines
 
 
 def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
@@ -69,7 +65,9 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
         errors = int(frame.filter((pl.col("http_status").fill_null(200) >= 400)
                                   | pl.col("error_type").is_not_null()).height)
     categories = {label: report["categories"].get(label, 0) for _, label in CATEGORIES}
-    queue = queue_series(reader, window_ns)
+    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
+    queue = queue_series(beats)
+    chart_t0, _ = series.span(window_ns, now_ns, [beats["t_ns"]])
     health = instance_health(reader, now_ns)
     latency_of = {row["instance_id"]: row for row in report["instances"]}
     known = {row["instance_id"] for row in health}
@@ -86,7 +84,7 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
         "slowest": report["slowest"], "queue": queue,
-        "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": _ms(window_ns),
+        "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}
                                         for s in queue],

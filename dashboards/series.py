@@ -13,11 +13,14 @@ _STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600
 
 
 def span(since_ns: int | None, now_ns: int, times: list[pl.Series]) -> tuple[int, int]:
-    """The window to chart: [since, now], or from the oldest time present when the window is 'all'."""
-    if since_ns is not None:
-        return since_ns, now_ns
+    """The stretch to chart: from the oldest time present (never before ``since``) to now.
+
+    A cluster that started two minutes ago in a one-hour window gets two minutes of chart, not a
+    sliver at the right edge; with no data at all it is the window (or the last minute)."""
     oldest = [s.min() for s in times if s.len() and s.min() is not None]
-    return (min(oldest) if oldest else now_ns - 60_000_000_000), now_ns
+    if not oldest:
+        return (since_ns if since_ns is not None else now_ns - 60_000_000_000), now_ns
+    return max(min(oldest), since_ns or 0), now_ns
 
 
 def step_ns(t0_ns: int, t1_ns: int, max_buckets: int = 60) -> int:

@@ -15,7 +15,8 @@
   function fmt(unit, v) {
     if (v === null || v === undefined) return "n/a";
     if (unit === "pct") return (v * 100).toFixed(0) + " %";
-    if (unit === "ms") return v >= 1000 ? (v / 1000).toFixed(2) + " s" : (v >= 10 ? v.toFixed(0) : v.toFixed(1)) + " ms";
+    // The same rule as the server's fmt_ms, so a tooltip and a table never disagree.
+    if (unit === "ms") return Math.abs(v) >= 1000 ? (v / 1000).toFixed(2) + " s" : v.toFixed(1) + " ms";
     if (unit === "bytes") {
       const units = ["B", "KiB", "MiB", "GiB"];
       let i = 0;
@@ -102,7 +103,7 @@
     ctx.fillStyle = "#667085";
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    const ystep = niceStep(y1, 4);
+    const ystep = spec.unit === "count" ? Math.max(1, niceStep(y1, 4)) : niceStep(y1, 4);
     for (let v = 0; v <= y1; v += ystep) {
       ctx.beginPath(); ctx.moveTo(PAD.left, Y(v)); ctx.lineTo(w - PAD.right, Y(v)); ctx.stroke();
       ctx.fillText(fmt(spec.unit, v), PAD.left - 6, Y(v));
@@ -141,9 +142,11 @@
           pen = true;
         }
         ctx.stroke();
-        if (sx.length < 40) {  // few points: mark them so a single sample is visible
-          ctx.fillStyle = colorOf(s, k);
-          for (let i = 0; i < sx.length; i++) if (s.y[i] !== null) ctx.fillRect(X(sx[i]) - 2, Y(s.y[i]) - 2, 4, 4);
+        // Mark the points when there are few, and always a point no line reaches (gaps on both sides).
+        ctx.fillStyle = colorOf(s, k);
+        const gap = (i) => i < 0 || i >= sx.length || s.y[i] === null || s.y[i] === undefined;
+        for (let i = 0; i < sx.length; i++) {
+          if (!gap(i) && (sx.length < 40 || (gap(i - 1) && gap(i + 1)))) ctx.fillRect(X(sx[i]) - 2, Y(s.y[i]) - 2, 4, 4);
         }
       });
     }

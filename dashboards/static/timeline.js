@@ -13,7 +13,7 @@
                         decode: color("decode")};
   const CHUNK_ALT = "#78a6ec";
   const OTHER = color("other");
-  const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12;
+  const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12, LANE_MIN = 42;
   const fmt = (v) => window.tokentraceCharts.fmt("ms", v);
 
   class Timeline {
@@ -91,7 +91,8 @@
       this.rowH = Math.max(3, Math.min(16, Math.floor((room - AXIS - lanes * (MARK + GAP)) / total)));
       this.laneTop = [];
       let y = AXIS;
-      for (const c of counts) { this.laneTop.push(y); y += MARK + c * this.rowH + GAP; }
+      // At least LANE_MIN tall: the instance name and row count are drawn in the gutter.
+      for (const c of counts) { this.laneTop.push(y); y += Math.max(LANE_MIN, MARK + c * this.rowH) + GAP; }
       this.height = Math.max(y, 120);
       const dpr = window.devicePixelRatio || 1;
       this.width = this.canvas.clientWidth;
@@ -108,8 +109,9 @@
       for (let i = 0; i < this.loadStart.length; i++) { lo = Math.min(lo, this.loadStart[i]); hi = Math.max(hi, this.loadEnd[i]); }
       for (const t of this.evT) { lo = Math.min(lo, t); hi = Math.max(hi, t); }
       if (!isFinite(lo)) { lo = 0; hi = Math.max(1, this.data.now); }
-      // A window ending now shows now (live view follows it); "all" shows just the data.
-      if (this.data.window.since_ns !== null) hi = Math.max(hi, this.data.now);
+      // A busy cluster's view runs to now and follows it live; traffic that stopped long ago (more
+      // than its own length before now) is shown on its own rather than squeezed against empty time.
+      if (this.data.window.since_ns !== null && this.data.now - hi <= hi - lo) hi = Math.max(hi, this.data.now);
       const pad = Math.max(1, (hi - lo) * 0.02);
       this.view = [lo - pad, hi + pad];
     }
@@ -139,6 +141,12 @@
       const [v0, v1] = this.view;
       ctx.clearRect(0, 0, this.width, this.height);
       this.paintLanes(ctx);
+      const ticks = this.ticks();
+      ctx.strokeStyle = "#e3e6eb";  // grid under the bars, labels over them (paintAxis)
+      ctx.lineWidth = 1;
+      ctx.beginPath();
+      for (const t of ticks.at) { const x = this.x(t); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, this.height); }
+      ctx.stroke();
       const visible = [];
       for (let i = 0; i < this.n; i++) if (this.end[i] >= v0 && this.start[i] <= v1) visible.push(i);
       // Whole request first (what no phase covers shows as "other"), at least 1 px wide so none vanishes.
@@ -177,7 +185,7 @@
         ctx.strokeRect(x0 - 1, this.y(i) - 1, Math.max(1, this.x(this.end[i]) - x0) + 2, h + 2);
       }
       this.paintMarkers(ctx);
-      this.paintAxis(ctx);
+      this.paintAxis(ctx, ticks);
       this.canvas.dataset.drawn = String(visible.length);
       this.canvas.dataset.requests = String(this.n);
       if (this.firstDrawMs === null) {
@@ -235,29 +243,34 @@
       }
     }
 
-    paintAxis(ctx) {
+    /* Tick times (ms from the origin) on round clock times, and the step between them. */
+    ticks() {
+      const [v0, v1] = this.view, span = v1 - v0, at = [];
+      const step = span < 1 ? Math.pow(10, Math.floor(Math.log10(span / 4)))
+        : window.tokentraceCharts.timeStep(span, Math.max(2, (this.width - GUTTER) / 120));
+      const origin = this.origin / 1e6;
+      // Align in epoch ms, then back to ms from the origin.
+      for (let t = Math.ceil((origin + v0) / step) * step - origin; t <= v1; t += step) {
+        if (this.x(t) >= GUTTER) at.push(t);
+      }
+      return {at, step};
+    }
+
+    paintAxis(ctx, ticks) {
       const [v0, v1] = this.view, span = v1 - v0;
       ctx.fillStyle = "#fff";
       ctx.fillRect(0, 0, this.width, AXIS - 4);
       ctx.fillRect(0, 0, GUTTER - 4, AXIS);
-      ctx.strokeStyle = "#e3e6eb";
       ctx.fillStyle = "#667085";
       ctx.font = "11px system-ui, sans-serif";
       ctx.textAlign = "center";
       ctx.textBaseline = "middle";
-      const step = span < 1 ? Math.pow(10, Math.floor(Math.log10(span / 4)))
-        : window.tokentraceCharts.timeStep(span, Math.max(2, (this.width - GUTTER) / 120));
-      const origin = this.origin / 1e6;
-      // Ticks on round clock times: align in epoch ms, then back to ms from the origin.
-      for (let t = Math.ceil((origin + v0) / step) * step - origin; t <= v1; t += step) {
-        const x = this.x(t);
-        if (x < GUTTER) continue;
-        ctx.beginPath(); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, this.height); ctx.stroke();
+      const origin = this.origin / 1e6, p = (n, w) => String(n).padStart(w || 2, "0");
+      for (const t of ticks.at) {
         const when = new Date(origin + t);
-        const p = (n, w) => String(n).padStart(w || 2, "0");
         let label = p(when.getHours()) + ":" + p(when.getMinutes()) + ":" + p(when.getSeconds());
-        if (step < 1000) label += "." + p(when.getMilliseconds(), 3);
-        ctx.fillText(label, x, AXIS / 2 - 2);
+        if (ticks.step < 1000) label += "." + p(when.getMilliseconds(), 3);
+        ctx.fillText(label, this.x(t), AXIS / 2 - 2);
       }
       ctx.textAlign = "left";
       ctx.fillText("span " + fmt(span), 8, AXIS / 2 - 2);
