@@ -287,3 +287,20 @@ def test_with_a_token_pages_demand_it(cluster, collector_factory, browser_page, 
     assert page.request.get(guarded.url + "/cache.json").status == 200  # the cookie now opens every page
     browser_page.open(guarded.url + "/instances")
     browser_page.assert_clean()
+
+
+def test_live_pages_show_new_requests_without_a_reload(collector_factory, engine_factory, browser_page):
+    collector = collector_factory().start()
+    engine = engine_factory("--heartbeat-interval", "0.5", collector=collector, instance_id="live").start()
+    page = browser_page.page
+    browser_page.open(collector.url + "/timeline?since=5m")
+    page.wait_for_function("document.getElementById('timeline').dataset.requests === '0'")
+    _chat(engine, "live-1", QUESTIONS[0], 4)
+    # The engine exports within seconds and the page refetches its twin every 5 s: no reload.
+    page.wait_for_function("document.getElementById('timeline').dataset.requests === '1'", timeout=45_000)
+    browser_page.open(collector.url + "/?since=5m")
+    assert page.locator('[data-metric="requests"]').first.get_attribute("data-value") == "1"
+    _chat(engine, "live-2", QUESTIONS[1], 4)
+    page.wait_for_function("document.querySelector('[data-metric=\"requests\"]').dataset.value === '2'",
+                           timeout=45_000)
+    browser_page.assert_clean()
