@@ -22,7 +22,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from tokentrace import __version__
 from tokentrace.analyzers.evidence import fmt_ms
-from tokentrace.errors import ConfigError, NotFound
+from tokentrace.errors import ConfigError, NotFound, StoreError
 
 router = APIRouter()
 _STATIC = resources.files("tokentrace.dashboards") / "static"
@@ -73,13 +73,6 @@ def fmt_age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
-_ENV = Environment(
-    loader=PackageLoader("tokentrace.dashboards", "templates"),
-    autoescape=True,  # every template is HTML and renders user text
-    undefined=StrictUndefined,
-    trim_blocks=True,
-    lstrip_blocks=True,
-)
 def share_pct(share: float | None) -> str:
     """A 0..1 share as a CSS width, clamped: '45.60%'."""
     return f"{min(1.0, max(0.0, share or 0.0)) * 100:.2f}%"
@@ -88,22 +81,6 @@ def share_pct(share: float | None) -> str:
 def quote_path(value: Any) -> str:
     """One URL path segment (a request id may hold '/', '?' or '#')."""
     return urllib.parse.quote(str(value), safe="")
-
-
-def dumps(data: Any, **_ignored: Any) -> str:
-    """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
-    try:
-        return json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
-    except ValueError:
-        return json.dumps(clean(data), separators=(",", ":"), allow_nan=False, default=str)
-
-
-_ENV.filters.update(ms=fmt_ms, bytes=fmt_bytes, pct=fmt_pct, num=fmt_num, clock=fmt_clock, age=fmt_age,
-                    q=quote_path)
-_ENV.globals.update(nav=NAV, windows=WINDOWS, version=__version__, share_pct=share_pct)
-# tojson escapes <, >, & and ' for HTML on top of this function's output (jinja2.utils.htmlsafe_json_dumps).
-_ENV.policies["json.dumps_function"] = dumps
-_ENV.policies["json.dumps_kwargs"] = {}
 
 
 def clean(value: Any) -> Any:
@@ -115,6 +92,29 @@ def clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [clean(item) for item in value]
     return value
+
+
+def dumps(data: Any, **_ignored: Any) -> str:
+    """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
+    try:
+        return json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(clean(data), separators=(",", ":"), allow_nan=False, default=str)
+
+
+_ENV = Environment(
+    loader=PackageLoader("tokentrace.dashboards", "templates"),
+    autoescape=True,  # every template is HTML and renders user text
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_ENV.filters.update(ms=fmt_ms, bytes=fmt_bytes, pct=fmt_pct, num=fmt_num, clock=fmt_clock, age=fmt_age,
+                    q=quote_path)
+_ENV.globals.update(nav=NAV, windows=WINDOWS, version=__version__, share_pct=share_pct)
+# tojson escapes <, >, & and ' for HTML on top of this function's output (jinja2.utils.htmlsafe_json_dumps).
+_ENV.policies["json.dumps_function"] = dumps
+_ENV.policies["json.dumps_kwargs"] = {}
 
 
 def json_response(data: dict, status: int = 200) -> Response:
@@ -134,7 +134,8 @@ def page(path: str, template: str, title: str):
     """Register ``view`` at ``path`` (HTML) and ``path + '.json'`` (its JSON twin).
 
     ``view`` takes FastAPI parameters (``request: Request`` first) and returns a JSON-ready dict.
-    Errors: NotFound is a 404 page (the twin: the JSON envelope), ConfigError a 400.
+    Errors: NotFound is a 404 page, ConfigError a 400, StoreError a 503; the twin answers them with
+    the collector's JSON error envelope.
     """
 
     def register(view):
@@ -152,6 +153,9 @@ def page(path: str, template: str, title: str):
             except ConfigError as exc:
                 return render(request, "error.html", 400, title="Bad parameter", status=400, message=str(exc),
                               twin=None)
+            except StoreError as exc:
+                return render(request, "error.html", 503, title="Store unavailable", status=503,
+                              message=str(exc), twin=None)
             return render(request, template, title=title, data=data, twin=request.url.path + ".json")
 
         # The twin first: "/requests/{id}" would otherwise also match "/requests/abc.json".

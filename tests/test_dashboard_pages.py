@@ -151,3 +151,10 @@ def test_pages_need_the_token(collector_factory):
     assert entry.status_code == 303 and entry.headers["location"] == "/timeline?since=5m"
     cookie = entry.headers["set-cookie"]
     assert "HttpOnly" in cookie and "dash-token" in cookie
+
+
+def test_twins_never_carry_nan():
+    from tokentrace.dashboards.web import dumps
+
+    # polars gives NaN for a mean over nothing; browsers' JSON.parse rejects NaN outright.
+    assert dumps({"mean": float("nan"), "rows": [1.5, float("inf")]}) == '{"mean":null,"rows":[1.5,null]}'
