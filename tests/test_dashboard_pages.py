@@ -158,3 +158,13 @@ def test_twins_never_carry_nan():
 
     # polars gives NaN for a mean over nothing; browsers' JSON.parse rejects NaN outright.
     assert dumps({"mean": float("nan"), "rows": [1.5, float("inf")]}) == '{"mean":null,"rows":[1.5,null]}'
+
+
+def test_an_instance_silent_for_30_s_is_stale(collector_factory):
+    collector = collector_factory().start()
+    golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces",
+                  time.time_ns() - 120_000_000_000)  # its last span and heartbeat: two minutes ago
+    (instance,) = _get(collector, "/instances.json").json()["instances"]
+    assert instance["status"] == "stale" and instance["last_seen_age_s"] > 30
+    page = _get(collector, "/instances").text
+    assert 'id="stale"' in page and "golden-1" in page

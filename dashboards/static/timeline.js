@@ -186,6 +186,13 @@
       }
       this.paintMarkers(ctx);
       this.paintAxis(ctx, ticks);
+      if (!d.lanes.length) {
+        ctx.fillStyle = "#667085";
+        ctx.font = "13px system-ui, sans-serif";
+        ctx.textAlign = "center";
+        ctx.fillText("No requests in this window yet: point an engine at this collector or widen the window.",
+                     this.width / 2, AXIS + 40);
+      }
       this.canvas.dataset.drawn = String(visible.length);
       this.canvas.dataset.requests = String(this.n);
       if (this.firstDrawMs === null) {
