@@ -8,7 +8,8 @@ Definitions (the contract; tests check them):
   ``capacity``        a longer prefix was cached on this instance and evicted before the lookup;
   ``instance_change`` a longer prefix was never cached on this instance but was cached on another;
   ``prefix_change``   an earlier request shares later segments (same content hashes) but diverges
-                      before them: the first divergent token and the segment it falls in;
+                      before them, where this prompt's reuse stopped: the first divergent token
+                      and the segment it falls in;
   ``new_prefix``      nothing reusable was ever cached and nothing resembles the prompt;
   ``null``            everything reusable was reused.
   ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans).
@@ -188,7 +189,7 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
                            block_size=block)
     verdict.evidence.append(Evidence(
         "lookup", f"Lookup matched {cached} of {prompt} prompt tokens ({lookup['match']} match); the cache "
-                  f"held {lookup['cache_entries']} entries, {lookup['cache_bytes']} bytes.",
+                  f"held {_plural(lookup['cache_entries'], 'entry', 'entries')}, {lookup['cache_bytes']} bytes.",
         {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
          "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
     ))
@@ -198,6 +199,10 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         _new_or_reused(verdict, facts, block)
     verdict.result = "hit" if verdict.cause is None else ("partial" if cached > 0 else "miss")
     return verdict
+
+
+def _plural(count: int | None, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
 
 
 def _unknown(request: dict) -> CacheVerdict:
@@ -286,7 +291,9 @@ def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached:
     best = None
     for match in facts.segment_matches.iter_rows(named=True):
         diverge = facts.divergences.get(match["request_id"])
-        if diverge is None:
+        if diverge is None or diverge < cached // block * block:
+            # This prompt reused past the point where it leaves that request: its reuse came from
+            # elsewhere, and the shared segment is a coincidence, not the reason for the miss.
             continue
         for segment in segments:
             if segment["hash"] != match["hash"] or segment["token_start"] < diverge:

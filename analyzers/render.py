@@ -17,8 +17,8 @@ def _abnormal(verdict: dict) -> str:
     if verdict["abnormal"] is None:
         return f"abnormal: unknown (only {base['samples']} comparable requests)"
     judged = "yes" if verdict["abnormal"] else "no"
-    return (f"abnormal: {judged} ({base['metric']} {base['observed']:g} {base['unit']} vs baseline "
-            f"{base['value']:g} over {base['samples']} requests)")
+    return (f"abnormal: {judged} ({base['metric']} {base['observed']:.4g} {base['unit']} vs baseline "
+            f"{base['value']:.4g} over {base['samples']} requests)")
 
 
 def render_slow(verdict: dict) -> str:

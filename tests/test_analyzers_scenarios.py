@@ -1,0 +1,185 @@
+"""Issue 4 acceptance: every slowness category and cache cause, produced for real by two real engines
+and a real collector (the demo's scripted workload), with the verdicts' key evidence asserted.
+
+The engines are stopped before anything is read (an engine exits only after exporting its
+telemetry); verdicts are read through the collector's API and, after it stopped, through
+``tokentrace analyze --db``, and the two must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from harness_collector import CollectorProcess
+from harness_engine import EngineProcess
+
+from tokentrace.demo_workload import INSTANCE_FLAGS, Cluster, run_workload
+
+pytestmark = pytest.mark.slow
+INSTANCE_IDS = {"A": "scen-a", "B": "scen-b"}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory, tiny_model):
+    """Run the workload once; returns the collector (running) and the requests shown."""
+    workdir = tmp_path_factory.mktemp("scenarios")
+    collector = CollectorProcess(workdir).start()
+    engines = {key: EngineProcess(workdir, tiny_model, *INSTANCE_FLAGS[key], collector=collector,
+                                  instance_id=INSTANCE_IDS[key]) for key in ("A", "B")}
+    try:
+        engines["A"].start()
+        engines["B"].start(ready=False)  # --lazy-load: it loads on its first request
+        shown = run_workload(Cluster({key: engine.url for key, engine in engines.items()}))
+    finally:
+        for engine in engines.values():
+            assert engine.stop() == 0, engine.log_path.read_text()
+    yield {"collector": collector, "shown": shown, "verdicts": {}}
+    collector.stop()
+
+
+def verdict(scenario, request_id: str, kind: str) -> dict:
+    """One verdict through the collector's API (cached per test module)."""
+    key = (request_id, kind)
+    if key not in scenario["verdicts"]:
+        collector = scenario["collector"]
+        response = httpx.get(f"{collector.url}/api/requests/{request_id}/{kind}", timeout=60)
+        assert response.status_code == 200, response.text
+        scenario["verdicts"][key] = response.json()
+    return scenario["verdicts"][key]
+
+
+def evidence(result: dict, kind: str) -> list[dict]:
+    return [item for item in result["evidence"] if item["kind"] == kind]
+
+
+def test_cold_start_cites_the_load_it_waited_on(scenario):
+    slow = verdict(scenario, "demo-cold-start", "slow")
+    assert (slow["category"], slow["ttft_category"], slow["instance_id"]) == ("cold_start", "cold_start", "scen-b")
+    [load] = evidence(slow, "load")
+    assert load["lazy"] is True and load["load_wait_ms"] > 0
+    assert {stage["name"] for stage in load["stages"]} == {"model.load.resolve", "model.load.weights",
+                                                          "model.load.tokenizer", "model.load.warmup"}
+    [dominant] = evidence(slow, "dominant_stage")
+    assert dominant["ms"] == max(stage["ms"] for stage in load["stages"])
+    assert slow["breakdown_ms"]["load_wait"] > max(slow["breakdown_ms"][k] for k in ("queue", "prefill", "decode"))
+
+
+def test_queueing_names_the_requests_holding_the_slots(scenario):
+    slow = verdict(scenario, "demo-queued", "slow")
+    assert (slow["category"], slow["ttft_category"]) == ("queueing", "queueing")
+    [depth] = evidence(slow, "queue_depth")
+    assert (depth["running"], depth["max_batch"]) == (2, 2)
+    blockers = {item["request_id"]: item for item in evidence(slow, "blocker")}
+    assert set(blockers) == {"demo-long-gen-1", "demo-long-gen-2"}
+    for item in blockers.values():
+        assert item["completion_tokens"] == 300
+        assert 0 < item["held_ms"] <= slow["breakdown_ms"]["queue"] + 1
+    assert slow["abnormal"] is True  # nothing else on A queued like this
+
+
+def test_long_uncached_prompt_is_prefill_with_its_cache_verdict(scenario):
+    slow = verdict(scenario, "demo-long-prompt", "slow")
+    assert slow["category"] == "prefill"
+    [tokens] = evidence(slow, "prefill_tokens")
+    assert tokens["uncached_tokens"] == slow["tokens"]["prompt"] > 1000 and tokens["cached_tokens"] == 0
+    [rate] = evidence(slow, "prefill_rate")
+    assert rate["tokens_per_s"] > 0
+    [cache] = evidence(slow, "cache")
+    assert (cache["result"], cache["cause"]) == ("miss", "new_prefix")
+
+
+def test_contended_decode_names_the_interleaved_prefill(scenario):
+    slow = verdict(scenario, "demo-contended-1", "slow")
+    assert slow["category"] == "decode"
+    [batch] = evidence(slow, "batch")
+    assert batch["max_batch"] >= 3  # the three long generations decoded together
+    [interference] = evidence(slow, "prefill_interference")
+    assert "demo-interloper" in interference["prefill_request_ids"]
+    assert interference["steps"] >= 2 and interference["prefill_tokens"] > 0
+    assert evidence(slow, "tpot")[0]["tpot_ms"] == slow["breakdown_ms"]["tpot"]
+
+
+def test_capacity_cites_the_eviction_and_the_insert_that_caused_it(scenario):
+    cache = verdict(scenario, "demo-evicted-2", "cache")
+    assert (cache["cause"], cache["result"]) == ("capacity", "miss")
+    [eviction] = evidence(cache, "eviction")
+    assert eviction["entry_request_id"] == "demo-evicted-1"
+    assert eviction["reason"] == "max_entries"
+    assert cache["evicted_by"] == eviction["evicted_by"]
+    assert cache["evicted_by"].startswith("demo-filler-")
+    assert cache["seen_tokens"] > cache["cached_tokens"]
+
+
+def test_instance_change_names_the_instance_that_holds_the_prefix(scenario):
+    cache = verdict(scenario, "demo-move-2", "cache")
+    assert (cache["cause"], cache["instance_id"], cache["cached_on"]) == ("instance_change", "scen-b", "scen-a")
+    [elsewhere] = evidence(cache, "cached_elsewhere")
+    assert elsewhere["entry_request_id"] == "demo-move-1" and elsewhere["alive"] is True
+    assert cache["seen_tokens"] >= elsewhere["covered_tokens"] > cache["cached_tokens"]
+
+
+def test_prefix_change_reports_the_divergent_segment(scenario):
+    cache = verdict(scenario, "demo-sys-changed", "cache")
+    assert cache["cause"] == "prefix_change"
+    assert cache["divergence"] == {"token_index": 0, "segment_role": "system", "segment_index": 0}
+    [divergence] = evidence(cache, "divergence")
+    assert divergence["earlier_request_id"] == "demo-sys-before"
+    assert divergence["shared_segment_role"] == "user"
+
+
+def test_follow_up_turn_is_a_clean_hit(scenario):
+    cache = verdict(scenario, "demo-hit-2", "cache")
+    assert (cache["result"], cache["cause"]) == ("hit", None)
+    assert cache["cached_tokens"] > 0 and cache["seen_tokens"] - cache["cached_tokens"] < cache["block_size"]
+
+
+def test_first_time_prompt_is_a_new_prefix_miss(scenario):
+    cache = verdict(scenario, "demo-long-prompt", "cache")
+    assert (cache["result"], cache["cause"], cache["cached_tokens"], cache["seen_tokens"]) == ("miss", "new_prefix",
+                                                                                               0, 0)
+
+
+def test_a_request_fast_everywhere_is_not_abnormal(scenario):
+    slow = verdict(scenario, "demo-fast", "slow")
+    assert slow["abnormal"] is False
+    assert slow["baseline"]["samples"] >= 3
+
+
+def test_every_shown_request_gets_the_verdict_its_scenario_shows(scenario):
+    from tokentrace.demo import verdict_holds
+
+    for item in scenario["shown"]:
+        both = {kind: verdict(scenario, item.request_id, kind) for kind in ("slow", "cache")}
+        assert verdict_holds(item, both), (item, both[item.verdict])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokentrace", "analyze", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
+    collector = scenario["collector"]
+    ids = ["demo-queued", "demo-evicted-2", "demo-sys-changed", "demo-contended-1"]
+    by_url = {(rid, kind): json.loads(_cli(kind, "--request-id", rid, "--url", collector.url, "--json").stdout)
+              for rid in ids for kind in ("slow", "cache")}
+    missing = _cli("slow", "--request-id", "no-such-request", "--url", collector.url)
+    assert missing.returncode == 2 and "no request with id 'no-such-request'" in missing.stderr
+    text = _cli("slow", "--request-id", "demo-queued", "--url", collector.url)
+    assert text.returncode == 0 and "category: queueing" in text.stdout and "demo-long-gen-1" in text.stdout
+    collector.stop()
+    for (rid, kind), expected in by_url.items():
+        result = _cli(kind, "--request-id", rid, "--db", str(collector.db), "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == expected, (rid, kind)
+    missing = _cli("cache", "--request-id", "no-such-request", "--db", str(collector.db))
+    assert missing.returncode == 2 and "no request with id 'no-such-request'" in missing.stderr
+    report = _cli("report", "--since", "all", "--db", str(collector.db), "--json")
+    summary = json.loads(report.stdout)
+    assert summary["requests"] == len(collector.sql("SELECT DISTINCT request_id FROM requests"))
+    assert set(summary["categories"]) == {"cold_start", "queueing", "prefill", "decode"}
+    assert {row["instance_id"] for row in summary["instances"]} == {"scen-a", "scen-b"}
