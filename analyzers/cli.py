@@ -27,19 +27,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             ("cache", "why did this request's prefix-cache lookup miss")):
         one = sub.add_parser(name, help=help_text, description=help_text)
         one.add_argument("--request-id", required=True, help="the request's id (X-Request-Id)")
-        _source_options(one)
+        _analysis_options(one)
     report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
                             description="A summary of the requests that started in the window.")
     report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
     report.add_argument("--causes", type=int, default=25, help="latest misses to compute causes for (default 25)")
-    _source_options(report)
+    _analysis_options(report)
 
 
-def _source_options(parser: argparse.ArgumentParser) -> None:
+def add_source_options(parser: argparse.ArgumentParser) -> None:
+    """--url | --db and --token: where the data comes from (shared with ``tokentrace export``)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--url", default=None, help=f"collector to ask (default {DEFAULT_URL})")
     source.add_argument("--db", default=None, help="DuckDB store file to read directly (collector stopped)")
     parser.add_argument("--token", default=None, help="bearer token of the collector (env TOKENTRACE_TOKEN)")
+
+
+def _analysis_options(parser: argparse.ArgumentParser) -> None:
+    add_source_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -78,11 +83,16 @@ def _from_db(args: argparse.Namespace) -> dict:
 
 
 def _from_url(args: argparse.Namespace) -> dict:
-    base = (args.url or os.environ.get("TOKENTRACE_URL") or DEFAULT_URL).rstrip("/")
     if args.analysis == "report":
         path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes})
     else:
         path = f"/api/requests/{urllib.parse.quote(args.request_id, safe='')}/{args.analysis}"
+    return fetch_json(args, path)
+
+
+def fetch_json(args: argparse.Namespace, path: str) -> dict:
+    """GET ``path`` from the collector of ``--url`` (with ``--token``); envelope errors become ours."""
+    base = (args.url or os.environ.get("TOKENTRACE_URL") or DEFAULT_URL).rstrip("/")
     request = urllib.request.Request(base + path, headers={"Accept": "application/json"})
     token = args.token or os.environ.get("TOKENTRACE_TOKEN")
     if token:

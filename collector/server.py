@@ -15,9 +15,11 @@ def open_store(config: CollectorConfig):
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:
-    """The collector's ASGI app over an open store: receiver, health, verdict API."""
+    """The collector's ASGI app over an open store: receiver, health, verdict API, dashboard."""
     from tokentrace.analyzers.api import router as verdicts
+    from tokentrace.dashboards.routes import router as dashboard
 
     app = create_app(Collector(config, store))
     app.include_router(verdicts)
+    app.include_router(dashboard)
     return app

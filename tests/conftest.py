@@ -1,5 +1,7 @@
 """Shared fixtures. Each part of the product keeps its harness in its own module, imported here."""
 
+# --- collector processes; dashboard (issue 5): Debian's headless Chromium ---------------------------
+from harness_browser import browser_page, chromium  # noqa: F401
 from harness_collector import collector_factory  # noqa: F401
 
 # --- engine (issue 3): tiny model, engine processes ----------------------------------------------

@@ -1,0 +1,124 @@
+"""``/cache``: the "global cache capacity" view the field reports say nobody has: per instance, the
+prefix cache's bytes and entries against its limits, and how many more sessions of the recent
+average context would fit; evictions over time by reason, token hit rate over time, miss causes.
+
+Capacity estimate, per instance, from its latest heartbeat and the window's requests:
+    session bytes   = KV bytes per token x average context (prompt + output tokens) of its requests
+    more sessions   = min(free bytes / session bytes, free entries)
+    sessions in all = min(byte limit / session bytes, entry limit)
+Cluster totals add the instances up: caches are per instance, so one instance's room does not help
+a session pinned to another (the field report's "position boundary").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import polars as pl
+from fastapi import Request
+
+from tokentrace.analyzers.report import summarize
+from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards import series
+from tokentrace.dashboards.causes import window_causes
+from tokentrace.dashboards.overview import CAUSE_SAMPLE, LIMIT, thin
+from tokentrace.dashboards.web import page
+from tokentrace.window import since_ns
+
+RECENT_EVICTIONS = 20
+
+
+def _fit(free: float | None, per_session: float | None) -> int | None:
+    if free is None or not per_session:
+        return None
+    return max(0, int(free // per_session))
+
+
+def _least(*values: int | None) -> int | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
+def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
+    """One instance's cache use against its limits and the sessions that fit (module docstring)."""
+    mine = requests.filter(pl.col("instance_id") == beat["instance_id"]) if requests.height else requests
+    context = None
+    if mine.height:
+        context = float((mine["prompt_tokens"].fill_null(0) + mine["completion_tokens"].fill_null(0)).mean())
+    per_token, used, limit = beat["kv_bytes_per_token"], beat["cache_bytes"], beat["cache_max_bytes"]
+    entries, max_entries = beat["cache_entries"], beat["cache_max_entries"]
+    session = per_token * context if per_token and context else None
+    free_bytes = max(0, limit - used) if limit is not None and used is not None else None
+    free_entries = max(0, max_entries - entries) if max_entries is not None and entries is not None else None
+    return {
+        "instance_id": beat["instance_id"], "heartbeat_ns": beat["t_ns"],
+        "bytes": used, "max_bytes": limit,
+        "bytes_share": round(used / limit, 4) if limit and used is not None else None,
+        "entries": entries, "max_entries": max_entries,
+        "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
+        "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
+        "requests": mine.height, "avg_context_tokens": None if context is None else round(context, 1),
+        "session_bytes": None if session is None else round(session),
+        "more_sessions": _least(_fit(free_bytes, session), free_entries),
+        "sessions_in_all": _least(_fit(limit, session), max_entries),
+    }
+
+
+def _total(rows: list[dict], key: str) -> int | None:
+    values = [row[key] for row in rows if row[key] is not None]
+    return sum(values) if values else None
+
+
+def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
+    """Everything the cache page shows for requests and evictions in the last ``since``."""
+    window_ns = since_ns(since, now_ns, what="since")
+    requests = reader.requests(since_ns=window_ns, limit=LIMIT)
+    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=None)
+    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
+    rows = [capacity(beat, requests) for beat in reader.frame("latest_heartbeats").to_dicts()]
+    t0, t1 = series.span(window_ns, now_ns, [requests["start_ns"], evictions["t_ns"], beats["t_ns"]])
+    width = series.step_ns(t0, t1)
+    buckets = series.bucket_starts(t0, t1, width)
+    by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
+    hit, counted = series.ratio(requests, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
+    report = summarize(reader, window_ns, cause_sample=0, limit=LIMIT)
+    causes, sampled = window_causes(reader, requests, CAUSE_SAMPLE)
+    fill = []
+    for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
+        group = thin(group.filter(pl.col("cache_max_bytes") > 0))
+        fill.append({"name": instance, "x": (group["t_ns"] / 1e6).to_list(),
+                     "y": (group["cache_bytes"] / group["cache_max_bytes"]).round(4).to_list()})
+    used, limit = _total(rows, "bytes"), _total(rows, "max_bytes")
+    return {
+        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "instances": rows,
+        "cluster": {"bytes": used, "max_bytes": limit,
+                    "bytes_share": round(used / limit, 4) if used is not None and limit else None,
+                    "entries": _total(rows, "entries"), "max_entries": _total(rows, "max_entries"),
+                    "more_sessions": _total(rows, "more_sessions"), "sessions_in_all": _total(rows, "sessions_in_all")},
+        "evictions": {"total": evictions.height, "by_reason": dict(sorted(
+            evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
+            "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
+        "hit_rate": {"token_hit_rate": report.cache["token_hit_rate"], "t": buckets, "rate": hit, "requests": counted},
+        "causes": causes, "cause_sample": sampled,
+        "charts": {
+            "fill": {"kind": "line", "x_type": "time", "unit": "pct", "series": fill,
+                     "hline": {"name": "limit", "value": 1},
+                     "x_min": t0 / 1e6, "x_max": t1 / 1e6,
+                     "empty": "no heartbeats in this window"},
+            "evictions": {"kind": "bars", "x_type": "time", "unit": "count", "x": buckets,
+                          "series": [{"name": k, "y": v} for k, v in by_reason.items()],
+                          "empty": "no evictions in this window"},
+            "hit_rate": {"kind": "line", "x_type": "time", "unit": "pct", "x": buckets,
+                         "series": [{"name": "prompt tokens from cache", "y": hit}],
+                         "empty": "no requests in this window"},
+        },
+        "bucket_s": width / 1e9,
+    }
+
+
+@page("/cache", "cache.html", "Cache")
+def cache_page(request: Request, since: str = "15m") -> dict[str, Any]:
+    """The cache page and its twin ``/cache.json``."""
+    return cache_overview(request.app.state.reader, since, time.time_ns())

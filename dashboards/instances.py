@@ -1,0 +1,118 @@
+"""``/instances``: readiness of every instance, the four states of a cold start from the field
+report (files present -> process started -> runner ready -> first real answer), its load stages,
+its last heartbeat, and whether it went stale.
+
+An instance is *stale* when nothing from it (span or heartbeat) arrived for ``STALE_AFTER_S``
+seconds: six missed heartbeats at the engine's default interval of 5 s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import polars as pl
+from fastapi import Request
+
+from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards.web import page
+
+STALE_AFTER_S = 30.0
+#: (key, label, where it comes from), in the field report's order.
+READINESS = (
+    ("files_present", "files present", "model.load.resolve ended"),
+    ("started", "process started", "instance.started"),
+    ("ready", "runner ready", "instance.ready"),
+    ("first_response", "first answer", "instance.first_response"),
+)
+_STAGE_PREFIX = "model.load."
+
+
+def _rows(frame: pl.DataFrame, instance: str) -> list[dict]:
+    if frame.height == 0:
+        return []
+    return frame.filter(pl.col("instance_id") == instance).to_dicts()
+
+
+def _first_at_or_after(events: list[dict], name: str, t_ns: int) -> int | None:
+    times = [e["t_ns"] for e in events if e["event"] == name and e["t_ns"] >= t_ns]
+    return min(times) if times else None
+
+
+def _load(loads: list[dict], since_ns: int) -> dict[str, Any] | None:
+    """The instance's latest load that began at or after ``since_ns`` (else its latest load), with stages."""
+    if not loads:
+        return None
+    starts = sorted({row["start_ns"] for row in loads})
+    after = [s for s in starts if s >= since_ns]
+    chosen = after[0] if after else starts[-1]
+    rows = [row for row in loads if row["start_ns"] == chosen]
+    first = rows[0]
+    total_ms = (first["end_ns"] - first["start_ns"]) / 1e6
+    stages = [{"name": row["stage"].removeprefix(_STAGE_PREFIX), "span": row["stage"],
+               "start_ns": row["stage_start_ns"], "end_ns": row["stage_end_ns"],
+               "ms": round((row["stage_end_ns"] - row["stage_start_ns"]) / 1e6, 3),
+               "share": round((row["stage_end_ns"] - row["stage_start_ns"]) / 1e6 / total_ms, 4) if total_ms else None}
+              for row in rows if row["stage"]]
+    resolve = [s["end_ns"] for s in stages if s["span"] == "model.load.resolve"]
+    return {"load_id": first["load_id"], "lazy": first["lazy"], "model_path": first["model_path"],
+            "start_ns": first["start_ns"], "end_ns": first["end_ns"], "ms": round(total_ms, 3),
+            "stages": stages, "files_present_ns": resolve[0] if resolve else None}
+
+
+def _readiness(events: list[dict], load: dict | None, epoch_ns: int) -> list[dict[str, Any]]:
+    started = max([e["t_ns"] for e in events if e["event"] == "instance.started"], default=None)
+    times = {
+        "files_present": load["files_present_ns"] if load else None,
+        "started": started,
+        "ready": _first_at_or_after(events, "instance.ready", epoch_ns),
+        "first_response": _first_at_or_after(events, "instance.first_response", epoch_ns),
+    }
+    return [{"state": key, "label": label, "source": source, "t_ns": times[key], "reached": times[key] is not None,
+             "after_start_ms": round((times[key] - started) / 1e6, 3)
+             if times[key] is not None and started is not None else None}
+            for key, label, source in READINESS]
+
+
+def instance_health(reader: TraceReader, now_ns: int) -> list[dict[str, Any]]:
+    """Every instance seen: identity, readiness, load, last heartbeat, status (up, stale, stopped)."""
+    seen = reader.frame("instances")
+    events = reader.frame("lifecycle")
+    loads = reader.frame("loads_in", since_ns=None, until_ns=None)
+    beats = reader.frame("latest_heartbeats")
+    ids = set(seen["instance_id"].to_list()) | set(events["instance_id"].drop_nulls().to_list())
+    result = []
+    for instance in sorted(ids):
+        identity = (_rows(seen, instance) or [{}])[0]
+        mine = _rows(events, instance)
+        started = [e["t_ns"] for e in mine if e["event"] == "instance.started"]
+        epoch = max(started) if started else (identity.get("first_seen_ns") or 0)
+        load = _load(_rows(loads, instance), epoch)
+        beat = (_rows(beats, instance) or [None])[0]
+        heard = [t for t in (identity.get("last_seen_ns"), beat["t_ns"] if beat else None) if t is not None]
+        last_ns = max(heard) if heard else None
+        age_s = None if last_ns is None else round(max(0, now_ns - last_ns) / 1e9, 1)
+        stopped = any(e["event"] == "instance.stopped" and e["t_ns"] >= epoch for e in mine)
+        readiness = _readiness(mine, load, epoch)
+        reached = [step["label"] for step in readiness if step["reached"]]
+        result.append({
+            "instance_id": instance, "host": identity.get("host_name"), "engine": identity.get("engine"),
+            "engine_version": identity.get("engine_version"), "model": identity.get("model"),
+            "status": "stopped" if stopped else ("stale" if age_s is None or age_s > STALE_AFTER_S else "up"),
+            "stage": reached[-1] if reached else "unknown",
+            "readiness": readiness,
+            "start_to_first_answer_ms": readiness[3]["after_start_ms"],
+            "load": load,
+            "last_seen_age_s": age_s,
+            "heartbeat": None if beat is None else {**beat, "age_s": round(max(0, now_ns - beat["t_ns"]) / 1e9, 1)},
+        })
+    return result
+
+
+@page("/instances", "instances.html", "Instances")
+def instances_page(request: Request) -> dict[str, Any]:
+    """Readiness per instance."""
+    now = time.time_ns()
+    rows = instance_health(request.app.state.reader, now)
+    return {"now_ns": now, "stale_after_s": STALE_AFTER_S, "instances": rows,
+            "stale": [row["instance_id"] for row in rows if row["status"] == "stale"]}

@@ -1,0 +1,98 @@
+"""``/``: the window at a glance. Latency percentiles over every instance, output tokens/s,
+requests per slowness category, cache reuse and miss causes (from the analyzers' window report),
+queue depth over time from heartbeats, and each instance's health.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import polars as pl
+from fastapi import Request
+
+from tokentrace.analyzers.report import _percentiles, summarize, with_categories
+from tokentrace.analyzers.slowness import CATEGORIES
+from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards import series
+from tokentrace.dashboards.causes import window_causes
+from tokentrace.dashboards.instances import instance_health
+from tokentrace.dashboards.web import page
+from tokentrace.window import since_ns
+
+#: Requests whose cache cause is computed (one cache verdict each), the latest of the window.
+CAUSE_SAMPLE = 30
+#: Heartbeats kept per instance on the queue chart; older points are thinned evenly beyond this.
+MAX_POINTS = 600
+LIMIT = 1_000_000
+
+
+def thin(rows: pl.DataFrame, max_points: int = MAX_POINTS) -> pl.DataFrame:
+    """Every k-th row so that at most ``max_points`` remain (the newest is always kept)."""
+    if rows.height <= max_points:
+        return rows
+    k = -(-rows.height // max_points)
+    return rows.reverse().gather_every(k).reverse()
+
+
+def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
+    """Per instance: heartbeat times (epoch ms), queue depth and running sequences."""
+    lines = []
+    for (instance,), rows in beats.group_by(["instance_id"], maintain_order=True):
+        rows = thin(rows)
+        lines.append({"instance_id": instance, "t": (rows["t_ns"] / 1e6).to_list(),
+                      "queue_depth": rows["queue_depth"].to_list(), "running": rows["running"].to_list()})
+    return lines
+
+
+def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
+    """The overview of requests that started in the last ``since``."""
+    window_ns = since_ns(since, now_ns, what="since")
+    report = summarize(reader, window_ns, cause_sample=0, limit=LIMIT).as_dict()
+    frame = reader.requests(since_ns=window_ns, limit=LIMIT)
+    causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
+    latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
+                               for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
+    throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
+    errors = 0
+    if frame.height:
+        frame = with_categories(frame)
+        latency = {name: _percentiles(frame[name]) for name in latency}
+        active_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
+        output = int(frame["completion_tokens"].fill_null(0).sum())
+        throughput = {"output_tokens": output, "input_tokens": int(frame["prompt_tokens"].fill_null(0).sum()),
+                      "output_tokens_per_s": round(output / active_s, 2), "active_s": round(active_s, 3)}
+        errors = int(frame.filter((pl.col("http_status").fill_null(200) >= 400)
+                                  | pl.col("error_type").is_not_null()).height)
+    categories = {label: report["categories"].get(label, 0) for _, label in CATEGORIES}
+    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
+    queue = queue_series(beats)
+    chart_t0, _ = series.span(window_ns, now_ns, [beats["t_ns"]])
+    health = instance_health(reader, now_ns)
+    latency_of = {row["instance_id"]: row for row in report["instances"]}
+    known = {row["instance_id"] for row in health}
+    # One row per instance: its health, and its latency over the window when it served requests.
+    instances = [{**row, "latency": latency_of.get(row["instance_id"])} for row in health]
+    instances += [{"instance_id": i, "status": "unknown", "stage": "unknown", "heartbeat": None, "latency": row}
+                  for i, row in latency_of.items() if i not in known]
+    return {
+        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "requests": report["requests"], "errors": errors, "latency": latency, "throughput": throughput,
+        "categories": categories,
+        "category_share": {k: round(v / report["requests"], 4) if report["requests"] else 0.0
+                           for k, v in categories.items()},
+        "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
+        "causes": causes, "cause_sample": sampled, "instances": instances,
+        "slowest": report["slowest"], "queue": queue,
+        "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
+                             "x_max": now_ns / 1e6,
+                             "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}
+                                        for s in queue],
+                             "empty": "no heartbeats in this window"}},
+    }
+
+
+@page("/", "overview.html", "Overview")
+def overview_page(request: Request, since: str = "15m") -> dict[str, Any]:
+    """The overview page and its twin ``/.json``."""
+    return overview(request.app.state.reader, since, time.time_ns())

@@ -1,0 +1,435 @@
+/* tokentrace timeline: one lane per instance, one bar per request, on a single <canvas>.
+ *
+ * Input is the columnar /timeline.json twin (times in ms from t0_ns). Requests are packed into rows
+ * inside their lane (first row free at their start), drawn phase by phase (one path per colour, so
+ * 10,000 requests are a few dozen thousand rects and a handful of fills), and found again under the
+ * mouse by a binary search in their row. Wheel zooms around the cursor, drag pans, double-click
+ * resets; hover shows a request's numbers, click opens /requests/{id}. */
+(function () {
+  "use strict";
+  const css = getComputedStyle(document.documentElement);
+  const color = (name) => css.getPropertyValue("--" + name).trim();
+  const PHASE_COLORS = {load_wait: color("load_wait"), queue: color("queue"), prefill: color("prefill"),
+                        decode: color("decode")};
+  const CHUNK_ALT = "#78a6ec";
+  const OTHER = color("other");
+  const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12, LANE_MIN = 42;
+  const fmt = (v) => window.tokentraceCharts.fmt("ms", v);
+
+  class Timeline {
+    constructor(canvas, tooltip, summary) {
+      this.canvas = canvas;
+      this.tooltip = tooltip;
+      this.summary = summary;
+      this.data = null;
+      this.view = null;        // [v0, v1] in ms from origin
+      this.origin = null;      // t0_ns of the first load; later loads are shifted onto it
+      this.hover = -1;
+      this.pending = false;
+      this.firstDrawMs = null;
+      this.bind();
+    }
+
+    /* ---- data ---------------------------------------------------------------------------- */
+    load(data) {
+      const r = data.requests;
+      if (this.origin === null) this.origin = data.t0_ns;
+      const shift = (data.t0_ns - this.origin) / 1e6;
+      const rebase = (arr) => Float64Array.from(arr, (v) => v + shift);
+      const followNow = this.view && this.data && this.view[1] >= this.data.now - 1;
+      const oldNow = this.data ? this.data.now : 0;
+      this.data = data;
+      this.n = r.id.length;
+      this.start = rebase(r.start);
+      this.end = rebase(r.end);
+      data.now += shift;
+      this.chunkStart = rebase(data.chunks.start);
+      this.chunkEnd = rebase(data.chunks.end);
+      this.evT = rebase(data.evictions.t);
+      this.loadStart = rebase(data.loads.start);
+      this.loadEnd = rebase(data.loads.end);
+      this.layout();
+      if (!this.view) this.reset();
+      else if (followNow) { const d = data.now - oldNow; this.view = [this.view[0] + d, this.view[1] + d]; }
+      this.summary.textContent = this.n.toLocaleString() + (this.n === 1 ? " request" : " requests") + " on " +
+        data.lanes.length + " instance" +
+        (data.lanes.length === 1 ? "" : "s") + (data.truncated ? " (newest " + this.n + " shown)" : "");
+      this.draw();
+    }
+
+    layout() {
+      const r = this.data.requests, lanes = this.data.lanes.length;
+      const rowEnds = Array.from({length: lanes}, () => []);
+      this.rows = Array.from({length: lanes}, () => []);   // rows[lane][row] = request indexes by start
+      this.row = new Int32Array(this.n);
+      const order = Array.from({length: this.n}, (_, i) => i).sort((a, b) => this.start[a] - this.start[b]);
+      for (const i of order) {
+        const lane = r.lane[i], ends = rowEnds[lane];
+        let k = 0;
+        while (k < ends.length && ends[k] > this.start[i]) k++;
+        if (k === ends.length) { ends.push(0); this.rows[lane].push([]); }
+        ends[k] = this.end[i];
+        this.row[i] = k;
+        this.rows[lane][k].push(i);
+      }
+      this.chunkOrdinal = new Int32Array(this.chunkStart.length);
+      const seen = new Map();
+      for (let c = 0; c < this.chunkStart.length; c++) {
+        const q = this.data.chunks.request[c];
+        const k = seen.get(q) || 0;
+        this.chunkOrdinal[c] = k;
+        seen.set(q, k + 1);
+      }
+      this.resize();
+    }
+
+    resize() {
+      const lanes = this.data ? this.data.lanes.length : 0;
+      const counts = this.rows ? this.rows.map((rows) => Math.max(1, rows.length)) : [];
+      const total = counts.reduce((a, b) => a + b, 0) || 1;
+      const room = Math.max(260, window.innerHeight - this.canvas.getBoundingClientRect().top - 24);
+      this.rowH = Math.max(3, Math.min(16, Math.floor((room - AXIS - lanes * (MARK + GAP)) / total)));
+      this.laneTop = [];
+      let y = AXIS;
+      // At least LANE_MIN tall: the instance name and row count are drawn in the gutter.
+      for (const c of counts) { this.laneTop.push(y); y += Math.max(LANE_MIN, MARK + c * this.rowH) + GAP; }
+      this.height = Math.max(y, 120);
+      const dpr = window.devicePixelRatio || 1;
+      this.width = this.canvas.clientWidth;
+      this.canvas.style.height = this.height + "px";
+      this.canvas.width = Math.round(this.width * dpr);
+      this.canvas.height = Math.round(this.height * dpr);
+      this.ctx = this.canvas.getContext("2d");
+      this.ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    }
+
+    reset() {
+      let lo = Infinity, hi = -Infinity;
+      for (let i = 0; i < this.n; i++) { lo = Math.min(lo, this.start[i]); hi = Math.max(hi, this.end[i]); }
+      for (let i = 0; i < this.loadStart.length; i++) { lo = Math.min(lo, this.loadStart[i]); hi = Math.max(hi, this.loadEnd[i]); }
+      for (const t of this.evT) { lo = Math.min(lo, t); hi = Math.max(hi, t); }
+      if (!isFinite(lo)) { lo = 0; hi = Math.max(1, this.data.now); }
+      // A busy cluster's view runs to now and follows it live; traffic that stopped long ago (more
+      // than its own length before now) is shown on its own rather than squeezed against empty time.
+      if (this.data.window.since_ns !== null && this.data.now - hi <= hi - lo) hi = Math.max(hi, this.data.now);
+      const pad = Math.max(1, (hi - lo) * 0.02);
+      this.view = [lo - pad, hi + pad];
+    }
+
+    /* ---- geometry ------------------------------------------------------------------------ */
+    x(t) { return GUTTER + (t - this.view[0]) / (this.view[1] - this.view[0]) * (this.width - GUTTER - RIGHT); }
+    t(x) { return this.view[0] + (x - GUTTER) / (this.width - GUTTER - RIGHT) * (this.view[1] - this.view[0]); }
+    y(i) { return this.laneTop[this.data.requests.lane[i]] + MARK + this.row[i] * this.rowH; }
+
+    /* Phase boundaries of request i: [start, +load_wait, +queue, +prefill, +decode], capped at its end. */
+    bounds(i) {
+      const r = this.data.requests;
+      const b = [this.start[i]];
+      for (const p of ["load_wait", "queue", "prefill", "decode"]) b.push(Math.min(this.end[i], b[b.length - 1] + r[p][i]));
+      return b;
+    }
+
+    /* ---- drawing ------------------------------------------------------------------------- */
+    draw() {
+      if (this.pending) return;
+      this.pending = true;
+      requestAnimationFrame(() => { this.pending = false; this.paint(); });
+    }
+
+    paint() {
+      const ctx = this.ctx, d = this.data, r = d.requests, h = Math.max(1, this.rowH - 1);
+      const [v0, v1] = this.view;
+      ctx.clearRect(0, 0, this.width, this.height);
+      this.paintLanes(ctx);
+      const ticks = this.ticks();
+      ctx.strokeStyle = "#e3e6eb";  // grid under the bars, labels over them (paintAxis)
+      ctx.lineWidth = 1;
+      ctx.beginPath();
+      for (const t of ticks.at) { const x = this.x(t); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, this.height); }
+      ctx.stroke();
+      const visible = [];
+      for (let i = 0; i < this.n; i++) if (this.end[i] >= v0 && this.start[i] <= v1) visible.push(i);
+      // Whole request first (what no phase covers shows as "other"), at least 1 px wide so none vanishes.
+      ctx.fillStyle = OTHER;
+      ctx.beginPath();
+      for (const i of visible) {
+        const x0 = this.x(this.start[i]);
+        ctx.rect(x0, this.y(i), Math.max(1, this.x(this.end[i]) - x0), h);
+      }
+      ctx.fill();
+      const bounds = visible.map((i) => this.bounds(i));
+      d.phases.forEach((phase, p) => {
+        ctx.fillStyle = PHASE_COLORS[phase];
+        ctx.beginPath();
+        visible.forEach((i, k) => {
+          const b = bounds[k];
+          if (b[p + 1] <= b[p]) return;
+          const x0 = this.x(b[p]);
+          ctx.rect(x0, this.y(i), Math.max(0.5, this.x(b[p + 1]) - x0), h);
+        });
+        ctx.fill();
+      });
+      // Every second prefill chunk in a lighter blue: the chunk boundaries show inside the prefill.
+      ctx.fillStyle = CHUNK_ALT;
+      ctx.beginPath();
+      for (let c = 0; c < this.chunkStart.length; c++) {
+        if (this.chunkOrdinal[c] % 2 === 0 || this.chunkEnd[c] < v0 || this.chunkStart[c] > v1) continue;
+        const i = d.chunks.request[c], x0 = this.x(this.chunkStart[c]);
+        ctx.rect(x0, this.y(i), Math.max(0.5, this.x(this.chunkEnd[c]) - x0), h);
+      }
+      ctx.fill();
+      if (this.hover >= 0) {
+        const i = this.hover, x0 = this.x(this.start[i]);
+        ctx.strokeStyle = "#1d2330";
+        ctx.lineWidth = 1.5;
+        ctx.strokeRect(x0 - 1, this.y(i) - 1, Math.max(1, this.x(this.end[i]) - x0) + 2, h + 2);
+      }
+      this.paintMarkers(ctx);
+      this.paintAxis(ctx, ticks);
+      if (!d.lanes.length) {
+        ctx.fillStyle = "#667085";
+        ctx.font = "13px system-ui, sans-serif";
+        ctx.textAlign = "center";
+        ctx.fillText("No requests in this window yet: point an engine at this collector or widen the window.",
+                     this.width / 2, AXIS + 40);
+      }
+      this.canvas.dataset.drawn = String(visible.length);
+      this.canvas.dataset.requests = String(this.n);
+      if (this.firstDrawMs === null) {
+        this.firstDrawMs = performance.now();
+        window.tokentraceTimeline.firstDrawMs = this.firstDrawMs;
+      }
+    }
+
+    paintLanes(ctx) {
+      const d = this.data;
+      ctx.font = "12px system-ui, sans-serif";
+      ctx.textBaseline = "middle";
+      d.lanes.forEach((name, lane) => {
+        const top = this.laneTop[lane];
+        const bottom = lane + 1 < d.lanes.length ? this.laneTop[lane + 1] - GAP : this.height - GAP;
+        ctx.fillStyle = lane % 2 ? "#fafbfc" : "#f3f5f8";
+        ctx.fillRect(0, top - GAP / 2, this.width, bottom - top + GAP);
+        ctx.fillStyle = "#1d2330";
+        ctx.textAlign = "left";
+        let label = name || "(no instance)";
+        while (label.length > 3 && ctx.measureText(label).width > GUTTER - 16) label = label.slice(0, -2) + "…";
+        ctx.fillText(label, 8, top + MARK + 6);
+        const rows = this.rows[lane].length;
+        ctx.fillStyle = "#667085";
+        ctx.font = "11px system-ui, sans-serif";
+        ctx.fillText(rows + " row" + (rows === 1 ? "" : "s"), 8, top + MARK + 20);
+        ctx.font = "12px system-ui, sans-serif";
+      });
+    }
+
+    paintMarkers(ctx) {
+      const d = this.data, [v0, v1] = this.view;
+      ctx.fillStyle = "#8893a6";
+      for (let k = 0; k < this.loadStart.length; k++) {
+        if (this.loadEnd[k] < v0 || this.loadStart[k] > v1) continue;
+        const x0 = Math.max(GUTTER, this.x(this.loadStart[k])), x1 = this.x(this.loadEnd[k]);
+        const top = this.laneTop[d.loads.lane[k]] + 2;
+        ctx.fillRect(x0, top, Math.max(2, x1 - x0), MARK - 4);
+        if (x1 - x0 > 60) {
+          ctx.fillStyle = "#fff";
+          ctx.font = "10px system-ui, sans-serif";
+          ctx.textAlign = "left";
+          ctx.fillText("model load", x0 + 4, top + (MARK - 4) / 2);
+          ctx.fillStyle = "#8893a6";
+        }
+      }
+      ctx.fillStyle = color("bad");
+      for (let k = 0; k < this.evT.length; k++) {
+        const t = this.evT[k];
+        if (t < v0 || t > v1) continue;
+        const x = this.x(t), top = this.laneTop[d.evictions.lane[k]] + 1;
+        ctx.beginPath();
+        ctx.moveTo(x - 4, top); ctx.lineTo(x + 4, top); ctx.lineTo(x, top + MARK - 3);
+        ctx.fill();
+      }
+    }
+
+    /* Tick times (ms from the origin) on round clock times, and the step between them. */
+    ticks() {
+      const [v0, v1] = this.view, span = v1 - v0, at = [];
+      const step = span < 1 ? Math.pow(10, Math.floor(Math.log10(span / 4)))
+        : window.tokentraceCharts.timeStep(span, Math.max(2, (this.width - GUTTER) / 120));
+      const origin = this.origin / 1e6;
+      // Align in epoch ms, then back to ms from the origin.
+      for (let t = Math.ceil((origin + v0) / step) * step - origin; t <= v1; t += step) {
+        if (this.x(t) >= GUTTER) at.push(t);
+      }
+      return {at, step};
+    }
+
+    paintAxis(ctx, ticks) {
+      const [v0, v1] = this.view, span = v1 - v0;
+      ctx.fillStyle = "#fff";
+      ctx.fillRect(0, 0, this.width, AXIS - 4);
+      ctx.fillRect(0, 0, GUTTER - 4, AXIS);
+      ctx.fillStyle = "#667085";
+      ctx.font = "11px system-ui, sans-serif";
+      ctx.textAlign = "center";
+      ctx.textBaseline = "middle";
+      const origin = this.origin / 1e6, p = (n, w) => String(n).padStart(w || 2, "0");
+      for (const t of ticks.at) {
+        const when = new Date(origin + t);
+        let label = p(when.getHours()) + ":" + p(when.getMinutes()) + ":" + p(when.getSeconds());
+        if (ticks.step < 1000) label += "." + p(when.getMilliseconds(), 3);
+        ctx.fillText(label, this.x(t), AXIS / 2 - 2);
+      }
+      ctx.textAlign = "left";
+      ctx.fillText("span " + fmt(span), 8, AXIS / 2 - 2);
+      const now = this.x(this.data.now);
+      if (now > GUTTER && now < this.width - RIGHT) {
+        ctx.strokeStyle = "#d64545";
+        ctx.setLineDash([4, 3]);
+        ctx.beginPath(); ctx.moveTo(now, AXIS - 4); ctx.lineTo(now, this.height); ctx.stroke();
+        ctx.setLineDash([]);
+      }
+    }
+
+    /* ---- interaction ----------------------------------------------------------------------- */
+    hit(px, py) {
+      if (!this.data || px < GUTTER) return -1;
+      let lane = -1;
+      for (let l = 0; l < this.laneTop.length; l++) if (py >= this.laneTop[l]) lane = l;
+      if (lane < 0) return -1;
+      const row = Math.floor((py - this.laneTop[lane] - MARK) / this.rowH);
+      const list = this.rows[lane][row];
+      if (!list || py < this.laneTop[lane] + MARK) return -1;
+      const t = this.t(px), tol = 3 * (this.view[1] - this.view[0]) / (this.width - GUTTER - RIGHT);
+      let lo = 0, hi = list.length - 1, found = -1;
+      while (lo <= hi) {  // last request in the row that starts before t + tol
+        const mid = (lo + hi) >> 1;
+        if (this.start[list[mid]] <= t + tol) { found = mid; lo = mid + 1; } else hi = mid - 1;
+      }
+      for (let k = found; k >= 0 && k >= found - 1; k--) if (this.end[list[k]] >= t - tol) return list[k];
+      return -1;
+    }
+
+    eviction(px, py) {
+      const d = this.data;
+      for (let k = 0; k < this.evT.length; k++) {
+        const top = this.laneTop[d.evictions.lane[k]];
+        if (py >= top && py <= top + MARK && Math.abs(this.x(this.evT[k]) - px) <= 5) return k;
+      }
+      return -1;
+    }
+
+    show(rows, cx, cy) {
+      const tip = this.tooltip;
+      tip.replaceChildren();
+      for (const [k, v] of rows) {
+        const line = document.createElement("div");
+        if (v === undefined) {
+          const b = document.createElement("b");
+          b.textContent = k;           // textContent: ids are user text and must never become markup
+          line.append(b);
+        } else {
+          line.className = "row";
+          const a = document.createElement("span"), b = document.createElement("span");
+          a.textContent = k; b.textContent = v;
+          b.dataset.field = k;
+          line.append(a, b);
+        }
+        tip.append(line);
+      }
+      tip.classList.remove("hidden");
+      const w = tip.offsetWidth, h = tip.offsetHeight;
+      tip.style.left = Math.min(cx + 14, window.innerWidth - w - 8) + "px";
+      tip.style.top = Math.min(cy + 14, window.innerHeight - h - 8) + "px";
+    }
+
+    describe(i) {
+      const r = this.data.requests, d = this.data;
+      const tokens = (v) => (v === null ? "n/a" : v.toLocaleString());
+      return [
+        [r.id[i]],
+        ["instance", d.lanes[r.lane[i]] || "(none)"], ["category", d.categories[r.category[i]]],
+        ["e2e", fmt(r.e2e[i])], ["ttft", fmt(r.ttft[i])], ["tpot", fmt(r.tpot[i])],
+        ["load_wait", fmt(r.load_wait[i])], ["queue", fmt(r.queue[i])], ["prefill", fmt(r.prefill[i])],
+        ["decode", fmt(r.decode[i])],
+        ["prompt tokens", tokens(r.prompt[i])], ["cached tokens", tokens(r.cached[i])],
+        ["output tokens", tokens(r.completion[i])],
+      ];
+    }
+
+    bind() {
+      const c = this.canvas;
+      let drag = null;
+      c.addEventListener("wheel", (e) => {
+        e.preventDefault();
+        const t = this.t(e.offsetX), f = Math.exp(e.deltaY * 0.0015);
+        const span = Math.max(0.01, (this.view[1] - this.view[0]) * f);
+        const share = (t - this.view[0]) / (this.view[1] - this.view[0]);
+        this.view = [t - share * span, t + (1 - share) * span];
+        this.draw();
+      }, {passive: false});
+      c.addEventListener("mousedown", (e) => { drag = {x: e.clientX, view: this.view.slice(), moved: false}; });
+      window.addEventListener("mouseup", () => {
+        if (drag && drag.moved) c.classList.remove("dragging");
+        setTimeout(() => { drag = null; }, 0);
+      });
+      c.addEventListener("mousemove", (e) => {
+        if (drag && e.buttons === 1) {
+          const dx = e.clientX - drag.x;
+          if (Math.abs(dx) > 3) { drag.moved = true; c.classList.add("dragging"); }
+          const per = (drag.view[1] - drag.view[0]) / (this.width - GUTTER - RIGHT);
+          this.view = [drag.view[0] - dx * per, drag.view[1] - dx * per];
+          this.tooltip.classList.add("hidden");
+          this.draw();
+          return;
+        }
+        const i = this.hit(e.offsetX, e.offsetY);
+        if (i !== this.hover) { this.hover = i; this.draw(); }
+        if (i >= 0) { c.style.cursor = "pointer"; this.show(this.describe(i), e.clientX, e.clientY); return; }
+        c.style.cursor = "";
+        const k = this.eviction(e.offsetX, e.offsetY);
+        if (k >= 0) {
+          const ev = this.data.evictions;
+          this.show([["eviction: " + ev.reason[k]], ["instance", this.data.lanes[ev.lane[k]]],
+                     ["tokens", String(ev.tokens[k])], ["bytes", String(ev.bytes[k])],
+                     ["entry of", ev.entry_request[k] || "n/a"], ["evicted by", ev.by_request[k] || "n/a"]],
+                    e.clientX, e.clientY);
+        } else this.tooltip.classList.add("hidden");
+      });
+      c.addEventListener("mouseleave", () => { this.hover = -1; this.tooltip.classList.add("hidden"); this.draw(); });
+      c.addEventListener("click", (e) => {
+        if (drag && drag.moved) return;
+        const i = this.hit(e.offsetX, e.offsetY);
+        if (i >= 0) location.href = "/requests/" + encodeURIComponent(this.data.requests.id[i]);
+      });
+      c.addEventListener("dblclick", () => { this.reset(); this.draw(); });
+      window.addEventListener("resize", () => { if (this.data) { this.resize(); this.draw(); } });
+    }
+
+    zoom(factor) {
+      const mid = (this.view[0] + this.view[1]) / 2, half = (this.view[1] - this.view[0]) / 2 * factor;
+      this.view = [mid - half, mid + half];
+      this.draw();
+    }
+
+    /* Centre of request ``id``'s bar in client coordinates (tests move the real mouse there). */
+    locate(id) {
+      const i = this.data.requests.id.indexOf(id);
+      if (i < 0) return null;
+      const box = this.canvas.getBoundingClientRect();
+      const x0 = Math.max(GUTTER, this.x(this.start[i])), x1 = Math.min(this.width - RIGHT, this.x(this.end[i]));
+      return {x: box.left + (x0 + x1) / 2, y: box.top + this.y(i) + this.rowH / 2};
+    }
+  }
+
+  const canvas = document.getElementById("timeline");
+  const tl = new Timeline(canvas, document.getElementById("tooltip"), document.getElementById("tl-summary"));
+  window.tokentraceTimeline = {timeline: tl, firstDrawMs: null, locate: (id) => tl.locate(id)};
+  tl.load(JSON.parse(document.getElementById("timeline-data").textContent));
+  document.getElementById("zoom-in").addEventListener("click", () => tl.zoom(0.5));
+  document.getElementById("zoom-out").addEventListener("click", () => tl.zoom(2));
+  document.getElementById("zoom-reset").addEventListener("click", () => { tl.reset(); tl.draw(); });
+  document.addEventListener("tokentrace:tick", async () => {
+    const response = await fetch(canvas.dataset.src, {credentials: "same-origin"});
+    if (response.ok) tl.load(await response.json());
+  });
+})();

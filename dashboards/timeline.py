@@ -1,0 +1,109 @@
+"""``/timeline``: one lane per instance; each request a bar split into load_wait, queue, prefill
+(its chunks) and decode; evictions and model loads as markers.
+
+The page is a canvas renderer (static/timeline.js) that fetches the twin ``/timeline.json``. The
+twin is columnar (one array per field, times in ms from ``t0_ns``) so that 10,000 requests are a
+few hundred kilobytes that the browser parses in milliseconds; the page draws them without 10,000
+DOM nodes. Phase boundaries come from each request row's phase summary (start + load_wait + queue
++ prefill + decode), the same numbers the slowness verdict uses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import polars as pl
+from fastapi import Request
+
+from tokentrace.analyzers.report import with_categories
+from tokentrace.analyzers.slowness import CATEGORIES
+from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards.web import page
+from tokentrace.window import since_ns
+
+PHASES = ("load_wait", "queue", "prefill", "decode")
+#: Most requests one timeline holds (the newest); the twin says when it cut.
+MAX_REQUESTS = 20_000
+
+
+def _ms(column: str, t0_ns: int) -> pl.Expr:
+    """Epoch ns -> ms from t0, to the microsecond."""
+    return ((pl.col(column) - t0_ns) / 1e6).round(3)
+
+
+def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[str, list]:
+    codes = {label: i for i, (_, label) in enumerate(CATEGORIES)}
+    cols = frame.select(
+        pl.col("request_id").alias("id"),
+        pl.col("instance_id").fill_null("").replace_strict(lanes, return_dtype=pl.Int32).alias("lane"),
+        _ms("start_ns", t0_ns).alias("start"),
+        _ms("end_ns", t0_ns).alias("end"),
+        *[pl.col(f"{name}_ms").fill_null(0.0).round(3).alias(name) for name in PHASES],
+        pl.col("category").replace_strict(codes, return_dtype=pl.Int8).alias("category"),
+        pl.col("ttft_ms").round(3).alias("ttft"), pl.col("tpot_ms").round(3).alias("tpot"),
+        pl.col("e2e_ms").round(3).alias("e2e"),
+        pl.col("prompt_tokens").alias("prompt"), pl.col("cached_tokens").alias("cached"),
+        pl.col("completion_tokens").alias("completion"), pl.col("http_status").alias("status"),
+    )
+    return {name: cols[name].to_list() for name in cols.columns}
+
+
+def _chunks(reader: TraceReader, rows: dict[str, int], window_ns: int | None, t0_ns: int) -> dict[str, list]:
+    chunks = reader.frame("prefill_chunks_in", since_ns=window_ns, until_ns=None)
+    chunks = chunks.filter(pl.col("request_id").is_in(list(rows)))
+    chunks = chunks.select(pl.col("request_id").replace_strict(rows, return_dtype=pl.Int32).alias("request"),
+                           _ms("start_ns", t0_ns).alias("start"), _ms("end_ns", t0_ns).alias("end"),
+                           pl.col("tokens"))
+    return {name: chunks[name].to_list() for name in chunks.columns}
+
+
+def _markers(evictions: pl.DataFrame, loads: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[str, Any]:
+    evictions = evictions.filter(pl.col("instance_id").is_in(list(lanes)))
+    loads = loads.filter(pl.col("instance_id").is_in(list(lanes))).unique("load_id", keep="first", maintain_order=True)
+    return {
+        "evictions": {
+            "lane": [lanes[i] for i in evictions["instance_id"].to_list()],
+            "t": evictions.select(_ms("t_ns", t0_ns))["t_ns"].to_list(),
+            "reason": evictions["reason"].to_list(), "tokens": evictions["tokens"].to_list(),
+            "bytes": evictions["bytes"].to_list(), "entry_request": evictions["entry_request_id"].to_list(),
+            "by_request": evictions["evicted_by_request_id"].to_list(),
+        },
+        "loads": {
+            "lane": [lanes[i] for i in loads["instance_id"].to_list()],
+            "start": loads.select(_ms("start_ns", t0_ns))["start_ns"].to_list(),
+            "end": loads.select(_ms("end_ns", t0_ns))["end_ns"].to_list(),
+            "load_id": loads["load_id"].to_list(), "lazy": loads["lazy"].to_list(),
+        },
+    }
+
+
+def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQUESTS) -> dict[str, Any]:
+    """The columnar timeline of requests that started in the last ``since``."""
+    window_ns = since_ns(since, now_ns, what="since")
+    frame = reader.requests(since_ns=window_ns, limit=limit + 1)
+    truncated = frame.height > limit
+    frame = with_categories(frame.tail(limit))
+    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=None)
+    loads = reader.frame("loads_in", since_ns=window_ns, until_ns=None)
+    instances = set(frame["instance_id"].fill_null("").to_list())
+    for markers in (evictions, loads):
+        instances |= set(markers["instance_id"].drop_nulls().to_list())
+    lanes = {instance: i for i, instance in enumerate(sorted(instances))}
+    t0_ns = window_ns if window_ns is not None else (frame["start_ns"].min() if frame.height else now_ns)
+    rows = {rid: i for i, rid in enumerate(frame["request_id"].to_list())}
+    return {
+        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "t0_ns": t0_ns, "now": round((now_ns - t0_ns) / 1e6, 3), "unit": "ms",
+        "lanes": list(lanes), "phases": list(PHASES), "categories": [label for _, label in CATEGORIES],
+        "count": frame.height, "truncated": truncated,
+        "requests": _requests(frame, lanes, t0_ns),
+        "chunks": _chunks(reader, rows, window_ns, t0_ns),
+        **_markers(evictions, loads, lanes, t0_ns),
+    }
+
+
+@page("/timeline", "timeline.html", "Timeline")
+def timeline_page(request: Request, since: str = "15m") -> dict[str, Any]:
+    """The timeline page (a canvas that loads ``/timeline.json``) and the twin itself."""
+    return timeline(request.app.state.reader, since, time.time_ns())

@@ -1,0 +1,178 @@
+"""How dashboard pages are served: a view function returns a JSON-ready dict; the page at ``PATH``
+renders it with a Jinja template and its twin at ``PATH.json`` returns the same dict as JSON.
+
+Templates are autoescaped (session ids and prompt snippets are user text) and do no arithmetic:
+views compute every number and the template filters below only format them. Static files (CSS and
+the canvas renderers) are served from the package: nothing is fetched from a CDN.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+import urllib.parse
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+from tokentrace import __version__
+from tokentrace.analyzers.evidence import fmt_ms
+from tokentrace.errors import ConfigError, NotFound, StoreError
+
+router = APIRouter()
+_STATIC = resources.files("tokentrace.dashboards") / "static"
+_MEDIA = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+#: Pages in the navigation bar: (path, label).
+NAV = (("/", "Overview"), ("/timeline", "Timeline"), ("/cache", "Cache"), ("/instances", "Instances"))
+#: Window lengths offered by the window picker.
+WINDOWS = ("5m", "15m", "1h", "6h", "1d", "all")
+
+
+def fmt_bytes(value: float | None) -> str:
+    """1536 -> '1.5 KiB'; None -> 'n/a'."""
+    if value is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "n/a"  # unreachable: the loop returns at GiB
+
+
+def fmt_pct(value: float | None) -> str:
+    """0.4567 -> '45.7 %'; None -> 'n/a'."""
+    return "n/a" if value is None else f"{value * 100:.1f} %"
+
+
+def fmt_num(value: float | None, digits: int = 0) -> str:
+    """Thousands separators; None -> 'n/a'."""
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_clock(ns: int | None) -> str:
+    """Epoch nanoseconds -> 'HH:MM:SS.mmm UTC' (the store's clock is UTC)."""
+    if ns is None:
+        return "n/a"
+    seconds = ns / 1e9
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) + f".{int(ns // 1_000_000 % 1000):03d}"
+
+
+def fmt_age(seconds: float | None) -> str:
+    """12.3 -> '12 s ago'; 4000 -> '1.1 h ago'."""
+    if seconds is None:
+        return "never"
+    if seconds < 90:
+        return f"{seconds:.0f} s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def share_pct(share: float | None) -> str:
+    """A 0..1 share as a CSS width, clamped: '45.60%'."""
+    return f"{min(1.0, max(0.0, share or 0.0)) * 100:.2f}%"
+
+
+def quote_path(value: Any) -> str:
+    """One URL path segment (a request id may hold '/', '?' or '#')."""
+    return urllib.parse.quote(str(value), safe="")
+
+
+def clean(value: Any) -> Any:
+    """NaN and infinities (polars means of nothing) become None: JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: clean(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(item) for item in value]
+    return value
+
+
+def dumps(data: Any, **_ignored: Any) -> str:
+    """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
+    try:
+        return json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(clean(data), separators=(",", ":"), allow_nan=False, default=str)
+
+
+_ENV = Environment(
+    loader=PackageLoader("tokentrace.dashboards", "templates"),
+    autoescape=True,  # every template is HTML and renders user text
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_ENV.filters.update(ms=fmt_ms, bytes=fmt_bytes, pct=fmt_pct, num=fmt_num, clock=fmt_clock, age=fmt_age,
+                    q=quote_path)
+_ENV.globals.update(nav=NAV, windows=WINDOWS, version=__version__, share_pct=share_pct)
+# tojson escapes <, >, & and ' for HTML on top of this function's output (jinja2.utils.htmlsafe_json_dumps).
+_ENV.policies["json.dumps_function"] = dumps
+_ENV.policies["json.dumps_kwargs"] = {}
+
+
+def json_response(data: dict, status: int = 200) -> Response:
+    """A JSON response of ``dumps``."""
+    return Response(dumps(data), status, media_type="application/json")
+
+
+def render(request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    """A template rendered with the page context (query string kept for links and the window picker)."""
+    query = dict(request.query_params)
+    html = _ENV.get_template(template).render(
+        path=request.url.path, query=query, since=query.get("since", "15m"), **context)
+    return HTMLResponse(html, status_code)
+
+
+def page(path: str, template: str, title: str):
+    """Register ``view`` at ``path`` (HTML) and ``path + '.json'`` (its JSON twin).
+
+    ``view`` takes FastAPI parameters (``request: Request`` first) and returns a JSON-ready dict.
+    Errors: NotFound is a 404 page, ConfigError a 400, StoreError a 503; the twin answers them with
+    the collector's JSON error envelope.
+    """
+
+    def register(view):
+        @functools.wraps(view)
+        def twin(*args, **kwargs) -> Response:
+            return json_response(view(*args, **kwargs))
+
+        @functools.wraps(view)
+        def html(*args, **kwargs) -> HTMLResponse:
+            request = kwargs["request"]
+            try:
+                data = view(*args, **kwargs)
+            except NotFound as exc:
+                return render(request, "error.html", 404, title="Not found", status=404, message=str(exc), twin=None)
+            except ConfigError as exc:
+                return render(request, "error.html", 400, title="Bad parameter", status=400, message=str(exc),
+                              twin=None)
+            except StoreError as exc:
+                return render(request, "error.html", 503, title="Store unavailable", status=503,
+                              message=str(exc), twin=None)
+            return render(request, template, title=title, data=data, twin=request.url.path + ".json")
+
+        # The twin first: "/requests/{id}" would otherwise also match "/requests/abc.json".
+        router.add_api_route(path + ".json", twin, methods=["GET"], name=f"{view.__name__}_json",
+                             include_in_schema=False)
+        router.add_api_route(path, html, methods=["GET"], name=view.__name__, response_class=HTMLResponse,
+                             include_in_schema=False)
+        return view
+
+    return register
+
+
+@router.get("/static/{name}", include_in_schema=False)
+def static(name: str) -> Response:
+    """A file of the package's static folder (CSS, JS); 404 for anything else."""
+    entry = _STATIC / name
+    suffix = name[name.rfind("."):] if "." in name else ""
+    if "/" in name or suffix not in _MEDIA or not entry.is_file():
+        raise NotFound(f"no static file named {name!r}")
+    return Response(entry.read_bytes(), media_type=_MEDIA[suffix], headers={"Cache-Control": "max-age=300"})

@@ -1,0 +1,170 @@
+"""Dashboard pages over real HTTP on a real collector: each page and its JSON twin, on a golden
+trace whose numbers are known, on an empty store, and on bad input. (The browser tests, on real
+engine traffic, are in test_dashboard_browser.py.)"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+
+import golden
+import httpx
+import pytest
+
+PAGES = ["/", "/timeline", "/cache", "/instances", "/requests/golden-req-1"]
+
+
+@pytest.fixture
+def golden_collector(collector_factory):
+    """A collector holding the golden engine trace, replayed 2 s ago; yields (collector, base_ns)."""
+    collector = collector_factory().start()
+    base = time.time_ns() - 2_000_000_000
+    golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces", base)
+    yield collector, base
+
+
+def _get(collector, path: str, **kwargs) -> httpx.Response:
+    return httpx.get(collector.url + path, timeout=30, **kwargs)
+
+
+def metrics(page: str) -> dict[str, str]:
+    """{data-metric: data-value} of a rendered page (values unescaped)."""
+    pairs = re.findall(r'data-metric="([^"]+)" data-value="([^"]*)"', page)
+    return {name: html.unescape(value) for name, value in pairs}
+
+
+def test_golden_numbers_on_every_twin(golden_collector):
+    collector, base = golden_collector
+    overview = _get(collector, "/.json?since=1h").json()
+    assert overview["requests"] == 1 and overview["errors"] == 0
+    assert overview["latency"]["ttft_ms"] == {"p50": 500.0, "p95": 500.0, "p99": 500.0}
+    assert overview["latency"]["e2e_ms"]["p50"] == 600.0
+    assert overview["categories"] == {"cold_start": 1, "queueing": 0, "prefill": 0, "decode": 0}
+    assert overview["cache"]["token_hit_rate"] == 0.4
+    assert overview["throughput"]["output_tokens"] == 5
+    assert [row["instance_id"] for row in overview["instances"]] == ["golden-1"]
+    assert overview["queue"][0]["queue_depth"] == [0]
+
+    timeline = _get(collector, "/timeline.json?since=1h").json()
+    r = timeline["requests"]
+    assert (timeline["lanes"], r["id"], timeline["count"]) == (["golden-1"], ["golden-req-1"], 1)
+    assert (r["load_wait"], r["queue"], r["prefill"], r["decode"]) == ([300.0], [50.0], [150.0], [80.0])
+    assert r["start"] == [round((base + 100_000_000 - timeline["t0_ns"]) / 1e6, 3)]
+    assert timeline["categories"][r["category"][0]] == "cold_start"
+    assert len(timeline["chunks"]["start"]) == 2
+    assert sorted(timeline["evictions"]["reason"]) == ["max_entries", "memory_pressure"]
+    assert timeline["loads"]["load_id"] == ["load-1"]
+
+    cache = _get(collector, "/cache.json?since=1h").json()
+    (row,) = cache["instances"]
+    # KV 1024 B/token x context (40 + 5) = 46,080 B a session; 811,000 B free but no free entry (3 of 3).
+    assert (row["bytes"], row["max_bytes"], row["entries"], row["max_entries"]) == (189_000, 1_000_000, 3, 3)
+    assert (row["avg_context_tokens"], row["session_bytes"]) == (45.0, 46_080)
+    assert (row["more_sessions"], row["sessions_in_all"]) == (0, 3)
+    assert cache["evictions"]["by_reason"] == {"max_entries": 1, "memory_pressure": 1}
+
+    (instance,) = _get(collector, "/instances.json").json()["instances"]
+    steps = {step["state"]: step for step in instance["readiness"]}
+    assert [steps[k]["t_ns"] - base for k in ("files_present", "started", "ready", "first_response")] == [
+        1_000_000, 0, 400_000_000, 700_000_000]
+    assert steps["first_response"]["after_start_ms"] == 700.0
+    assert [s["name"] for s in instance["load"]["stages"]] == ["resolve", "weights", "tokenizer", "warmup"]
+    assert instance["status"] == "up"
+
+    detail = _get(collector, "/requests/golden-req-1.json").json()
+    assert detail["slow"]["category"] == "cold_start" and detail["cache"]["result"] == "hit"
+    assert [s["name"] for s in detail["spans"]][:3] == ["llm.request", "llm.load_wait", "llm.queue"]
+    assert len(detail["spans"]) == 9
+    assert detail["batched_with"][0]["request_id"] == "other-req" and detail["batched_with"][0]["steps"] == 3
+    assert detail["itl"]["itl_ms"] == [20.0, 20.0, 20.0, 20.0]
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_shows_the_numbers_of_its_twin(golden_collector, path):
+    collector, _ = golden_collector
+    page = _get(collector, path + ("?since=1h" if path != "/requests/golden-req-1" else ""))
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    twin = _get(collector, (path if path != "/" else "/") + ".json" + ("?since=1h" if "requests" not in path else ""))
+    assert twin.status_code == 200 and twin.headers["content-type"] == "application/json"
+    data = twin.json()
+    shown = metrics(page.text)
+    if path == "/":
+        assert shown["requests"] == str(data["requests"])
+        assert shown["ttft_ms.p95"] == str(data["latency"]["ttft_ms"]["p95"])
+        assert shown["category.cold_start"] == str(data["categories"]["cold_start"])
+    elif path == "/cache":
+        assert shown["cluster.bytes"] == str(data["cluster"]["bytes"])
+        assert shown["more_sessions"] == str(data["instances"][0]["more_sessions"])
+    elif path == "/instances":
+        assert shown["load_ms"] == str(data["instances"][0]["load"]["ms"])
+    elif path == "/timeline":
+        assert '<canvas id="timeline"' in page.text and 'id="timeline-data"' in page.text
+    else:
+        assert shown["e2e_ms"] == str(data["e2e_ms"]) and shown["category"] == data["slow"]["category"]
+    # Nothing comes from another origin: no CDN, no fonts, no analytics.
+    assert not re.search(r'(src|href)="(https?:)?//', page.text)
+
+
+def test_user_text_is_escaped(golden_collector):
+    collector, _ = golden_collector
+    page = _get(collector, "/requests/golden-req-1").text
+    assert "sess-&lt;b&gt;1&lt;/b&gt;" in page
+    assert "<b>1</b>" not in page
+
+
+def test_unknown_request_is_a_404_page_and_a_404_envelope(golden_collector):
+    collector, _ = golden_collector
+    page = _get(collector, "/requests/no-such-request")
+    assert page.status_code == 404 and page.headers["content-type"].startswith("text/html")
+    assert "no-such-request" in page.text
+    twin = _get(collector, "/requests/no-such-request.json")
+    assert twin.status_code == 404
+    assert twin.json()["error"]["code"] == "not_found" and "no-such-request" in twin.json()["error"]["message"]
+
+
+def test_a_bad_window_is_a_400(golden_collector):
+    collector, _ = golden_collector
+    assert _get(collector, "/timeline?since=yesterday").status_code == 400
+    twin = _get(collector, "/cache.json?since=yesterday")
+    assert twin.status_code == 400 and twin.json()["error"]["code"] == "bad_parameter"
+
+
+def test_every_page_renders_on_an_empty_store(collector_factory):
+    collector = collector_factory().start()
+    for path in ("/", "/timeline", "/cache", "/instances"):
+        assert _get(collector, path).status_code == 200, path
+        twin = _get(collector, path + ".json")
+        assert twin.status_code == 200 and isinstance(twin.json(), dict), path
+    assert _get(collector, "/timeline.json").json()["count"] == 0
+
+
+def test_pages_need_the_token(collector_factory):
+    collector = collector_factory(token="dash-token").start()
+    for path in ("/", "/timeline.json", "/static/timeline.js"):
+        denied = _get(collector, path)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "unauthorized", path
+    assert _get(collector, "/cache", headers={"Authorization": "Bearer dash-token"}).status_code == 200
+    wrong = _get(collector, "/?token=not-it")
+    assert wrong.status_code == 401
+    entry = _get(collector, "/timeline?since=5m&token=dash-token")
+    assert entry.status_code == 303 and entry.headers["location"] == "/timeline?since=5m"
+    cookie = entry.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "dash-token" in cookie
+
+
+def test_twins_never_carry_nan():
+    from tokentrace.dashboards.web import dumps
+
+    # polars gives NaN for a mean over nothing; browsers' JSON.parse rejects NaN outright.
+    assert dumps({"mean": float("nan"), "rows": [1.5, float("inf")]}) == '{"mean":null,"rows":[1.5,null]}'
+
+
+def test_an_instance_silent_for_30_s_is_stale(collector_factory):
+    collector = collector_factory().start()
+    golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces",
+                  time.time_ns() - 120_000_000_000)  # its last span and heartbeat: two minutes ago
+    (instance,) = _get(collector, "/instances.json").json()["instances"]
+    assert instance["status"] == "stale" and instance["last_seen_age_s"] > 30
+    page = _get(collector, "/instances").text
+    assert 'id="stale"' in page and "golden-1" in page
