@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -51,9 +53,20 @@ def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_bod
     return normalize(decode(decompress(body, content_encoding, max_body_bytes), encoding), max_value_length)
 
 
-def _warm() -> None:
-    """Worker initializer: import the protobuf and normalizer modules before the first payload."""
+def _start_worker(parent_pid: int) -> None:
+    """Worker initializer: import the parsing modules now, and exit when the collector is gone.
+
+    A collector killed with SIGKILL cannot stop its pool; its workers would wait on their queue
+    forever. Re-parented workers notice within a second and exit.
+    """
     import tokentrace.collector.normalize  # noqa: F401
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, name="tokentrace-parent-watch", daemon=True).start()
 
 
 class Pipeline:
@@ -76,7 +89,7 @@ class Pipeline:
         """Start the worker processes (none when ``workers`` is 0)."""
         if self.workers > 0:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_warm)
+                                             initializer=_start_worker, initargs=(os.getpid(),))
 
     def stop(self) -> None:
         """Stop the workers after the payloads they hold."""

@@ -56,8 +56,13 @@ def kill_mid_stream(collector: CollectorProcess, spans: int) -> list[str]:
 
 
 def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory):
-    collector = collector_factory().start()
+    collector = collector_factory("--parse-workers", "1").start()
+    assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
+    workers = _parse_workers(collector.proc.pid)  # the pool starts its workers on demand
+    assert workers
     snapshot = kill_mid_stream(collector, 3000)
+    # Orphaned parse workers notice their collector is gone and exit.
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30, "the orphaned workers to exit")
     restarted = collector_factory(db=collector.db).start()  # DuckDB replays its WAL on open
     assert restarted.health()["status"] == "ok"
     assert restarted.stop() == 0
@@ -93,11 +98,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _parse_workers(pid: int) -> list[int]:
+    return [child for child in _children(pid)
+            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text(errors="replace")]
+
+
 def test_a_killed_parse_worker_costs_no_request(collector_factory):
     collector = collector_factory("--parse-workers", "1").start()
     assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
-    workers = [pid for pid in _children(collector.proc.pid)
-               if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    workers = _parse_workers(collector.proc.pid)
     assert workers, "the collector runs its parse worker as a child process"
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
