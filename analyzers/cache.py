@@ -80,9 +80,10 @@ class CacheFacts:
     lookup: dict | None  #: the cache_lookups row; None when the engine sent no fingerprint
     hashes: list[int]  #: chained block hashes of the prompt
     segments: pl.DataFrame  #: the prompt's segments
-    seen: dict | None  #: the deepest earlier match (prefix_seen), or None
-    entries: pl.DataFrame  #: earlier cache entries holding a longer prefix (entries_longer)
-    evictions: pl.DataFrame  #: evictions of those entries before the lookup
+    seen: dict | None  #: the deepest block any earlier prompt or entry had, and who had it first
+    cached_on: list[dict]  #: per instance, the deepest block an entry stored there before held
+    eviction: dict | None  #: the eviction of this instance's entry holding a longer prefix, if found
+    evicted_elsewhere: set[tuple[str | None, int]]  #: (instance, fingerprint) of other entries gone by then
     segment_matches: pl.DataFrame  #: earlier segments with equal content hashes
     divergences: dict[str, int]  #: earlier request id -> token where its prompt first differs
 
@@ -101,47 +102,48 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     window = request_window(request)
     lookups = reader.frame("cache_lookup", request_id=request_id, **window)
     if lookups.height == 0:
-        return CacheFacts(request, None, [], pl.DataFrame(), None, pl.DataFrame(), pl.DataFrame(),
-                          pl.DataFrame(), {})
+        return CacheFacts(request, None, [], pl.DataFrame(), None, [], None, set(), pl.DataFrame(), {})
     lookup = lookups.row(0, named=True)
     t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
     prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
     hashes = reader.frame("lookup_blocks", request_id=request_id, **window)["hash"].to_list()
     segments = reader.frame("segments_of", request_id=request_id, **window)
-    seen = _deepest_seen(reader, request_id, hashes, t, prompt // block, cached // block)
-    deeper = hashes[cached // block:]
-    entries = reader.frame("entries_longer", hashes=deeper, before_ns=t) if deeper else pl.DataFrame()
-    evictions = reader.frame("evictions_of", fingerprints=entries["fingerprint"].drop_nulls().to_list(),
-                             before_ns=t) if entries.height else pl.DataFrame()
+    seen = reader.frame("prefix_seen", hashes=hashes, before_ns=t) if hashes else pl.DataFrame()
+    cached_on = reader.frame("prefix_cached", hashes=hashes, before_ns=t).to_dicts() if hashes else []
+    here_key = request["instance_id"]
+    here = next((row for row in cached_on if row["instance_id"] == here_key), None)
+    eviction = None
+    if here is not None and _covered(here["last_block"], block, prompt) - cached >= block:
+        eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
+    others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
+    gone = reader.frame("evictions_of", fingerprints=[row["fingerprint"] for row in others],
+                        before_ns=t) if others else pl.DataFrame()
+    evicted_elsewhere = {(row["instance_id"], row["fingerprint"]) for row in gone.iter_rows(named=True)}
     matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
                            request_id=request_id) if segments.height else pl.DataFrame()
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
-    return CacheFacts(request, lookup, hashes, segments, seen, entries, evictions, matches, divergences)
+    return CacheFacts(request, lookup, hashes, segments, seen.row(0, named=True) if seen.height else None,
+                      cached_on, eviction, evicted_elsewhere, matches, divergences)
 
 
-def _deepest_seen(reader: TraceReader, request_id: str, hashes: list[int], t: int, full: int,
-                  reused: int) -> dict | None:
-    """The deepest block of this prompt any earlier prompt or entry had, or None when nothing beyond
-    the ``reused`` blocks was seen. On a chain of full blocks 'block k was seen' implies 'block k-1
-    was seen', so this probes the first unreused block (usually the whole answer), then searches
-    upwards by halves. The last block, when partial, only matches an identical prompt."""
-
-    def probe(index: int) -> dict | None:
-        rows = reader.frame("block_seen", hash=hashes[index], before_ns=t, request_id=request_id)
-        return {"last_block": index, **rows.row(0, named=True)} if rows.height else None
-
-    if len(hashes) > full and (whole := probe(len(hashes) - 1)):
-        return whole
-    low, high = reused, min(full, len(hashes))
-    best = None
-    while low < high:
-        middle = (low + high) // 2
-        found = probe(middle)
-        if found:
-            best, low = found, middle + 1
-        else:
-            high = middle
-    return best
+def _find_eviction(reader: TraceReader, instance_id: str | None, deepest: int, hashes: list[int], t: int,
+                   cached: int, block: int) -> dict | None:
+    """The latest capacity eviction on this instance, before the lookup, of an entry holding more of
+    this prompt than was reused: its stored blocks at the deepest cached index (or, failing that, the
+    first unreused one) equal this prompt's. Only the latest few evictions are examined."""
+    reused = cached // block
+    candidates = reader.frame("capacity_evictions", instance_id=instance_id, before_ns=t,
+                              min_tokens=(reused + 1) * block, reasons=list(c.CAPACITY_EVICT_REASONS))
+    for candidate in candidates.iter_rows(named=True):
+        if candidate["inserted_ns"] is None:
+            continue
+        stored = reader.frame("entry_block", request_id=candidate["entry_request_id"],
+                              inserted_ns=candidate["inserted_ns"], block_indices=sorted({reused, deepest}))
+        held = dict(stored.iter_rows())
+        for index in (deepest, reused):
+            if index < len(hashes) and held.get(index) == hashes[index]:
+                return {**candidate, "held_block": index}
+    return None
 
 
 #: Earlier requests sharing a segment whose divergence point is computed (most recent first).
@@ -193,7 +195,8 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
          "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
     ))
-    longer = _longer_entries(facts, block, prompt, cached)
+    longer = [{**row, "covered": _covered(row["last_block"], block, prompt)} for row in facts.cached_on]
+    longer = [row for row in longer if row["covered"] - cached >= block]
     if not (_capacity(verdict, facts, longer) or _instance_change(verdict, facts, longer)
             or _prefix_change(verdict, facts, block, cached)):
         _new_or_reused(verdict, facts, block)
@@ -219,51 +222,45 @@ def _unknown(request: dict) -> CacheVerdict:
     return verdict
 
 
-def _longer_entries(facts: CacheFacts, block: int, prompt: int, cached: int) -> pl.DataFrame:
-    """Earlier entries covering at least one block more than what was reused."""
-    if facts.entries.height == 0:
-        return facts.entries
-    covered = [_covered(k, block, prompt) for k in facts.entries["last_block"].to_list()]
-    entries = facts.entries.with_columns(pl.Series("covered", covered))
-    return entries.filter(pl.col("covered") - cached >= block).sort(["covered", "t_ns"], descending=True)
-
-
-def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: pl.DataFrame) -> bool:
-    here = longer.filter(pl.col("instance_id") == verdict.instance_id) if longer.height else longer
-    if here.height == 0 or facts.evictions.height == 0:
+def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> bool:
+    here = next((row for row in longer if row["instance_id"] == verdict.instance_id), None)
+    if here is None:
         return False
-    for entry in here.iter_rows(named=True):
-        evicted = facts.evictions.filter(
-            (pl.col("fingerprint") == entry["fingerprint"]) & (pl.col("instance_id") == verdict.instance_id)
-            & (pl.col("t_ns") >= entry["t_ns"]) & pl.col("reason").is_in(list(c.CAPACITY_EVICT_REASONS))
-        )
-        if evicted.height == 0:
-            continue
-        eviction = evicted.row(0, named=True)
-        verdict.cause, verdict.evicted_by = "capacity", eviction["evicted_by_request_id"]
-        by = f"by request {eviction['evicted_by_request_id']}'s insert" if eviction["evicted_by_request_id"] \
-            else "outside any insert"
+    verdict.cause = "capacity"
+    eviction = facts.eviction
+    if eviction is None:
+        # A longer prefix was stored here before the lookup and the lookup did not find it: it was
+        # gone, but its eviction is not among the latest ones examined on this instance.
         verdict.evidence.append(Evidence(
-            "eviction", f"{entry['covered']} tokens of this prompt were cached on {verdict.instance_id} "
-                        f"(entry of request {entry['request_id']}) and evicted ({eviction['reason']}) {by} "
-                        f"before this lookup; {entry['covered'] - verdict.cached_tokens} tokens were lost.",
-            {"evicted_at_ns": eviction["t_ns"], "reason": eviction["reason"],
-             "evicted_by": eviction["evicted_by_request_id"], "entry_request_id": entry["request_id"],
-             "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"],
-             "lost_tokens": entry["covered"] - verdict.cached_tokens,
-             "cache_entries_after": eviction["cache_entries"], "cache_bytes_after": eviction["cache_bytes"]},
+            "no_longer_cached", f"{here['covered']} tokens of this prompt were cached on {verdict.instance_id} "
+                                f"(entry of request {here['request_id']}) and were no longer cached at this "
+                                "lookup; the eviction is older than the latest ones on this instance.",
+            {"entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
+             "lost_tokens": here["covered"] - verdict.cached_tokens},
         ))
         return True
-    return False
+    verdict.evicted_by = eviction["evicted_by_request_id"]
+    lost = here["covered"] if eviction["held_block"] == here["last_block"] else min(
+        verdict.prompt_tokens, (eviction["held_block"] + 1) * verdict.block_size)
+    by = f"by request {verdict.evicted_by}'s insert" if verdict.evicted_by else "outside any insert"
+    verdict.evidence.append(Evidence(
+        "eviction", f"{lost} tokens of this prompt were cached on {verdict.instance_id} (entry of request "
+                    f"{eviction['entry_request_id']}) and evicted ({eviction['reason']}) {by} before this "
+                    f"lookup; {lost - verdict.cached_tokens} tokens were lost.",
+        {"evicted_at_ns": eviction["t_ns"], "reason": eviction["reason"], "evicted_by": verdict.evicted_by,
+         "entry_request_id": eviction["entry_request_id"], "fingerprint": eviction["fingerprint"],
+         "inserted_at_ns": eviction["inserted_ns"], "lost_tokens": lost - verdict.cached_tokens,
+         "cache_entries_after": eviction["cache_entries"], "cache_bytes_after": eviction["cache_bytes"]},
+    ))
+    return True
 
 
-def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: pl.DataFrame) -> bool:
-    if longer.height == 0 or longer.filter(pl.col("instance_id") == verdict.instance_id).height:
+def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> bool:
+    if not longer:
         return False
-    rows = longer.to_dicts()
-    for row in rows:
-        row["alive"] = _alive(facts, row["instance_id"], row["fingerprint"])
-    entry = max(rows, key=lambda row: (row["alive"], row["covered"], row["t_ns"]))
+    for row in longer:
+        row["alive"] = (row["instance_id"], row["fingerprint"]) not in facts.evicted_elsewhere
+    entry = max(longer, key=lambda row: (row["alive"], row["covered"], row["t_ns"]))
     verdict.cause, verdict.cached_on = "instance_change", entry["instance_id"]
     state = "still cached there at this lookup" if entry["alive"] else "since evicted there"
     verdict.evidence.append(Evidence(
@@ -274,14 +271,6 @@ def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: pl.DataFr
          "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"], "covered_tokens": entry["covered"]},
     ))
     return True
-
-
-def _alive(facts: CacheFacts, instance_id: str, fingerprint: int) -> bool:
-    """Whether an entry was still cached at the lookup (no eviction of it before)."""
-    if facts.evictions.height == 0:
-        return True
-    gone = facts.evictions.filter((pl.col("fingerprint") == fingerprint) & (pl.col("instance_id") == instance_id))
-    return gone.height == 0
 
 
 def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached: int) -> bool:
