@@ -31,6 +31,17 @@ def clickhouse_available() -> bool:
     return True
 
 
+#: Backends a collector process is tested on (``collector_store``); chdb needs the clickhouse extra.
+COLLECTOR_BACKENDS = ["duckdb", pytest.param("chdb", marks=pytest.mark.skipif(
+    not clickhouse_available(), reason="the clickhouse extra is not installed (pip install -e '.[clickhouse]')"))]
+
+
+def collector_store(backend: str, tmp_path) -> str | None:
+    """The ``--store`` URL of a fresh store of ``backend`` for a collector process; None for DuckDB,
+    whose default (``--db`` in the test's directory) the collector harness already gives."""
+    return f"chdb://{tmp_path / 'chdb'}" if backend == "chdb" else None
+
+
 def server_url() -> str:
     """The ClickHouse server to test against, or skip the test saying the server path did not run."""
     url = os.environ.get(SERVER_ENV)

@@ -1,6 +1,7 @@
 """Dashboard pages over real HTTP on a real collector: each page and its JSON twin, on a golden
-trace whose numbers are known, on an empty store, and on bad input. (The browser tests, on real
-engine traffic, are in test_dashboard_browser.py.)"""
+trace whose numbers are known, on an empty store, and on bad input; the pages that read the store
+run on DuckDB and on chdb (each query a page makes is a named query with a twin per backend). (The
+browser tests, on real engine traffic, are in test_dashboard_browser.py.)"""
 
 from __future__ import annotations
 
@@ -11,17 +12,30 @@ import time
 import golden
 import httpx
 import pytest
+from harness_collector import CollectorProcess
+from harness_store import COLLECTOR_BACKENDS, collector_store
 
 PAGES = ["/", "/timeline", "/cache", "/instances", "/requests/golden-req-1"]
 
 
-@pytest.fixture
-def golden_collector(collector_factory):
-    """A collector holding the golden engine trace, replayed 2 s ago; yields (collector, base_ns)."""
-    collector = collector_factory().start()
-    base = time.time_ns() - 2_000_000_000
-    golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces", base)
-    yield collector, base
+@pytest.fixture(params=COLLECTOR_BACKENDS)
+def store(request, tmp_path) -> str | None:
+    """The --store of the collector under test: a fresh store of each backend in turn."""
+    return collector_store(request.param, tmp_path)
+
+
+@pytest.fixture(scope="module", params=COLLECTOR_BACKENDS)
+def golden_collector(request, tmp_path_factory):
+    """A collector holding the golden engine trace, replayed 2 s ago, on each backend in turn; yields
+    (collector, base_ns). One per backend for the module: the tests that use it only read."""
+    workdir = tmp_path_factory.mktemp(f"golden-{request.param}")
+    collector = CollectorProcess(workdir, store=collector_store(request.param, workdir)).start()
+    try:
+        base = time.time_ns() - 2_000_000_000
+        golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces", base)
+        yield collector, base
+    finally:
+        collector.stop()
 
 
 def _get(collector, path: str, **kwargs) -> httpx.Response:
@@ -130,8 +144,8 @@ def test_a_bad_window_is_a_400(golden_collector):
     assert twin.status_code == 400 and twin.json()["error"]["code"] == "bad_parameter"
 
 
-def test_every_page_renders_on_an_empty_store(collector_factory):
-    collector = collector_factory().start()
+def test_every_page_renders_on_an_empty_store(collector_factory, store):
+    collector = collector_factory(store=store).start()
     for path in ("/", "/timeline", "/cache", "/instances"):
         assert _get(collector, path).status_code == 200, path
         twin = _get(collector, path + ".json")
@@ -160,8 +174,8 @@ def test_twins_never_carry_nan():
     assert dumps({"mean": float("nan"), "rows": [1.5, float("inf")]}) == '{"mean":null,"rows":[1.5,null]}'
 
 
-def test_an_instance_silent_for_30_s_is_stale(collector_factory):
-    collector = collector_factory().start()
+def test_an_instance_silent_for_30_s_is_stale(collector_factory, store):
+    collector = collector_factory(store=store).start()
     golden.replay(golden.load("golden_engine_trace.json"), collector.url + "/v1/traces",
                   time.time_ns() - 120_000_000_000)  # its last span and heartbeat: two minutes ago
     (instance,) = _get(collector, "/instances.json").json()["instances"]

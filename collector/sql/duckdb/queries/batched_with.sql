@@ -10,8 +10,10 @@ WITH shared AS (
     UNION ALL
     SELECT unnest(decode_request_ids) AS request_id, 0 AS prefill, 1 AS decode, duration_ns FROM shared
 )
-SELECT m.request_id, count(*) AS steps, sum(m.prefill) AS prefill_steps, sum(m.decode) AS decode_steps,
-       sum(m.duration_ns) AS step_ns, any_value(r.prompt_tokens) AS prompt_tokens,
+-- sum() of integers is HUGEINT in DuckDB (Int128 by row fetch, Decimal by Arrow): BIGINT, as on ClickHouse.
+SELECT m.request_id, count(*) AS steps, CAST(sum(m.prefill) AS BIGINT) AS prefill_steps,
+       CAST(sum(m.decode) AS BIGINT) AS decode_steps, CAST(sum(m.duration_ns) AS BIGINT) AS step_ns,
+       any_value(r.prompt_tokens) AS prompt_tokens,
        any_value(r.cached_tokens) AS cached_tokens, any_value(r.completion_tokens) AS completion_tokens
 FROM members m
 LEFT JOIN requests r ON r.request_id = m.request_id

@@ -6,4 +6,5 @@ WHERE p.request_id IN (
     WHERE ($since_ns::BIGINT IS NULL OR start_ns >= $since_ns)
       AND ($until_ns::BIGINT IS NULL OR start_ns < $until_ns)
 )
-ORDER BY p.request_id, p.start_ns
+-- name breaks ties, as in phases.sql: an engine starts a prefill and its cache lookup at one instant.
+ORDER BY p.request_id, p.start_ns, p.name

@@ -1,0 +1,8 @@
+-- Engine steps that started in [since_ns, until_ns) (NULL: unbounded) on one instance or all.
+SELECT instance_id, start_ns, duration_ns, prefill_seqs, decode_seqs, prefill_tokens, decode_tokens,
+       prefill_request_ids, decode_request_ids
+FROM steps
+WHERE ({since_ns:Nullable(Int64)} IS NULL OR start_ns >= {since_ns:Nullable(Int64)})
+  AND ({until_ns:Nullable(Int64)} IS NULL OR start_ns < {until_ns:Nullable(Int64)})
+  AND ({instance_id:Nullable(String)} IS NULL OR instance_id = {instance_id:Nullable(String)})
+ORDER BY instance_id, start_ns
