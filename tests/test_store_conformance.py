@@ -152,10 +152,13 @@ PARAMS = {
     "limit": (100, 1, 0),
     "sha256": (SPOOL.sha256, SPOOL.sha256, "cd" * 32),
     "hashes": (_LOOKUP_HASHES + _INSERT_HASHES, _INSERT_HASHES + _SEGMENT_HASHES + [-(2**63)], []),
-    "hash": (_LOOKUP_HASHES[1], _INSERT_HASHES[-1], 42),
     "fingerprints": ([-1234567890123, 987654321], [987654321], []),
     "request_ids": (["golden-req-1", "json-req-1"], ["golden-req-1"], []),
     "load_id": ("load-1", "load-1", None),
+    "min_tokens": (0, 32, 10**9),
+    "reasons": (["max_entries", "max_bytes", "memory_pressure", "trim"], ["max_entries"], []),
+    "block_indices": ([0, 1, 2, 3], [0], []),
+    "inserted_ns": (BASE + 680_000_000, BASE, None),  # the golden insert span's start
 }
 _DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
 _CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")

@@ -3,3 +3,4 @@ SELECT block_index, hash
 FROM prefix_blocks
 WHERE request_id = $request_id AND source = 'insert' AND t_ns = $inserted_ns
   AND block_index = ANY($block_indices::BIGINT[])
+ORDER BY block_index
