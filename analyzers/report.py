@@ -8,6 +8,7 @@ recent ``cause_sample`` requests that did not reuse their whole prompt, and the 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,11 @@ def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = 
                            "prompt_tokens", "cached_tokens", "completion_tokens").to_dicts()
     causes: dict[str, int] = {}
     sample = frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(cause_sample)
-    for request_id in sample["request_id"].to_list():
-        cause = analyze_cache(reader, request_id).cause or "null"
-        causes[cause] = causes.get(cause, 0) + 1
+    # The store runs each query with the GIL released, and every thread reads through its own
+    # cursor (reader contract): two threads use both cores of a small machine.
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-report") as pool:
+        for verdict in pool.map(lambda rid: analyze_cache(reader, rid), sample["request_id"].to_list()):
+            cause = verdict.cause or "null"
+            causes[cause] = causes.get(cause, 0) + 1
     return Report(since_ns, until_ns, frame.height, categories, causes, sample.height, cache,
                   sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows)
