@@ -11,8 +11,10 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 
 from starlette.concurrency import run_in_threadpool
 
@@ -101,19 +103,13 @@ class Pipeline:
     def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
-        try:
+        with self._counting_refusals():
             pool = self._pool
             try:
                 batch = pool.submit(parse, *args).result() if pool is not None else parse(*args)
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = parse(*args)
-        except PayloadError as exc:
-            self._count_error(exc)
-            raise
-        except UnsupportedMediaType:
-            self.counters.reject("unsupported_media_type")
-            raise
         return self._checked(batch)
 
     async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
@@ -122,19 +118,28 @@ class Pipeline:
             return await run_in_threadpool(self.batch, body, encoding, content_encoding)
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         pool = self._pool
-        try:
+        with self._counting_refusals():
             try:
                 batch = await asyncio.wrap_future(pool.submit(parse, *args))
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = await run_in_threadpool(parse, *args)
-        except PayloadError as exc:
-            self._count_error(exc)
+        return self._checked(batch)
+
+    @contextmanager
+    def _counting_refusals(self) -> Iterator[None]:
+        """Count a payload refused while decoding, by reason, and let the error through."""
+        try:
+            yield
+        except PayloadTooLarge:
+            self.counters.reject("too_large")
+            raise
+        except PayloadError:
+            self.counters.reject("malformed")
             raise
         except UnsupportedMediaType:
             self.counters.reject("unsupported_media_type")
             raise
-        return self._checked(batch)
 
     def _rebuild(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
@@ -143,9 +148,6 @@ class Pipeline:
                 self._pool = None
                 self.start()
         broken.shutdown(wait=False, cancel_futures=True)
-
-    def _count_error(self, exc: PayloadError) -> None:
-        self.counters.reject("too_large" if isinstance(exc, PayloadTooLarge) else "malformed")
 
     def _checked(self, batch: Batch) -> Batch:
         if batch.rejected:
