@@ -59,6 +59,28 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+class RecentKeys:
+    """Keys recorded lately, in two generations of at most ``capacity`` each: a key in either is a
+    repeat (one found in the old generation moves to the new), and when the new generation is full
+    the old one is dropped. Keys that keep recurring are never recorded twice; a key that returns
+    after two generations is recorded once more, which costs a row and changes no answer."""
+
+    def __init__(self, capacity: int = 500_000):
+        self.capacity = capacity
+        self._new: set = set()
+        self._old: set = set()
+
+    def first_time(self, key) -> bool:
+        """Whether ``key`` was not recorded lately; it is recorded from now on."""
+        if key in self._new:
+            return False
+        seen = key in self._old
+        self._new.add(key)
+        if len(self._new) >= self.capacity:
+            self._old, self._new = self._new, set()
+        return not seen
+
+
 class DuckDBStore(NamedQueryReader):
     """Both store roles over one DuckDB file (contracts in ``tokentrace.collector.store``)."""
 
@@ -83,6 +105,8 @@ class DuckDBStore(NamedQueryReader):
             self._migrate()
         self._schemas = self._arrow_schemas()
         self._expand = {table: (_SQL / "expand" / f"{table}.sql").read_text(encoding="utf-8") for table in PACKED}
+        self._sightings_sql = (_SQL / "expand" / "prefix_sightings.sql").read_text(encoding="utf-8")
+        self._recent = RecentKeys()
         self._local = threading.local()
         self._queries: dict[str, str] = {}
 
@@ -141,13 +165,25 @@ class DuckDBStore(NamedQueryReader):
                 if rows:
                     con.register("staged", self._arrow("packed:" + table, rows))
                     con.execute(self._expand[table])
+                    if table == "prefix_blocks":
+                        self._record_sightings(con)
                     con.unregister("staged")
             con.execute("COMMIT")
             return True
         except (duckdb.Error, pa.ArrowException) as exc:
             with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
                 con.execute("ROLLBACK")
+            self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _record_sightings(self, con: duckdb.DuckDBPyConnection) -> None:
+        candidates = con.sql(self._sightings_sql).to_arrow_table()
+        keys = zip(candidates.column("hash").to_pylist(), candidates.column("instance_id").to_pylist(),
+                   candidates.column("source").to_pylist(), strict=True)
+        first = self._recent.first_time
+        fresh = candidates.take(pa.array([i for i, key in enumerate(keys) if first(key)], type=pa.int64()))
+        if fresh.num_rows:
+            con.from_arrow(fresh).insert_into("prefix_sightings")
 
     def _arrow(self, schema_name: str, rows: list[tuple]) -> pa.Table:
         return arrow_rows(self._schemas[schema_name], rows)

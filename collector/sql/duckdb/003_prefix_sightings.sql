@@ -7,7 +7,9 @@
 -- what it matched (the matched ones came from an entry stored earlier on this instance, so they
 -- were recorded then), and an entry's blocks past what its request's lookup matched. The earliest
 -- sighting of any hash, and the first time an instance stored it, are always among these rows.
--- Filled in the same transaction as prefix_blocks (expand/prefix_blocks.sql).
+-- Of those the writer appends only the first row of each (hash, instance, source) it has not
+-- recorded lately: a popular prefix missed again and again would otherwise add a row each time.
+-- Filled in the same transaction as prefix_blocks (expand/prefix_sightings.sql).
 CREATE TABLE prefix_sightings (
     hash            BIGINT NOT NULL,
     block_index     BIGINT NOT NULL,
