@@ -108,8 +108,8 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
     hashes = reader.frame("lookup_blocks", request_id=request_id, **window)["hash"].to_list()
     segments = reader.frame("segments_of", request_id=request_id, **window)
-    seen = reader.frame("prefix_seen", hashes=hashes, before_ns=t) if hashes else pl.DataFrame()
-    cached_on = reader.frame("prefix_cached", hashes=hashes, before_ns=t).to_dicts() if hashes else []
+    sightings = reader.frame("prefix_sightings_of", hashes=hashes, before_ns=t).to_dicts() if hashes else []
+    seen, cached_on = _deepest(sightings), _deepest_per_instance(sightings)
     here_key = request["instance_id"]
     here = next((row for row in cached_on if row["instance_id"] == here_key), None)
     eviction = None
@@ -122,8 +122,35 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
                            request_id=request_id) if segments.height else pl.DataFrame()
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
-    return CacheFacts(request, lookup, hashes, segments, seen.row(0, named=True) if seen.height else None,
-                      cached_on, eviction, evicted_elsewhere, matches, divergences)
+    return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
+                      divergences)
+
+
+def _first_of_deepest(rows: list[dict]) -> dict:
+    """The row of the deepest block, the earliest of them: chained hashes make the deepest equal
+    block the longest shared prefix."""
+    return min(rows, key=lambda row: (-row["block_index"], row["t_ns"], row["request_id"] or ""))
+
+
+def _deepest(sightings: list[dict]) -> dict | None:
+    """The deepest block any earlier prompt or entry had (any instance), and who had it first."""
+    if not sightings:
+        return None
+    row = _first_of_deepest(sightings)
+    return {"last_block": row["block_index"], "request_id": row["request_id"], "instance_id": row["instance_id"],
+            "source": row["source"], "t_ns": row["t_ns"]}
+
+
+def _deepest_per_instance(sightings: list[dict]) -> list[dict]:
+    """Per instance, the deepest block a cache entry stored there held, and the first such entry."""
+    by_instance: dict = {}
+    for row in sightings:
+        if row["source"] == "insert":
+            by_instance.setdefault(row["instance_id"], []).append(row)
+    deepest = [_first_of_deepest(rows) for rows in by_instance.values()]
+    return [{"instance_id": row["instance_id"], "last_block": row["block_index"], "request_id": row["request_id"],
+             "fingerprint": row["fingerprint"], "t_ns": row["t_ns"]}
+            for row in sorted(deepest, key=lambda row: (-row["block_index"], str(row["instance_id"])))]
 
 
 def _find_eviction(reader: TraceReader, instance_id: str | None, deepest: int, hashes: list[int], t: int,

@@ -1,6 +1,7 @@
 """Ingest benchmark: a real collector over loopback vs the raw ceiling on the same machine.
 
-Drives ``tokentrace collector`` with OTLP protobuf batches of 512 engine-shaped spans (bench/synth.py)
+Drives ``tokentrace collector`` with OTLP protobuf batches of 512 engine-shaped spans (bench/synth.py;
+``--shape light`` sends small generic spans instead)
 from 4 concurrent senders, bounded in requests and seconds, and prints spans/s persisted (commit
 before ack), p50/p99 request latency, and the raw ceiling measured in the same run: protobuf parse +
 normalize + DuckDB Arrow append + commit in one thread, no HTTP, no queue.
@@ -24,15 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness_collector import CollectorProcess
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from synth import Workload
+from synth import Workload, light_batches
 
 from tokentrace.collector.normalize import Batch, normalize
 from tokentrace.collector.store_duckdb import DuckDBStore
 
 
-def make_bodies(count: int, spans_per_batch: int) -> list[tuple[bytes, int]]:
+def make_bodies(count: int, spans_per_batch: int, shape: str = "engine") -> list[tuple[bytes, int]]:
     """(serialized request, span count) pairs, generated before any timing starts."""
-    batches = Workload(seed=11).batches(spans_per_batch)
+    batches = Workload(seed=11).batches(spans_per_batch) if shape == "engine" else light_batches(spans_per_batch)
     bodies = []
     for _ in range(count):
         request = next(batches)
@@ -106,10 +107,12 @@ def main() -> int:
     parser.add_argument("--spans-per-batch", type=int, default=512)
     parser.add_argument("--max-requests", type=int, default=20_000, help="upper bound on requests sent")
     parser.add_argument("--distinct-batches", type=int, default=120, help="batches generated up front")
+    parser.add_argument("--shape", choices=("engine", "light"), default="engine",
+                        help="engine: the shim's spans (arrays of offsets and hashes); light: small generic spans")
     args = parser.parse_args()
 
-    print(f"generating {args.distinct_batches} batches of ~{args.spans_per_batch} engine-shaped spans ...")
-    bodies = make_bodies(args.distinct_batches, args.spans_per_batch)
+    print(f"generating {args.distinct_batches} batches of ~{args.spans_per_batch} {args.shape} spans ...")
+    bodies = make_bodies(args.distinct_batches, args.spans_per_batch, args.shape)
     mean_bytes = statistics.mean(len(b) for b, _ in bodies)
     print(f"  {sum(s for _, s in bodies)} spans, {mean_bytes / 1024:.0f} KiB per batch")
 

@@ -153,3 +153,25 @@ class Workload:
             while total < spans_per_batch:
                 total += self.request(spans)
             yield request
+
+
+def light_batches(spans_per_batch: int, seed: int = 5) -> Iterator[ExportTraceServiceRequest]:
+    """Endless batches of small generic spans (8 scalar attributes, no arrays): what an ordinary
+    OTLP sender exports, for comparing ingest cost per span against the engine's heavy spans."""
+    rng, clock = random.Random(seed), 1_700_000_000_000_000_000
+    while True:
+        request = ExportTraceServiceRequest()
+        resource = request.resource_spans.add()
+        resource.resource.attributes.add(key=c.SERVICE_NAME).value.string_value = "checkout"
+        spans = resource.scope_spans.add().spans
+        for _ in range(spans_per_batch):
+            clock += rng.randrange(100_000, 2_000_000)
+            span = spans.add(trace_id=os.urandom(16), span_id=os.urandom(8), name="GET /cart", kind=2,
+                             start_time_unix_nano=clock, end_time_unix_nano=clock + 3_000_000)
+            for key, value in (("http.request.method", "GET"), ("http.route", "/cart"),
+                               ("http.response.status_code", 200), ("server.address", "shop.local"),
+                               ("user_agent.original", "curl/8.5"), ("net.peer.port", 51234),
+                               ("retry", False), ("ratio", 0.25)):
+                _set(span, key, value)
+        yield request
+

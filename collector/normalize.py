@@ -84,11 +84,10 @@ TABLES: dict[str, tuple[str, ...]] = {
 
 #: Packed forms of the per-token/per-block tables: the last column is a list, one element per row.
 #: decode_steps: step = list index, t_ns = start_ns + offset. prefix_blocks: block_index = list
-#: index, hash = element; ``known`` (lookups only) is how many leading blocks the lookup matched,
-#: which a store may skip when it maintains first-sighting tables (they were recorded before).
+#: index, hash = element.
 PACKED: dict[str, tuple[str, ...]] = {
     "decode_steps": ("request_id", "instance_id", "start_ns", "offsets"),
-    "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "fingerprint", "known", "hashes"),
+    "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "fingerprint", "hashes"),
 }
 
 #: Attributes expanded into typed rows and therefore not repeated in ``spans.attributes``.
@@ -130,7 +129,7 @@ class Batch:
             return [(rid, inst, step, start + offset)
                     for rid, inst, start, offsets in self.packed[table] for step, offset in enumerate(offsets)]
         return [(rid, inst, t_ns, source, index, value, fingerprint)
-                for rid, inst, t_ns, source, fingerprint, _known, hashes in self.packed[table]
+                for rid, inst, t_ns, source, fingerprint, hashes in self.packed[table]
                 for index, value in enumerate(hashes)]
 
     def extend(self, other: Batch) -> None:
@@ -279,11 +278,10 @@ def _chunk(scope: _Scope, span, a: dict, ids: tuple) -> None:
     ))
 
 
-def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, a: dict, fingerprint: int | None,
-            known: int | None = None) -> None:
+def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, a: dict, fingerprint: int | None) -> None:
     hashes = _ints(a.get(c.CACHE_BLOCK_HASHES))
     if hashes:
-        scope.batch.packed["prefix_blocks"].append((rid, scope.instance_id, t_ns, source, fingerprint, known, hashes))
+        scope.batch.packed["prefix_blocks"].append((rid, scope.instance_id, t_ns, source, fingerprint, hashes))
 
 
 def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
@@ -294,8 +292,7 @@ def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _int(a.get(c.CACHE_MATCHED_TOKENS)), _str(a.get(c.CACHE_MATCH)), _int(a.get(c.CACHE_MATCHED_ENTRY)),
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_BLOCK_SIZE)),
     ))
-    matched, block = _int(a.get(c.CACHE_MATCHED_TOKENS)), _int(a.get(c.CACHE_BLOCK_SIZE))
-    _blocks(scope, rid, t_ns, "lookup", a, None, matched // block if matched and block else 0)
+    _blocks(scope, rid, t_ns, "lookup", a, None)
     roles, starts, ends = _list(a.get(c.SEGMENT_ROLES)), _ints(a.get(c.SEGMENT_STARTS)), _ints(a.get(c.SEGMENT_ENDS))
     hashes, snippets = _ints(a.get(c.SEGMENT_HASHES)), _list(a.get(c.SEGMENT_SNIPPETS))
     scope.batch.rows["segments"].extend(

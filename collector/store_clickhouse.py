@@ -46,8 +46,7 @@ from tokentrace.errors import StoreError
 WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
-_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "known": pa.int64(),
-                "hashes": pa.list_(pa.int64())}
+_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 #: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
 #: gives. (ClickHouse also lets an output alias shadow a column in WHERE, unlike DuckDB; the twins
 #: of such queries alias inside a subquery instead: sql/clickhouse/queries/entries_longer.sql.)

@@ -3,13 +3,11 @@
 -- thousands of prefix_blocks rows; fetching them all made a verdict cost 100-300 ms on 20M rows,
 -- and an index over all of prefix_blocks.hash doubled the bytes per span.
 --
--- prefix_sightings keeps only the blocks that can be new where they appear: a lookup's blocks past
--- what it matched (the matched ones came from an entry stored earlier on this instance, so they
--- were recorded then), and an entry's blocks past what its request's lookup matched. The earliest
--- sighting of any hash, and the first time an instance stored it, are always among these rows.
--- Of those the writer appends only the first row of each (hash, instance, source) it has not
--- recorded lately: a popular prefix missed again and again would otherwise add a row each time.
--- Filled in the same transaction as prefix_blocks (expand/prefix_sightings.sql).
+-- prefix_sightings keeps the first appearance of each (hash, instance, source): who first had a
+-- block, and when an instance first stored it, is all a verdict asks. The writer appends the first
+-- row of each key it has not recorded lately (store_duckdb.RecentKeys, expand/prefix_sightings.sql),
+-- so a popular prefix costs a row per instance and source, not one per request. Lookups use an IN
+-- list of values (store_duckdb.bind_lists): DuckDB's planner takes the ART index only for that.
 CREATE TABLE prefix_sightings (
     hash            BIGINT NOT NULL,
     block_index     BIGINT NOT NULL,
@@ -21,7 +19,9 @@ CREATE TABLE prefix_sightings (
 );
 
 INSERT INTO prefix_sightings
-SELECT hash, block_index, t_ns, request_id, instance_id, source, fingerprint
-FROM prefix_blocks;
+SELECT hash, arg_min(block_index, t_ns), min(t_ns), arg_min(request_id, t_ns), instance_id, source,
+       arg_min(fingerprint, t_ns)
+FROM prefix_blocks
+GROUP BY hash, instance_id, source;
 
 CREATE INDEX prefix_sightings_hash ON prefix_sightings (hash);

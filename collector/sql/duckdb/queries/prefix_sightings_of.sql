@@ -1,0 +1,13 @@
+-- The first appearance before a moment of each of a prompt's chained block hashes, per instance and
+-- source ('lookup': a prompt had it; 'insert': a cache entry stored there held it). An equal hash at
+-- index k is an equal prefix of k+1 blocks. A list parameter written name[] binds one parameter per
+-- element (store_duckdb.bind_lists): DuckDB uses the ART index for an IN list of values only.
+SELECT hash, instance_id, source,
+       arg_min(block_index, (t_ns, request_id)) AS block_index, min(t_ns) AS t_ns,
+       arg_min(request_id, (t_ns, request_id)) AS request_id,
+       arg_min(fingerprint, (t_ns, request_id)) AS fingerprint
+FROM prefix_sightings
+WHERE hash IN ($hashes[])
+  AND t_ns < $before_ns
+GROUP BY hash, instance_id, source
+ORDER BY block_index, instance_id, source
