@@ -16,6 +16,9 @@ Writer contract
     - Spans are not deduplicated: a batch written twice is stored twice (OTLP senders retry only
       on errors). Spool files are: ``write(batch, spool=record)`` with a sha256 already stored stores
       nothing and returns False.
+        ClickHouse: an insert block identical to a recent one may still be dropped by the server's
+        own insert deduplication (seen with chdb 4.4, ClickHouse 26.9, despite insert_deduplicate=0),
+        so there a batch written twice can be stored once.
         DuckDB: the sha256 is recorded in the batch's transaction.
         ClickHouse: per-table deduplication tokens make a re-ingest after a crash mid-batch store
         nothing twice; the sha256 is recorded after every table.
