@@ -68,12 +68,13 @@ def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
 class NamedQueryReader:
     """The reader role's fixed methods, written once over a backend's ``frame(name, **params)``.
 
-    A backend may override ``_bulk`` with a faster path for large results (DuckDB: Arrow)."""
+    A backend may override ``bulk`` with a faster path for large results (DuckDB: Arrow)."""
 
     def frame(self, name: str, **params) -> pl.DataFrame:  # pragma: no cover - every backend defines it
         raise NotImplementedError
 
-    def _bulk(self, name: str, **params) -> pl.DataFrame:
+    def bulk(self, name: str, **params) -> pl.DataFrame:
+        """A named query whose result may be large (a window of rows): the backend's columnar path."""
         return self.frame(name, **params)
 
     def request(self, request_id: str) -> dict | None:
@@ -84,11 +85,11 @@ class NamedQueryReader:
     def requests(self, since_ns: int | None = None, until_ns: int | None = None,
                  instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
         """Requests that started in [since, until), newest last."""
-        return self._bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
+        return self.bulk("requests", since_ns=since_ns, until_ns=until_ns, instance_id=instance_id, limit=limit)
 
     def trace(self, trace_id: str) -> pl.DataFrame:
         """Every stored span of a trace, by start time."""
-        return self._bulk("trace", trace_id=trace_id)
+        return self.bulk("trace", trace_id=trace_id)
 
     def spool_seen(self, sha256: str) -> bool:
         """Whether a spool file with this hash was already ingested."""
@@ -122,6 +123,9 @@ class TraceReader(Protocol):
 
     def frame(self, name: str, **params) -> pl.DataFrame:
         """A named query's result."""
+
+    def bulk(self, name: str, **params) -> pl.DataFrame:
+        """The same, for a result of many rows (a time window): the backend's columnar path."""
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""

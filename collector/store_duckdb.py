@@ -277,7 +277,7 @@ class DuckDBStore(NamedQueryReader):
                  if (dtype := _polars_type(str(kind[1]))) is not None}
         return frame.cast(known)
 
-    def _bulk(self, name: str, **params) -> pl.DataFrame:
+    def bulk(self, name: str, **params) -> pl.DataFrame:
         """Run a named query whose result is large: columnar transfer through Arrow."""
         try:
             sql, params = bind_lists(self._query(name), params)

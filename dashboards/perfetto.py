@@ -129,14 +129,14 @@ def _facts(reader: TraceReader, request_id: str | None, since_ns: int | None, un
         phases = reader.frame("phases", request_id=request_id, **request_window(row))
         chunks = reader.frame("prefill_chunks_of", request_id=request_id, **request_window(row))
         scope = pl.col("instance_id") == row["instance_id"]
-        steps = reader.frame("steps_in", since_ns=lo, until_ns=hi, instance_id=row["instance_id"])
+        steps = reader.bulk("steps_in", since_ns=lo, until_ns=hi, instance_id=row["instance_id"])
         evictions = reader.frame("evictions_in", since_ns=lo, until_ns=hi).filter(scope)
         loads = reader.frame("loads_in", since_ns=lo, until_ns=hi).filter(scope)
     else:
         requests = with_categories(reader.requests(since_ns=since_ns, until_ns=until_ns, limit=MAX_REQUESTS))
-        phases = reader.frame("phases_in", since_ns=since_ns, until_ns=until_ns)
-        chunks = reader.frame("prefill_chunks_in", since_ns=since_ns, until_ns=until_ns)
-        steps = reader.frame("steps_in", since_ns=since_ns, until_ns=until_ns, instance_id=None)
+        phases = reader.bulk("phases_in", since_ns=since_ns, until_ns=until_ns)
+        chunks = reader.bulk("prefill_chunks_in", since_ns=since_ns, until_ns=until_ns)
+        steps = reader.bulk("steps_in", since_ns=since_ns, until_ns=until_ns, instance_id=None)
         evictions = reader.frame("evictions_in", since_ns=since_ns, until_ns=until_ns)
         loads = reader.frame("loads_in", since_ns=since_ns, until_ns=until_ns)
     return requests, phases, chunks, steps, evictions, loads

@@ -50,7 +50,7 @@ def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[st
 
 
 def _chunks(reader: TraceReader, rows: dict[str, int], window_ns: int | None, t0_ns: int) -> dict[str, list]:
-    chunks = reader.frame("prefill_chunks_in", since_ns=window_ns, until_ns=None)
+    chunks = reader.bulk("prefill_chunks_in", since_ns=window_ns, until_ns=None)
     chunks = chunks.filter(pl.col("request_id").is_in(list(rows)))
     chunks = chunks.select(pl.col("request_id").replace_strict(rows, return_dtype=pl.Int32).alias("request"),
                            _ms("start_ns", t0_ns).alias("start"), _ms("end_ns", t0_ns).alias("end"),
