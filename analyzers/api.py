@@ -20,19 +20,19 @@ from tokentrace.window import since_ns
 router = APIRouter(prefix="/api")
 
 
-@router.get("/requests/{request_id}/slow")
+@router.get("/requests/{request_id:path}/slow")
 def slow_verdict(request_id: str, request: Request) -> dict:
     """The slowness verdict of one request."""
     return analyze_slowness(request.app.state.reader, request_id).as_dict()
 
 
-@router.get("/requests/{request_id}/cache")
+@router.get("/requests/{request_id:path}/cache")
 def cache_verdict(request_id: str, request: Request) -> dict:
     """The cache verdict of one request."""
     return analyze_cache(request.app.state.reader, request_id).as_dict()
 
 
-@router.get("/requests/{request_id}/verdict")
+@router.get("/requests/{request_id:path}/verdict")
 def both_verdicts(request_id: str, request: Request) -> dict:
     """Both verdicts of one request."""
     reader = request.app.state.reader

@@ -108,7 +108,7 @@ def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
     }
 
 
-@page("/requests/{request_id}", "request.html", "Request")
+@page("/requests/{request_id:path}", "request.html", "Request")
 def request_page(request: Request, request_id: str) -> dict[str, Any]:
     """One request's page and its twin ``/requests/{id}.json``."""
     return request_detail(request.app.state.reader, request_id)

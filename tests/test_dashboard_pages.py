@@ -6,8 +6,10 @@ browser tests, on real engine traffic, are in test_dashboard_browser.py.)"""
 from __future__ import annotations
 
 import html
+import json
 import re
 import time
+import urllib.parse
 
 import golden
 import httpx
@@ -182,3 +184,25 @@ def test_an_instance_silent_for_30_s_is_stale(collector_factory, store):
     assert instance["status"] == "stale" and instance["last_seen_age_s"] > 30
     page = _get(collector, "/instances").text
     assert 'id="stale"' in page and "golden-1" in page
+
+
+def test_a_request_id_with_a_slash_opens_everywhere(tmp_path):
+    """Request ids are the sender's (an X-Request-Id header, vLLM's own ids): one holding '/' and a
+    space opens as a page, as its twin and through the verdict API, quoted the way the CLI quotes."""
+    odd = "team/a b"
+    fixture = json.loads(json.dumps(golden.load("golden_engine_trace.json")).replace("golden-req-1", odd))
+    collector = CollectorProcess(tmp_path).start()
+    try:
+        golden.replay(fixture, collector.url + "/v1/traces", time.time_ns() - 2_000_000_000)
+        quoted = urllib.parse.quote(odd, safe="")
+        page = _get(collector, f"/requests/{quoted}")
+        assert page.status_code == 200, page.text
+        assert metrics(page.text)["e2e_ms"] == "600.0"
+        assert _get(collector, f"/requests/{quoted}.json").json()["request"]["request_id"] == odd
+        for analysis in ("slow", "cache", "verdict"):
+            answer = _get(collector, f"/api/requests/{quoted}/{analysis}")
+            assert answer.status_code == 200, (analysis, answer.text)
+        assert _get(collector, f"/api/requests/{quoted}/slow").json()["request_id"] == odd
+        assert _get(collector, "/requests/team%2Fother").status_code == 404
+    finally:
+        collector.stop()
