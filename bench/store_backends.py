@@ -124,10 +124,19 @@ def fill(opened: dict, tables: dict[str, pa.Table], pool_spans: int, shift_ns: i
 def bulk_insert(store, copies: dict[str, pa.Table]) -> None:
     """Each backend's bulk Arrow append, as its write() ends (DuckDB: one transaction)."""
     if hasattr(store, "_con"):
-        store._con.execute("BEGIN")
+        con = store._con
+        con.execute("BEGIN")
         for table, data in copies.items():
-            store._con.from_arrow(data).insert_into(table)
-        store._con.execute("COMMIT")
+            con.from_arrow(data).insert_into(table)
+        if "prefix_blocks" in copies:
+            # What write() adds for these blocks: each copy's hashes are salted, so every
+            # (hash, instance, source) is new and its first row is its earliest.
+            con.register("copied_blocks", copies["prefix_blocks"])
+            con.execute("INSERT INTO prefix_sightings SELECT hash, arg_min(block_index, t_ns), min(t_ns), "
+                        "arg_min(request_id, t_ns), instance_id, source, arg_min(fingerprint, t_ns) "
+                        "FROM copied_blocks GROUP BY hash, instance_id, source")
+            con.unregister("copied_blocks")
+        con.execute("COMMIT")
     else:
         for table, data in copies.items():
             store._writer.insert_arrow(table, data, settings={"insert_deduplicate": 0})
@@ -165,7 +174,9 @@ def calls_for(reference, request_id: str) -> dict:
     for name in sorted(sqlfiles.query_names("duckdb")):
         wanted = _param_names(name)
         if set(wanted) <= set(known):
-            calls[name] = lambda s, n=name, w=wanted: s.frame(n, **{k: known[k] for k in w})
+            # A window of rows goes through the columnar path, as the dashboards read it.
+            how = "bulk" if "since_ns" in wanted and "request_id" not in wanted else "frame"
+            calls[name] = lambda s, n=name, w=wanted, h=how: getattr(s, h)(n, **{k: known[k] for k in w})
     return calls
 
 
