@@ -35,6 +35,8 @@ Reader contract
       backend; times are integer nanoseconds.
     - ``frame(name, **params)`` runs the named query ``sql/<backend>/queries/<name>.sql`` with bound
       parameters; every backend ships every named query, and the twins return equal frames.
+      ``bulk(name, **params)`` returns the same frame by the backend's columnar path: use it for
+      windows of many rows (DuckDB fetches ``frame`` results as Python rows, cheapest when few).
     - Safe from many threads: each thread reads through its own cursor (DuckDB) or client
       (ClickHouse).
 """
