@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("tokentrace.vllm")
+log = logging.getLogger("vllm.tokentrace")
 
 #: An attribute value the OTLP exporter accepts.
 AttrValue = str | bool | int | float | Sequence[str] | Sequence[int] | Sequence[float]

@@ -27,7 +27,7 @@ from typing import Any
 from tokentrace.contract import DEFAULT_BLOCK_SIZE
 from tokentrace.fingerprint import block_hashes
 
-log = logging.getLogger("tokentrace.vllm")
+log = logging.getLogger("vllm.tokentrace")
 
 #: Media of vLLM's own prefix cache; offloading connectors report "CPU"/"STORAGE" tiers.
 ENGINE_MEDIA = (None, "GPU")

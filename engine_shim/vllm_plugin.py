@@ -46,7 +46,9 @@ from tokentrace.engine_shim.vllm_kv_events import (
 from tokentrace.engine_shim.vllm_steps import StepWindow, heartbeat_record, request_record
 from tokentrace.vllm_names import client_request_id
 
-log = logging.getLogger("tokentrace.vllm")
+# A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no
+# propagation), so a logger outside it says nothing in vLLM's log while it serves.
+log = logging.getLogger("vllm.tokentrace")
 
 HEARTBEAT_S = 5.0
 

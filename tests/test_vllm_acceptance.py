@@ -9,8 +9,24 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
-from vllm_fixtures import BLOCK_SIZE, BURST_TOKENS, INSTANCE, KV_BLOCKS, MAX_SEQS, require_vllm_python
+from harness_collector import free_port, wait_for
+from vllm_fixtures import (
+    BLOCK_SIZE,
+    BURST_TOKENS,
+    INSTANCE,
+    KV_BLOCKS,
+    MAX_SEQS,
+    MODEL,
+    ROOT,
+    VLLM_PYTHON,
+    healthy,
+    require_vllm_python,
+    start_vllm,
+    stop,
+    words,
+)
 
 from tokentrace import contract as c
 from tokentrace.fingerprint import block_hashes
@@ -117,3 +133,22 @@ def test_version_check_passes_on_the_installed_vllm():
     result = subprocess.run([str(require_vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[-2].endswith("['evictions', 'heartbeats', 'requests', 'steps'] []")
+
+
+def test_vllm_serves_with_the_collector_down_and_says_so_in_its_log(tmp_path):
+    """Nothing listens at the collector URL: vLLM answers, and its own log (at vLLM's WARNING level,
+    as operators run it) says that tokentrace could not export."""
+    require_vllm_python()
+    model_dir = tmp_path / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_model.py"), str(model_dir)], check=True,
+                   capture_output=True, timeout=300)
+    proc, url, log_path = start_vllm(model_dir, f"http://127.0.0.1:{free_port()}", tmp_path)
+    try:
+        wait_for(lambda: healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)
+        answer = httpx.post(url + "/v1/completions", timeout=120,
+                            json={"model": MODEL, "prompt": words(7, 20), "max_tokens": 4, "ignore_eos": True})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        wait_for(lambda: "tokentrace: could not export" in log_path.read_text(errors="replace"), 60,
+                 f"the export warning in vLLM's log ({log_path})", interval=0.5)
+    finally:
+        stop(proc)

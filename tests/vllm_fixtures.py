@@ -76,7 +76,7 @@ class VllmRun:
         return self.collector.sql(query, params)
 
 
-def _start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
     port, kv_port = free_port(), free_port()
     log_path = workdir / "vllm.log"
     # vLLM's engine and worker processes export their loading spans through a BatchSpanProcessor
@@ -102,7 +102,7 @@ def _start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[sub
     return proc, f"http://127.0.0.1:{port}", log_path
 
 
-def _healthy(proc: subprocess.Popen, url: str, log_path: Path) -> bool:
+def healthy(proc: subprocess.Popen, url: str, log_path: Path) -> bool:
     if proc.poll() is not None:
         pytest.fail(f"vLLM exited with {proc.returncode}; last log lines:\n"
                     + "\n".join(log_path.read_text(errors="replace").splitlines()[-40:]))
@@ -112,7 +112,7 @@ def _healthy(proc: subprocess.Popen, url: str, log_path: Path) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -173,12 +173,12 @@ def vllm_run(request, tmp_path_factory) -> VllmRun:
                    capture_output=True, timeout=300)
     collector = CollectorProcess(workdir).start()
     started = time.monotonic()
-    proc, url, log_path = _start_vllm(model_dir, collector.url, workdir)
+    proc, url, log_path = start_vllm(model_dir, collector.url, workdir)
     try:
-        wait_for(lambda: _healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)
+        wait_for(lambda: healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)
         run = VllmRun(collector, log_path, time.monotonic() - started)
         drive_workload(url, run)
     finally:
-        _stop(proc)
+        stop(proc)
         collector.stop()
     return run
