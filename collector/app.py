@@ -9,6 +9,7 @@ Retry-After when the write queue is full or the store is failing (both retryable
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from tokentrace import __version__
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
+from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import (
     ConfigError,
@@ -37,6 +39,7 @@ from tokentrace.errors import (
     StoreError,
     UnsupportedMediaType,
 )
+from tokentrace.wire import SPOOL_FILE_HEADER, SPOOL_FILE_NAME
 
 log = logging.getLogger("tokentrace.collector")
 _GRPC_CODE = {400: 3, 413: 8, 415: 3, 503: 14, 500: 13}
@@ -223,10 +226,19 @@ def create_app(collector: Collector) -> FastAPI:
         except PayloadTooLarge as exc:
             collector.counters.reject("too_large")
             return _otlp_error(413, str(exc), encoding)
+        spool = None
+        spool_name = request.headers.get(SPOOL_FILE_HEADER)
+        if spool_name is not None:
+            if not SPOOL_FILE_NAME.fullmatch(spool_name):
+                collector.counters.reject("malformed")
+                return _otlp_error(400, f"{SPOOL_FILE_HEADER} must be a plain file name (letters, digits, '.', "
+                                        f"'_', '-'; at most 200), got {spool_name[:80]!r}", encoding)
+            # Stored once per SHA-256 of the bytes, as a file of --spool-dir (wire.SPOOL_FILE_HEADER).
+            spool = SpoolRecord(hashlib.sha256(body).hexdigest(), spool_name)
         try:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
-            await asyncio.wrap_future(collector.queue.submit(batch))
+            await asyncio.wrap_future(collector.queue.submit(batch, spool))
         except PayloadTooLarge as exc:
             return _otlp_error(413, str(exc), encoding)
         except UnsupportedMediaType as exc:

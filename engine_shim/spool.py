@@ -27,6 +27,8 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tokentrace.wire import SPOOL_FILE_HEADER
+
 log = logging.getLogger(__name__)
 
 #: A claimed file older than this is assumed orphaned by a crashed sender and put back.
@@ -186,7 +188,7 @@ class SpoolingSpanExporter(SpanExporter):
             claimed = self.spool.claim()
             if claimed is None:
                 return
-            outcome = self._post(claimed.read_bytes())
+            outcome = self._post(claimed.read_bytes(), claimed.name.removesuffix(".sending"))
             if outcome == "retry":
                 self.spool.release(claimed)
                 self._down_until = time.monotonic() + self.retry_interval
@@ -225,9 +227,15 @@ class SpoolingSpanExporter(SpanExporter):
         directory = spool.get("directory") if isinstance(spool, dict) else None
         return bool(directory) and Path(directory).resolve() == self.spool.directory.resolve()
 
-    def _post(self, data: bytes) -> str:
-        """POST one spooled batch: "sent", "retry" (collector down or busy) or "rejected"."""
-        request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
+    def _post(self, data: bytes, name: str) -> str:
+        """POST one spooled batch: "sent", "retry" (collector down or busy) or "rejected".
+
+        The file's name goes along (wire.SPOOL_FILE_HEADER): a tokentrace collector stores the
+        bytes once however often they arrive, so a resend whose acknowledgement was lost, or a file
+        that a collector watching the directory ingests as well, is not stored twice. Other OTLP
+        receivers ignore the header."""
+        headers = {**self._headers, SPOOL_FILE_HEADER: name}
+        request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self._timeout):
                 return "sent"

@@ -8,9 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 from google.protobuf import json_format
 from harness_collector import wait_for
 from test_collector_errors import make_request
+
+from tokentrace.wire import SPOOL_FILE_HEADER
 
 
 def _drop(directory: Path, name: str, data: bytes) -> None:
@@ -75,3 +78,30 @@ def test_spool_ingests_exactly_once_and_rejects_bad_files(collector_factory, tmp
     assert restarted.stop() == 0
     assert restarted.sql("SELECT count(*) FROM spans") == [(15,)]
     assert restarted.sql("SELECT count(*) FROM spool_files") == [(4,)]
+
+
+def test_a_spool_file_resent_over_http_is_stored_once(collector_factory, tmp_path):
+    """The engine shim resends spool files with their name (wire.SPOOL_FILE_HEADER): the same
+    bytes posted again (an acknowledgement lost on the way back) or also dropped into the watched
+    directory are stored once. Without the header a body sent twice is stored twice, as documented."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    collector = collector_factory("--spool-dir", str(spool)).start()
+    url, protobuf = collector.url + "/v1/traces", {"Content-Type": "application/x-protobuf"}
+    data = make_request(3, name="resent").SerializeToString()
+    headers = {**protobuf, SPOOL_FILE_HEADER: "0001-engine-1-000001.pb"}
+    for _ in range(2):
+        assert httpx.post(url, content=data, headers=headers, timeout=30).status_code == 200
+    _drop(spool, "0001-engine-1-000001.pb", data)  # the collector watching that directory finds it too
+    wait_for(lambda: collector.health()["spool"]["duplicates"] == 1, 60, "the dropped copy to be recognised")
+
+    plain = make_request(2, name="plain").SerializeToString()
+    for _ in range(2):
+        assert httpx.post(url, content=plain, headers=protobuf, timeout=30).status_code == 200
+    refused = httpx.post(url, content=plain, headers={**protobuf, SPOOL_FILE_HEADER: "../etc/passwd"}, timeout=30)
+    assert refused.status_code == 400 and SPOOL_FILE_HEADER in refused.text
+    assert collector.health()["rejected"]["malformed"] == 1
+    assert collector.stop() == 0
+    assert collector.sql("SELECT name, count(*) FROM spans GROUP BY name ORDER BY name") == [
+        ("plain", 4), ("resent", 3)]
+    assert collector.sql("SELECT name, spans FROM spool_files") == [("0001-engine-1-000001.pb", 3)]
