@@ -19,9 +19,8 @@ from vllm_fixtures import (
     KV_BLOCKS,
     MAX_SEQS,
     MODEL,
-    ROOT,
-    VLLM_PYTHON,
     healthy,
+    make_model,
     require_vllm_python,
     start_vllm,
     stop,
@@ -140,8 +139,7 @@ def test_vllm_serves_with_the_collector_down_and_says_so_in_its_log(tmp_path):
     as operators run it) says that tokentrace could not export."""
     require_vllm_python()
     model_dir = tmp_path / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_model.py"), str(model_dir)], check=True,
-                   capture_output=True, timeout=300)
+    make_model(model_dir)
     proc, url, log_path = start_vllm(model_dir, f"http://127.0.0.1:{free_port()}", tmp_path)
     try:
         wait_for(lambda: healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)

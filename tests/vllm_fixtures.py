@@ -155,6 +155,12 @@ def drive_workload(url: str, run: VllmRun) -> None:
             _complete(client, run, request_id, {"prompt": prompt, "max_tokens": 2}, "/v1/completions")
 
 
+def make_model(model_dir: Path) -> None:
+    """The tiny random-weight model vLLM serves in these tests (head_dim 64: its CPU backend's minimum)."""
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_model.py"), str(model_dir)], check=True,
+                   capture_output=True, timeout=300)
+
+
 def require_vllm_python() -> Path:
     """The vLLM venv's interpreter, or a test failure that says how to create it."""
     if not VLLM_PYTHON.exists():
@@ -169,8 +175,7 @@ def vllm_run(request, tmp_path_factory) -> VllmRun:
     require_vllm_python()
     workdir = tmp_path_factory.mktemp("vllm")
     model_dir = workdir / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_model.py"), str(model_dir)], check=True,
-                   capture_output=True, timeout=300)
+    make_model(model_dir)
     collector = CollectorProcess(workdir).start()
     started = time.monotonic()
     proc, url, log_path = start_vllm(model_dir, collector.url, workdir)
