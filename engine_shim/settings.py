@@ -12,7 +12,8 @@ from typing import Any
 from tokentrace.errors import ConfigError
 
 
-def _default_spool_dir() -> str:
+def default_spool_dir() -> str:
+    """Where span batches wait while the collector is away (engine and vLLM plugin)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "tokentrace" / "spool")
 
@@ -47,7 +48,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("otlp-endpoint", str, "http://127.0.0.1:4318",
             "collector base URL; spans go to ENDPOINT/v1/traces ('' disables export)"),
     Setting("otlp-token", str, None, "bearer token the collector requires, if any"),
-    Setting("spool-dir", str, _default_spool_dir(),
+    Setting("spool-dir", str, default_spool_dir(),
             "where span batches wait while the collector is unreachable (the collector's --spool-dir)"),
     Setting("spool-max-bytes", int, 256 << 20, "spool size limit; batches beyond it are dropped and counted",
             minimum=0),
@@ -73,7 +74,7 @@ class EngineSettings:
     port: int = 8000  #: bind port
     otlp_endpoint: str = "http://127.0.0.1:4318"  #: collector base URL ('' disables export)
     otlp_token: str | None = None  #: collector bearer token
-    spool_dir: str = _default_spool_dir()  #: spool directory for undeliverable span batches
+    spool_dir: str = default_spool_dir()  #: spool directory for undeliverable span batches
     spool_max_bytes: int = 256 << 20  #: spool size limit
     max_batch: int = 8  #: concurrent sequences
     prefill_step_size: int = 2048  #: prompt tokens per prefill chunk

@@ -25,6 +25,8 @@ from tokentrace.engine_shim.vllm_export import new_span_id, new_trace_id
 ENV_COLLECTOR = "TOKENTRACE_COLLECTOR_URL"
 ENV_INSTANCE = "TOKENTRACE_INSTANCE_ID"
 ENV_DISABLE = "TOKENTRACE_VLLM_DISABLE"
+#: Where the plugin's undeliverable batches wait (empty: nowhere); the engine shim's default.
+ENV_SPOOL_DIR = "TOKENTRACE_SPOOL_DIR"
 #: Internal: "<trace id>-<span id>-<parent span id>-<start ns>-<TRACEPARENT before us>" of model.load.
 ENV_LOAD = "TOKENTRACE_VLLM_LOAD"
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"

@@ -8,7 +8,10 @@ plugin must choose the ``model.load`` span id before vLLM starts (vLLM's own loa
 parented to it through ``TRACEPARENT``), and no global provider may be installed inside vLLM, which
 owns the global one when ``--otlp-traces-endpoint`` is set.
 
-Export failures are logged (the first, then every 100th) and counted, never raised into vLLM.
+With a spool directory, batches the collector does not take are written there (the engine shim's
+spool, engine_shim/spool.py) and resent when it answers again, or ingested by a collector watching
+that directory. Export failures are logged (the first, then every 100th) and counted, never raised
+into vLLM.
 """
 
 from __future__ import annotations
@@ -101,12 +104,16 @@ class SpanPump:
         interval: float = 0.5,
         max_pending: int = 20_000,
         timeout: float = 5.0,
+        spool_dir: str | None = None,
+        spool_max_bytes: int = 256 << 20,
     ) -> None:
         self.endpoint = endpoint
         self.interval = interval
         self.timeout = timeout
-        self.sent = 0  #: spans the collector acknowledged
-        self.failed = 0  #: spans in batches that failed to export
+        self.spool_dir = spool_dir
+        self.spool_max_bytes = spool_max_bytes
+        self.sent = 0  #: spans the collector acknowledged, or that wait in the spool for it
+        self.failed = 0  #: spans in batches that failed to export (and could not be spooled)
         self.dropped = 0  #: spans dropped because the pending queue was full
         self._failures = 0
         self._resource_attrs = dict(resource)
@@ -142,6 +149,8 @@ class SpanPump:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._exporter is not None:
+            self._exporter.shutdown()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -164,26 +173,42 @@ class SpanPump:
         if records:
             self._export(records)
 
+    def _new_exporter(self) -> Any:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        if not self.spool_dir:
+            return OTLPSpanExporter(endpoint=self.endpoint, timeout=self.timeout)
+        from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
+
+        name = f"vllm-{self._resource_attrs.get('service.instance.id', '')}"
+        spool = Spool(self.spool_dir, self.spool_max_bytes, name)
+        return SpoolingSpanExporter(self.endpoint.removesuffix("/v1/traces"), spool, timeout=self.timeout)
+
     def _export(self, records: list[SpanRecord]) -> None:
+        spooled_before = 0
         try:
             if self._exporter is None:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
                 from opentelemetry.sdk.resources import Resource
 
-                self._exporter = OTLPSpanExporter(endpoint=self.endpoint, timeout=self.timeout)
+                self._exporter = self._new_exporter()
                 self._resource = Resource(self._resource_attrs)
+            spooled_before = getattr(self._exporter, "spooled_batches", 0)
             result = self._exporter.export([r.to_readable(self._resource) for r in records])
             ok = getattr(result, "name", "") == "SUCCESS"
         except Exception as exc:  # swallowing is right only here: export must never hurt serving
             ok = False
             log.debug("tokentrace: export raised %r", exc)
+        spooled = ok and getattr(self._exporter, "spooled_batches", 0) > spooled_before
         if ok:
             self.sent += len(records)
+        else:
+            self.failed += len(records)
+        if ok and not spooled:
             return
-        self.failed += len(records)
         self._failures += 1
         if self._failures % 100 == 1:
+            kept = f"spooled to {self.spool_dir}, sent when it answers" if spooled else "lost"
             log.warning(
-                "tokentrace: could not export %d spans to %s (%d export failures so far); "
-                "vLLM keeps serving", len(records), self.endpoint, self._failures,
+                "tokentrace: could not export %d spans to %s (%d export failures so far; %s); "
+                "vLLM keeps serving", len(records), self.endpoint, self._failures, kept,
             )

@@ -9,7 +9,8 @@ vLLM's KV-event stream (``vllm_kv_events``), the cold start from ``vllm_coldstar
 ``LLM`` class takes no stat-logger plugins.
 
 Settings are environment variables (docs/vllm.md): ``TOKENTRACE_COLLECTOR_URL`` (default
-``http://127.0.0.1:4318``), ``TOKENTRACE_INSTANCE_ID`` (default ``vllm-<host>-<pid>``) and
+``http://127.0.0.1:4318``), ``TOKENTRACE_INSTANCE_ID`` (default ``vllm-<host>-<pid>``),
+``TOKENTRACE_SPOOL_DIR`` (default: the engine shim's spool directory; empty: no spool) and
 ``TOKENTRACE_VLLM_DISABLE=1``. Nothing here raises into vLLM: a failure turns a feature off and is
 logged once; a registered custom logger also makes vLLM collect stats (``log_stats``) at all.
 """
@@ -28,10 +29,12 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokentrace import contract as c
+from tokentrace.engine_shim.settings import default_spool_dir
 from tokentrace.engine_shim.vllm_coldstart import (
     DEFAULT_COLLECTOR,
     ENV_COLLECTOR,
     ENV_INSTANCE,
+    ENV_SPOOL_DIR,
     disabled,
     load_context,
 )
@@ -62,6 +65,7 @@ class _Runtime:
             log.warning("tokentrace: %s", " | ".join(self.compat.problems))
         self.config = vllm_config
         self.collector = os.environ.get(ENV_COLLECTOR, DEFAULT_COLLECTOR).rstrip("/")
+        self.spool_dir = os.environ.get(ENV_SPOOL_DIR, default_spool_dir()) or None
         self.instance = os.environ.get(ENV_INSTANCE) or f"vllm-{socket.gethostname()}-{os.getpid()}"
         self.model = str(_get(vllm_config, "model_config.served_model_name", "") or "")
         self.block_bytes_per_token = _kv_bytes_per_token(vllm_config)
@@ -86,7 +90,7 @@ class _Runtime:
                 c.ENGINE_VERSION: self.compat.version,
                 c.MODEL: self.model,
             }
-            pump = SpanPump(f"{self.collector}/v1/traces", resource)
+            pump = SpanPump(f"{self.collector}/v1/traces", resource, spool_dir=self.spool_dir)
             pump.start()
             self.pumps[engine_index] = pump
         return self.pumps[engine_index]

@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from harness_collector import free_port, wait_for
+from harness_collector import wait_for
 from vllm_fixtures import (
     BLOCK_SIZE,
     BURST_TOKENS,
@@ -134,19 +134,29 @@ def test_version_check_passes_on_the_installed_vllm():
     assert result.stdout.split("\n")[-2].endswith("['evictions', 'heartbeats', 'requests', 'steps'] []")
 
 
-def test_vllm_serves_with_the_collector_down_and_says_so_in_its_log(tmp_path):
-    """Nothing listens at the collector URL: vLLM answers, and its own log (at vLLM's WARNING level,
-    as operators run it) says that tokentrace could not export."""
+def test_with_the_collector_down_vllm_serves_logs_it_and_its_spans_wait_in_the_spool(tmp_path, collector_factory):
+    """Nothing listens at the collector URL: vLLM answers, its own log (at vLLM's WARNING level, as
+    operators run it) says that tokentrace could not export, and the plugin's spans wait in the
+    spool until a collector answers on that URL; then the request row arrives, once."""
     require_vllm_python()
     model_dir = tmp_path / "tiny-llama"
     make_model(model_dir)
-    proc, url, log_path = start_vllm(model_dir, f"http://127.0.0.1:{free_port()}", tmp_path)
+    collector = collector_factory()  # not started: its port refuses connections
+    proc, url, log_path = start_vllm(model_dir, collector.url, tmp_path)
+    spool = tmp_path / "spool"
     try:
         wait_for(lambda: healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)
-        answer = httpx.post(url + "/v1/completions", timeout=120,
+        answer = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "offline-1"}, timeout=120,
                             json={"model": MODEL, "prompt": words(7, 20), "max_tokens": 4, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         wait_for(lambda: "tokentrace: could not export" in log_path.read_text(errors="replace"), 60,
                  f"the export warning in vLLM's log ({log_path})", interval=0.5)
+        assert "spooled to" in log_path.read_text(errors="replace")
+        wait_for(lambda: list(spool.glob("*.pb")), 30, "the plugin's spans in the spool")
+        collector.start()  # vLLM still runs: its plugin resends the spool
+        wait_for(lambda: not list(spool.glob("*.pb*")), 60, "the plugin to resend its spool")
     finally:
         stop(proc)
+        collector.stop()
+    assert collector.sql("SELECT count(*), max(completion_tokens) FROM requests WHERE request_id = 'offline-1'") \
+        == [(1, 4)]

