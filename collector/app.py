@@ -9,7 +9,6 @@ Retry-After when the write queue is full or the store is failing (both retryable
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import json
 import logging
@@ -234,7 +233,7 @@ def create_app(collector: Collector) -> FastAPI:
                 return _otlp_error(400, f"{SPOOL_FILE_HEADER} must be a plain file name (letters, digits, '.', "
                                         f"'_', '-'; at most 200), got {spool_name[:80]!r}", encoding)
             # Stored once per SHA-256 of the bytes, as a file of --spool-dir (wire.SPOOL_FILE_HEADER).
-            spool = SpoolRecord(hashlib.sha256(body).hexdigest(), spool_name)
+            spool = SpoolRecord.of(body, spool_name)
         try:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))

@@ -15,7 +15,6 @@ twice. Overload and store errors leave the file in place and retry it with backo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -139,7 +138,7 @@ class SpoolIngester:
             return True
         try:
             batch = self._decode(path, data)
-            written = self.queue.submit(batch, SpoolRecord(hashlib.sha256(data).hexdigest(), path.name)).result()
+            written = self.queue.submit(batch, SpoolRecord.of(data, path.name)).result()
         except (PayloadError, UnsupportedMediaType) as exc:
             self._reject(path, str(exc))
             return True

@@ -43,6 +43,7 @@ Reader contract
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +59,11 @@ class SpoolRecord:
 
     sha256: str  #: hex digest of the file's bytes
     name: str  #: file name, for the record
+
+    @classmethod
+    def of(cls, data: bytes, name: str) -> SpoolRecord:
+        """The record of a spool file's bytes, from the spool directory or resent over HTTP alike."""
+        return cls(hashlib.sha256(data).hexdigest(), name)
 
 
 def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
