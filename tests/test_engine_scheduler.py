@@ -23,14 +23,12 @@ class Harness:
         self.finished: dict[str, str] = {}
         self.emitted: list = []
         self.done = threading.Condition()
+        loaded = threading.Event()
         self.scheduler = Scheduler(EngineSettings(model=str(model), **settings), deliver=self._deliver,
-                                   submit=self.emitted.append)
+                                   submit=self.emitted.append, on_load_done=lambda record: loaded.set())
         self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while self.scheduler.load_state != LOAD_READY:
-            assert time.monotonic() < deadline, "model did not load"
-            time.sleep(0.01)
+        assert loaded.wait(60) and self.scheduler.load_state == LOAD_READY, "model did not load"
 
     def _deliver(self, items):
         with self.done:
