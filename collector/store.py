@@ -50,7 +50,7 @@ from typing import Protocol
 import polars as pl
 import pyarrow as pa
 
-from tokentrace.collector.normalize import Batch
+from tokentrace.collector.normalize import PACKED, Batch
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,17 @@ class SpoolRecord:
     def of(cls, data: bytes, name: str) -> SpoolRecord:
         """The record of a spool file's bytes, from the spool directory or resent over HTTP alike."""
         return cls(hashlib.sha256(data).hexdigest(), name)
+
+
+#: Columns that only the packed (pre-expansion) rows carry, and their Arrow types.
+_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
+
+
+def packed_schemas(schemas: dict[str, pa.Schema]) -> dict[str, pa.Schema]:
+    """The Arrow schema of each packed table's rows as the normalizer stages them: the table's own
+    column types (``schemas``, read from the store) plus the packed-only columns."""
+    return {table: pa.schema([(name, _PACKED_ONLY.get(name) or schemas[table].field(name).type) for name in columns])
+            for table, columns in PACKED.items()}
 
 
 def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:

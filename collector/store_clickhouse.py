@@ -39,14 +39,13 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
 from tokentrace.errors import StoreError
 
 #: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
 WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
-_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 #: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
 #: gives. (ClickHouse also lets an output alias shadow a column in WHERE, unlike DuckDB; the twins
 #: of such queries alias inside a subquery instead: sql/clickhouse/queries/entries_longer.sql.)
@@ -175,8 +174,7 @@ class ClickHouseStore(NamedQueryReader):
                 raise StoreError(f"table {table} of {self.path} has columns {names}, expected "
                                  f"{list(columns)}: the database comes from another version")
             schemas[table] = pa.schema([(name, _arrow_type(kind)) for name, kind in found[table]])
-        self._packed = {table: pa.schema([(name, _PACKED_ONLY.get(name) or schemas[table].field(name).type)
-                                          for name in columns]) for table, columns in PACKED.items()}
+        self._packed = packed_schemas(schemas)
         return schemas
 
     # --- writer role ------------------------------------------------------------------------------
@@ -249,8 +247,6 @@ class ClickHouseStore(NamedQueryReader):
                     for t in TABLES}
         except ClickHouseError as exc:
             raise StoreError(f"counting rows failed: {exc}") from exc
-
-
 
 
 def _expand(table: str, packed: pa.Table) -> pa.Table:

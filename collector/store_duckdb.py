@@ -11,7 +11,6 @@ import contextlib
 import re
 import threading
 import time
-from importlib import resources
 from pathlib import Path
 
 import duckdb
@@ -19,13 +18,12 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
 from tokentrace.errors import NotFound, StoreError
 
-_SQL = resources.files("tokentrace.collector") / "sql" / "duckdb"
 CHECKPOINT_THRESHOLD = "256MB"
-_MIGRATION = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
 _ARROW_TYPES = {
     "VARCHAR": pa.string(),
     "BIGINT": pa.int64(),
@@ -34,7 +32,6 @@ _ARROW_TYPES = {
     "BOOLEAN": pa.bool_(),
     "VARCHAR[]": pa.list_(pa.string()),
 }
-_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
 
 
 _POLARS_TYPES = {"VARCHAR": pl.String, "BIGINT": pl.Int64, "INTEGER": pl.Int32, "DOUBLE": pl.Float64,
@@ -47,16 +44,6 @@ def _polars_type(duckdb_type: str) -> pl.DataType | None:
         inner = _polars_type(duckdb_type[:-2])
         return None if inner is None else pl.List(inner)
     return _POLARS_TYPES.get(duckdb_type)
-
-
-def migrations() -> list[tuple[int, str, str]]:
-    """(version, file name, SQL) of every migration, in order."""
-    found = []
-    for entry in _SQL.iterdir():
-        match = _MIGRATION.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
-    return sorted(found)
 
 
 SIGHTING_COLUMNS = ("hash", "block_index", "t_ns", "request_id", "instance_id", "source", "fingerprint")
@@ -143,11 +130,11 @@ class DuckDBStore(NamedQueryReader):
             self._con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_THRESHOLD}'")
             self._migrate()
         self._schemas = self._arrow_schemas()
-        self._expand = {table: (_SQL / "expand" / f"{table}.sql").read_text(encoding="utf-8") for table in PACKED}
-        self._sightings_sql = (_SQL / "expand" / "prefix_sightings.sql").read_text(encoding="utf-8")
+        self._expand = {table: sqlfiles.read("duckdb", f"expand/{table}.sql") for table in PACKED}
+        self._sightings_sql = sqlfiles.read("duckdb", "expand/prefix_sightings.sql")
         self._recent = RecentKeys()
         self._local = threading.local()
-        self._queries: dict[str, str] = {}
+        self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -157,7 +144,7 @@ class DuckDBStore(NamedQueryReader):
             "(version BIGINT PRIMARY KEY, name VARCHAR NOT NULL, applied_ns BIGINT NOT NULL)"
         )
         applied = {row[0] for row in con.execute("SELECT version FROM schema_migrations").fetchall()}
-        for version, name, sql in migrations():
+        for version, name, sql in sqlfiles.migrations("duckdb"):
             if version in applied:
                 continue
             try:
@@ -180,10 +167,7 @@ class DuckDBStore(NamedQueryReader):
                 raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
                                  f"expected {list(columns)}: the file comes from another version")
             schemas[table] = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in rows])
-        for table, columns in PACKED.items():
-            known = {f.name: f.type for f in schemas[table]} | _PACKED_ONLY
-            schemas["packed:" + table] = pa.schema([(name, known[name]) for name in columns])
-        return schemas
+        return schemas | {"packed:" + table: schema for table, schema in packed_schemas(schemas).items()}
 
     # --- writer role ------------------------------------------------------------------------------
     def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
@@ -250,21 +234,10 @@ class DuckDBStore(NamedQueryReader):
             cursor = self._local.cursor = self._con.cursor()
         return cursor
 
-    def _query(self, name: str) -> str:
-        sql = self._queries.get(name)
-        if sql is None:
-            if not re.fullmatch(r"[a-z0-9_]+", name):
-                raise StoreError(f"query names are lower-case words, received {name!r}")
-            path = _SQL / "queries" / f"{name}.sql"
-            if not path.is_file():
-                raise StoreError(f"no query named {name!r} for DuckDB")
-            sql = self._queries[name] = path.read_text(encoding="utf-8")
-        return sql
-
     def frame(self, name: str, **params) -> pl.DataFrame:
         """Run a named query with bound parameters (small results: row fetch, the cheapest path)."""
         cursor = self._cursor()
-        sql, params = bind_lists(self._query(name), params)
+        sql, params = bind_lists(self._queries.text(name), params)
         try:
             rows = cursor.execute(sql, params).fetchall()
         except duckdb.Error as exc:
@@ -280,7 +253,7 @@ class DuckDBStore(NamedQueryReader):
     def bulk(self, name: str, **params) -> pl.DataFrame:
         """Run a named query whose result is large: columnar transfer through Arrow."""
         try:
-            sql, params = bind_lists(self._query(name), params)
+            sql, params = bind_lists(self._queries.text(name), params)
             return self._cursor().sql(sql, params=params).pl()
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc

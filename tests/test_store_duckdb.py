@@ -80,7 +80,7 @@ def test_hash_lookups_take_the_art_index(tmp_path, name):
     assert len(hashes) >= 2
     # A moment inside the table's time range, so that its statistics cannot drop the time filter.
     [(before,)] = cursor.execute(f"SELECT max(t_ns) FROM {table}").fetchall()
-    text = store._query(name)
+    text = store._queries.text(name)
     params = {k: v for k, v in {"hashes": hashes, "before_ns": before, "request_id": "another"}.items()
               if f"${k}" in text}
     sql, bound = bind_lists(text, params)
