@@ -48,7 +48,7 @@ _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Floa
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
 #: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
 #: gives. (ClickHouse also lets an output alias shadow a column in WHERE, unlike DuckDB; the twins
-#: of such queries alias inside a subquery instead: sql/clickhouse/queries/entries_longer.sql.)
+#: of such queries alias inside a subquery instead: sql/clickhouse/queries/slot_holders.sql.)
 _READ_SETTINGS = {"join_use_nulls": 1}
 #: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
 _INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0, "insert_deduplicate": 0}

@@ -193,8 +193,7 @@ class Scheduler:
         while self._inbox:
             job = self._inbox.popleft()
             if self.load_state != LOAD_READY:
-                self._finish(job, "error", time.perf_counter_ns())
-                self._deliver([(job, -1, "error")])
+                self._reject(job)
             else:
                 self._waiting.append(job)
         while self._cancels:
@@ -208,8 +207,12 @@ class Scheduler:
         except Exception:  # this request cannot start (e.g. mlx refuses its prompt); others go on
             log.exception("cannot start request %s", job.record.request_id)
             job.record.error_type = "GenerationError"
-            self._finish(job, "error", time.perf_counter_ns())
-            self._deliver([(job, -1, "error")])
+            self._reject(job)
+
+    def _reject(self, job: Job) -> None:
+        """Finish a job that never ran as an error and tell its consumer."""
+        self._finish(job, "error", time.perf_counter_ns())
+        self._deliver([(job, -1, "error")])
 
     def _start(self, job: Job) -> None:
         record = job.record
@@ -325,7 +328,7 @@ class Scheduler:
         self._running.clear()
         for job in failed:
             job.record.error_type = "GenerationError"
-            job.record.finish_ns, job.record.finish_reason = now, "error"
+            self._finish(job, "error", now)
         if self.runtime is not None:
             self._generator.close()
             self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays

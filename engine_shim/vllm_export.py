@@ -99,7 +99,7 @@ class SpanPump:
 
     def __init__(
         self,
-        endpoint: str,
+        collector: str,
         resource: Mapping[str, AttrValue],
         interval: float = 0.5,
         max_pending: int = 20_000,
@@ -107,7 +107,7 @@ class SpanPump:
         spool_dir: str | None = None,
         spool_max_bytes: int = 256 << 20,
     ) -> None:
-        self.endpoint = endpoint
+        self.collector = collector  #: the collector's base URL
         self.interval = interval
         self.timeout = timeout
         self.spool_dir = spool_dir
@@ -174,31 +174,28 @@ class SpanPump:
             self._export(records)
 
     def _new_exporter(self) -> Any:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        if not self.spool_dir:
-            return OTLPSpanExporter(endpoint=self.endpoint, timeout=self.timeout)
         from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
 
         name = f"vllm-{self._resource_attrs.get('service.instance.id', '')}"
-        spool = Spool(self.spool_dir, self.spool_max_bytes, name)
-        return SpoolingSpanExporter(self.endpoint.removesuffix("/v1/traces"), spool, timeout=self.timeout)
+        spool = Spool(self.spool_dir, self.spool_max_bytes, name) if self.spool_dir else None
+        return SpoolingSpanExporter(self.collector, spool, timeout=self.timeout)
 
     def _export(self, records: list[SpanRecord]) -> None:
-        spooled_before = 0
+        spooled_before = spooled_after = 0
         try:
             if self._exporter is None:
                 from opentelemetry.sdk.resources import Resource
 
                 self._exporter = self._new_exporter()
                 self._resource = Resource(self._resource_attrs)
-            spooled_before = getattr(self._exporter, "spooled_batches", 0)
+            spooled_before = self._exporter.spooled_batches
             result = self._exporter.export([r.to_readable(self._resource) for r in records])
-            ok = getattr(result, "name", "") == "SUCCESS"
+            ok = result.name == "SUCCESS"
+            spooled_after = self._exporter.spooled_batches
         except Exception as exc:  # swallowing is right only here: export must never hurt serving
             ok = False
             log.debug("tokentrace: export raised %r", exc)
-        spooled = ok and getattr(self._exporter, "spooled_batches", 0) > spooled_before
+        spooled = spooled_after > spooled_before
         if ok:
             self.sent += len(records)
         else:
@@ -210,5 +207,5 @@ class SpanPump:
             kept = f"spooled to {self.spool_dir}, sent when it answers" if spooled else "lost"
             log.warning(
                 "tokentrace: could not export %d spans to %s (%d export failures so far; %s); "
-                "vLLM keeps serving", len(records), self.endpoint, self._failures, kept,
+                "vLLM keeps serving", len(records), f"{self.collector}/v1/traces", self._failures, kept,
             )

@@ -90,7 +90,7 @@ class _Runtime:
                 c.ENGINE_VERSION: self.compat.version,
                 c.MODEL: self.model,
             }
-            pump = SpanPump(f"{self.collector}/v1/traces", resource, spool_dir=self.spool_dir)
+            pump = SpanPump(self.collector, resource, spool_dir=self.spool_dir)
             pump.start()
             self.pumps[engine_index] = pump
         return self.pumps[engine_index]

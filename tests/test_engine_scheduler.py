@@ -83,8 +83,7 @@ def test_steps_name_who_prefilled_and_who_decoded(harness):
     long_job = h.submit("long", list(range(3, 83)), max_tokens=3)
     short_job = h.submit("short", list(range(100, 110)), max_tokens=12)
     h.wait("long", "short")
-    h.scheduler.stop()
-    h.thread.join(30)
+    h.stop()
     windows = [r for r in h.emitted if isinstance(r, StepWindow)]
     prefill = {"long": 0, "short": 0}
     decode = {"long": 0, "short": 0}
