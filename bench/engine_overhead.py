@@ -154,7 +154,8 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
     return run
 
 
-def instrumented_engine(scheduler, telemetry, work: list[list[int]], tokens: int, concurrency: int) -> Run:
+def instrumented_engine(scheduler, thread_ident: int, telemetry, work: list[list[int]], tokens: int,
+                        concurrency: int) -> Run:
     """The engine's Scheduler with telemetry on, closed loop, records finished as the server does."""
     from tokentrace.engine_shim.jobs import Job, Sampling
     from tokentrace.engine_shim.prompts import Prompt
@@ -191,7 +192,7 @@ def instrumented_engine(scheduler, telemetry, work: list[list[int]], tokens: int
                     finished.set()
 
     scheduler._deliver = deliver  # the server's delivery hook, pointed at this harness
-    clock = time.pthread_getcpuclockid(scheduler.thread_ident)
+    clock = time.pthread_getcpuclockid(thread_ident)
     cpu, process = time.clock_gettime_ns(clock), time.process_time_ns()
     for _ in range(concurrency):
         start(pending.pop(0))
@@ -296,14 +297,15 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
     # The embedding API builds spans in-process, on a provider of the caller's.
     provider, _ = build_tracer_provider(resource, endpoint, str(spool) + "-api", 64 << 20)
     settings = EngineSettings(model=str(model_dir), max_batch=8, cache_max_entries=0)
-    scheduler = Scheduler(settings, deliver=lambda items: None, submit=telemetry.submit)
+    loaded = threading.Event()
+    scheduler = Scheduler(settings, deliver=lambda items: None, submit=telemetry.submit,
+                          on_load_done=lambda record: loaded.set())
     telemetry.heartbeat = scheduler.heartbeat
     telemetry.start()
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
-    scheduler.thread_ident = thread.ident
-    while scheduler.load_state != LOAD_READY:
-        time.sleep(0.01)
+    if not loaded.wait(300) or scheduler.load_state != LOAD_READY:
+        raise SystemExit(f"the engine did not load {model_dir} ({scheduler.load_state})")
     model, tokenizer = scheduler.runtime.model, scheduler.runtime.tokenizer
     work = prompts(count, length, int(scheduler.runtime.config["vocab_size"]))
     shim = Instrumentation(provider)
@@ -325,7 +327,7 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
             batch = work[: max(count // 2, 2 * concurrency)]
             bare = lambda g=generator, b=batch, c=concurrency: worker.submit(  # noqa: E731
                 bare_engine, g, b, tokens, c).result()
-            inst = lambda b=batch, c=concurrency: instrumented_engine(scheduler, telemetry, b, tokens, c)  # noqa: E731
+            inst = lambda b=batch, c=concurrency: instrumented_engine(scheduler, thread.ident, telemetry, b, tokens, c)  # noqa: E731
             bare()  # warm both paths once
             inst()
             telemetry.flush()
