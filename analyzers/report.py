@@ -52,24 +52,43 @@ def with_categories(frame: pl.DataFrame) -> pl.DataFrame:
                               category.otherwise(pl.lit(CATEGORIES[-1][1])).alias("category"))
 
 
-def _percentiles(column: pl.Series) -> dict[str, float | None]:
+def percentiles(column: pl.Series) -> dict[str, float | None]:
+    """p50, p95 and p99 of a column (nulls left out; None when nothing is left)."""
     clean = column.drop_nulls()
     if clean.is_empty():
         return {"p50": None, "p95": None, "p99": None}
     return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
 
 
+def token_hit_rate(frame: pl.DataFrame) -> float | None:
+    """Prompt tokens served from the cache over all prompt tokens of a requests frame."""
+    prompt = frame["prompt_tokens"].fill_null(0).sum()
+    return round(frame["cached_tokens"].fill_null(0).sum() / prompt, 4) if prompt else None
+
+
+def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:
+    """The requests whose cache cause a window's count is made of: the latest ``sample`` that did
+    not reuse their whole prompt."""
+    prompt, cached = frame["prompt_tokens"].fill_null(0), frame["cached_tokens"].fill_null(0)
+    return frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(sample)
+
+
 def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
               cause_sample: int = 25, limit: int = 1_000_000) -> Report:
     """The report over requests that started in [since, until)."""
     frame = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit)
+    return summarize_frame(reader, with_categories(frame), since_ns, until_ns, slowest, cause_sample)
+
+
+def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | None, until_ns: int | None = None,
+                    slowest: int = 10, cause_sample: int = 25) -> Report:
+    """``summarize`` over a requests frame already read and given its categories (``with_categories``)."""
     if frame.height == 0:
         return Report(since_ns, until_ns, 0, {}, {}, 0, {"token_hit_rate": None}, [], [])
-    frame = with_categories(frame)
     categories = dict(frame.group_by("category").len().iter_rows())
-    prompt, cached = frame["prompt_tokens"].fill_null(0), frame["cached_tokens"].fill_null(0)
+    cached = frame["cached_tokens"].fill_null(0)
     cache = {
-        "token_hit_rate": round(cached.sum() / prompt.sum(), 4) if prompt.sum() else None,
+        "token_hit_rate": token_hit_rate(frame),
         "requests_with_reuse": int((cached > 0).sum()),
         "requests_without_reuse": int((cached == 0).sum()),
     }
@@ -78,15 +97,15 @@ def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = 
     for (instance,), group in frame.group_by(["instance_id"], maintain_order=True):
         instances.append({
             "instance_id": instance, "requests": group.height,
-            "ttft_ms": _percentiles(group["ttft_ms"]), "tpot_ms": _percentiles(group["tpot_ms"]),
-            "e2e_ms": _percentiles(group["e2e_ms"]),
+            "ttft_ms": percentiles(group["ttft_ms"]), "tpot_ms": percentiles(group["tpot_ms"]),
+            "e2e_ms": percentiles(group["e2e_ms"]),
             "output_tokens_per_s": round(group["completion_tokens"].fill_null(0).sum() / span_s, 2),
         })
     top = frame.sort("e2e_ms", descending=True).head(slowest)
     slow_rows = top.select("request_id", "instance_id", "category", "e2e_ms", "ttft_ms", "tpot_ms",
                            "prompt_tokens", "cached_tokens", "completion_tokens").to_dicts()
     causes: dict[str, int] = {}
-    sample = frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(cause_sample)
+    sample = cause_candidates(frame, cause_sample)
     # The store runs each query with the GIL released, and every thread reads through its own
     # cursor (reader contract): two threads use both cores of a small machine.
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-report") as pool:

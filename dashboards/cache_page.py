@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
-from tokentrace.analyzers.report import summarize
+from tokentrace.analyzers.report import token_hit_rate
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
@@ -82,7 +82,6 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     buckets = series.bucket_starts(t0, t1, width)
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
     hit, counted = series.ratio(requests, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
-    report = summarize(reader, window_ns, cause_sample=0, limit=LIMIT)
     causes, sampled = window_causes(reader, requests, CAUSE_SAMPLE)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
@@ -100,7 +99,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
             "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
-        "hit_rate": {"token_hit_rate": report.cache["token_hit_rate"], "t": buckets, "rate": hit, "requests": counted},
+        "hit_rate": {"token_hit_rate": token_hit_rate(requests), "t": buckets, "rate": hit, "requests": counted},
         "causes": causes, "cause_sample": sampled,
         "charts": {
             "fill": {"kind": "line", "x_type": "time", "unit": "pct", "series": fill,

@@ -1,6 +1,6 @@
 """Cache miss causes of a window, for pages that refresh every few seconds.
 
-The rule is the window report's (``tokentrace.analyzers.report.summarize``): the latest
+The rule is the window report's (``tokentrace.analyzers.report.cause_candidates``): the latest
 ``sample`` requests that did not reuse their whole prompt, one cache verdict each. A verdict costs
 several queries (~70 ms on 10,000 requests), and a live page asks again every 5 s for mostly the
 same requests, so verdicts are remembered per request for ``TTL_S`` seconds: a finished request's
@@ -17,6 +17,7 @@ from collections import OrderedDict
 import polars as pl
 
 from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.report import cause_candidates
 from tokentrace.collector.store import TraceReader
 
 TTL_S = 120.0
@@ -54,8 +55,7 @@ def window_causes(reader: TraceReader, frame: pl.DataFrame, sample: int) -> tupl
     """({cause: requests}, requests sampled) over a requests frame, by the window report's rule."""
     if frame.height == 0:
         return {}, 0
-    prompt, cached = frame["prompt_tokens"].fill_null(0), frame["cached_tokens"].fill_null(0)
-    chosen = frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(sample)
+    chosen = cause_candidates(frame, sample)
     causes: dict[str, int] = {}
     for request_id in chosen["request_id"].to_list():
         cause = _MEMO.cause(reader, request_id)

@@ -11,7 +11,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
-from tokentrace.analyzers.report import _percentiles, summarize, with_categories
+from tokentrace.analyzers.report import percentiles, summarize_frame, with_categories
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -48,16 +48,15 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
 def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
     """The overview of requests that started in the last ``since``."""
     window_ns = since_ns(since, now_ns, what="since")
-    report = summarize(reader, window_ns, cause_sample=0, limit=LIMIT).as_dict()
-    frame = reader.requests(since_ns=window_ns, limit=LIMIT)
+    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT))
+    report = summarize_frame(reader, frame, window_ns, cause_sample=0).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
                                for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
     errors = 0
     if frame.height:
-        frame = with_categories(frame)
-        latency = {name: _percentiles(frame[name]) for name in latency}
+        latency = {name: percentiles(frame[name]) for name in latency}
         active_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
         output = int(frame["completion_tokens"].fill_null(0).sum())
         throughput = {"output_tokens": output, "input_tokens": int(frame["prompt_tokens"].fill_null(0).sum()),
