@@ -99,9 +99,10 @@ def test_golden_numbers_on_every_twin(golden_collector):
 @pytest.mark.parametrize("path", PAGES)
 def test_page_shows_the_numbers_of_its_twin(golden_collector, path):
     collector, _ = golden_collector
-    page = _get(collector, path + ("?since=1h" if path != "/requests/golden-req-1" else ""))
+    query = "" if path.startswith("/requests/") else "?since=1h"
+    page = _get(collector, path + query)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    twin = _get(collector, (path if path != "/" else "/") + ".json" + ("?since=1h" if "requests" not in path else ""))
+    twin = _get(collector, path + ".json" + query)
     assert twin.status_code == 200 and twin.headers["content-type"] == "application/json"
     data = twin.json()
     shown = metrics(page.text)
