@@ -42,7 +42,7 @@ def _least(*values: int | None) -> int | None:
 
 def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     """One instance's cache use against its limits and the sessions that fit (module docstring)."""
-    mine = requests.filter(pl.col("instance_id") == beat["instance_id"]) if requests.height else requests
+    mine = requests.filter(pl.col("instance_id") == beat["instance_id"])
     context = None
     if mine.height:
         context = float((mine["prompt_tokens"].fill_null(0) + mine["completion_tokens"].fill_null(0)).mean())

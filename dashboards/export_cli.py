@@ -28,15 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               description="Chrome trace-event JSON for ui.perfetto.dev or chrome://tracing.")
     which = perfetto.add_mutually_exclusive_group()
     which.add_argument("--request-id", default=None, help="one request (with its instance's steps meanwhile)")
-    which.add_argument("--since", default=None, help="requests that started in this window: 30s, 10m, 1h, 'all' "
-                                                     "(default 15m)")
+    which.add_argument("--since", default="15m", help="requests that started in this window: 30s, 10m, 1h, 'all' "
+                                                      "(default 15m)")
     perfetto.add_argument("-o", "--output", required=True, help="file to write, '-' for standard output")
     add_source_options(perfetto)
 
 
 def run(args: argparse.Namespace) -> int:
     """Build (``--db``) or fetch (``--url``) the trace and write it."""
-    since = args.since if args.since is not None else "15m"
     if args.db:
         from tokentrace.collector.store_duckdb import DuckDBStore
         from tokentrace.dashboards.perfetto import perfetto_trace
@@ -44,12 +43,12 @@ def run(args: argparse.Namespace) -> int:
 
         store = DuckDBStore(args.db, read_only=True)
         try:
-            window = None if args.request_id else since_ns(since)
+            window = None if args.request_id else since_ns(args.since)
             trace = perfetto_trace(store, request_id=args.request_id, since_ns=window)
         finally:
             store.close()
     else:
-        query = {"request_id": args.request_id} if args.request_id else {"since": since}
+        query = {"request_id": args.request_id} if args.request_id else {"since": args.since}
         trace = fetch_json(args, "/api/export/perfetto?" + urllib.parse.urlencode(query))
     text = json.dumps(trace, separators=(",", ":"))
     if args.output == "-":

@@ -113,7 +113,7 @@ def _instance_events(ev: _Events, pid: int, steps: list[dict], loads: list[dict]
 
 def _group(frame: pl.DataFrame, key: str) -> dict[Any, list[dict]]:
     groups: dict[Any, list[dict]] = {}
-    for row in frame.iter_rows(named=True) if frame.height else []:
+    for row in frame.iter_rows(named=True):
         groups.setdefault(row[key], []).append(row)
     return groups
 

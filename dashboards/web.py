@@ -37,11 +37,13 @@ def fmt_bytes(value: float | None) -> str:
     """1536 -> '1.5 KiB'; None -> 'n/a'."""
     if value is None:
         return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB"):
         value /= 1024
-    return "n/a"  # unreachable: the loop returns at GiB
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} GiB"
 
 
 def fmt_pct(value: float | None) -> str:
@@ -94,7 +96,7 @@ def clean(value: Any) -> Any:
     return value
 
 
-def dumps(data: Any, **_ignored: Any) -> str:
+def dumps(data: Any) -> str:
     """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
     try:
         return json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
@@ -130,6 +132,11 @@ def render(request: Request, template: str, status_code: int = 200, **context: A
     return HTMLResponse(html, status_code)
 
 
+#: What the HTML side of a page shows for each error its view may raise: (status, heading).
+_ERROR_PAGES = {NotFound: (404, "Not found"), ConfigError: (400, "Bad parameter"),
+                StoreError: (503, "Store unavailable")}
+
+
 def page(path: str, template: str, title: str):
     """Register ``view`` at ``path`` (HTML) and ``path + '.json'`` (its JSON twin).
 
@@ -148,14 +155,9 @@ def page(path: str, template: str, title: str):
             request = kwargs["request"]
             try:
                 data = view(*args, **kwargs)
-            except NotFound as exc:
-                return render(request, "error.html", 404, title="Not found", status=404, message=str(exc), twin=None)
-            except ConfigError as exc:
-                return render(request, "error.html", 400, title="Bad parameter", status=400, message=str(exc),
-                              twin=None)
-            except StoreError as exc:
-                return render(request, "error.html", 503, title="Store unavailable", status=503,
-                              message=str(exc), twin=None)
+            except (NotFound, ConfigError, StoreError) as exc:
+                status, heading = _ERROR_PAGES[type(exc)]
+                return render(request, "error.html", status, title=heading, status=status, message=str(exc), twin=None)
             return render(request, template, title=title, data=data, twin=request.url.path + ".json")
 
         # The twin first: "/requests/{id}" would otherwise also match "/requests/abc.json".
