@@ -60,8 +60,7 @@ def _load(loads: list[dict], since_ns: int) -> dict[str, Any] | None:
             "stages": stages, "files_present_ns": resolve[0] if resolve else None}
 
 
-def _readiness(events: list[dict], load: dict | None, epoch_ns: int) -> list[dict[str, Any]]:
-    started = max([e["t_ns"] for e in events if e["event"] == "instance.started"], default=None)
+def _readiness(events: list[dict], load: dict | None, started: int | None, epoch_ns: int) -> list[dict[str, Any]]:
     times = {
         "files_present": load["files_present_ns"] if load else None,
         "started": started,
@@ -85,15 +84,15 @@ def instance_health(reader: TraceReader, now_ns: int) -> list[dict[str, Any]]:
     for instance in sorted(ids):
         identity = (_rows(seen, instance) or [{}])[0]
         mine = _rows(events, instance)
-        started = [e["t_ns"] for e in mine if e["event"] == "instance.started"]
-        epoch = max(started) if started else (identity.get("first_seen_ns") or 0)
+        started = max((e["t_ns"] for e in mine if e["event"] == "instance.started"), default=None)
+        epoch = started if started is not None else (identity.get("first_seen_ns") or 0)
         load = _load(_rows(loads, instance), epoch)
         beat = (_rows(beats, instance) or [None])[0]
         heard = [t for t in (identity.get("last_seen_ns"), beat["t_ns"] if beat else None) if t is not None]
         last_ns = max(heard) if heard else None
         age_s = None if last_ns is None else round(max(0, now_ns - last_ns) / 1e9, 1)
         stopped = any(e["event"] == "instance.stopped" and e["t_ns"] >= epoch for e in mine)
-        readiness = _readiness(mine, load, epoch)
+        readiness = _readiness(mine, load, started, epoch)
         reached = [step["label"] for step in readiness if step["reached"]]
         result.append({
             "instance_id": instance, "host": identity.get("host_name"), "engine": identity.get("engine"),
