@@ -10,7 +10,6 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tokentrace.collector import stores
@@ -33,10 +32,6 @@ def _port(text: str) -> int:
 
 def _positive(text: str) -> int:
     return _integer(text, "a positive integer", 1)
-
-
-def _store(text: str) -> stores.StoreURL:
-    return stores.parse(text)
 
 
 def _retention(text: str) -> int:
@@ -77,7 +72,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("db", "./tokentrace.duckdb", "TOKENTRACE_DB", "DuckDB file of the store (created if missing)"),
     Setting("store", None, "TOKENTRACE_STORE",
-            "store URL instead of --db: duckdb:///FILE, chdb:///DIR or clickhouse://HOST:8123/DB", _store),
+            "store URL instead of --db: duckdb:///FILE, chdb:///DIR or clickhouse://HOST:8123/DB", stores.parse),
     Setting("retention", None, "TOKENTRACE_RETENTION",
             "ClickHouse stores only: drop data older than this many days (30d), or off; unset leaves "
             "the store's retention as it is", _retention),
@@ -153,16 +148,14 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
 
 def _check_store(values: dict, given: set[str]) -> None:
     """Resolve --store from --db when absent; refuse contradictions in one line."""
+    option = "--store"
     if values["store"] is None:
-        db_parent = Path(values["db"]).expanduser().resolve().parent
-        if not db_parent.is_dir():
-            raise ConfigError(f"--db must be in an existing directory, {db_parent} does not exist")
-        values["store"] = stores.StoreURL("duckdb", values["db"])
+        values["store"], option = stores.StoreURL("duckdb", values["db"]), "--db"
     elif "db" in given:
         raise ConfigError("--db and --store both name the store; give one of them")
     problem = stores.check_location(values["store"])
     if problem:
-        raise ConfigError(f"--store must be in an existing directory, {problem}")
+        raise ConfigError(f"{option} must be in an existing directory, {problem}")
     if values["retention"] is not None and not values["store"].clickhouse:
         raise ConfigError("--retention needs a ClickHouse store (--store chdb:///DIR or clickhouse://...); "
                           "a DuckDB store keeps everything")

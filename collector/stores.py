@@ -81,7 +81,7 @@ def parse(text: str) -> StoreURL:
 
 def check_location(url: StoreURL) -> str | None:
     """A problem with where a local store would be created, or None."""
-    if url.clickhouse and url.scheme != "chdb":
+    if url.scheme not in ("duckdb", "chdb"):  # a server: nothing local
         return None
     parent = Path(url.location).expanduser().resolve().parent
     return None if parent.is_dir() else f"{parent} does not exist"
