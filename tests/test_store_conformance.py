@@ -46,7 +46,6 @@ def _load(url: stores.StoreURL, payloads: dict):
     store = stores.open_store(url)
     for batch, spool in _batches(payloads):
         assert store.write(batch, spool)
-    assert store.write(_batches(payloads)[-1][0], SPOOL) is False
     return store
 
 
@@ -212,14 +211,19 @@ def test_every_table_stores_the_same_rows_and_types(loaded, table):
         assert sorted(map(repr, frame.rows())) == sorted(map(repr, reference.rows())), backend
 
 
-def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded):
+def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded, payloads):
+    spooled, _ = _batches(payloads)[-1]
     for backend, store in loaded.items():
-        assert store.frame("request", request_id="json-req-1").height == 1, backend
+        assert store.write(spooled, SPOOL) is False, backend
         assert store.counts()["requests"] == 5, backend  # golden, 2 vLLM, the JSON plain and as spool
-        assert store.spool_seen(SPOOL.sha256), backend
 
 
 # --- the analyzers' verdicts --------------------------------------------------------------------
+def _others(stores: dict) -> list[tuple[str, object]]:
+    """(backend, store) of every backend but the reference, DuckDB."""
+    return [(backend, store) for backend, store in stores.items() if backend != "duckdb"]
+
+
 def _request_ids(store) -> list[str]:
     return sorted(set(store.requests(limit=10_000)["request_id"].to_list()))
 
@@ -234,11 +238,12 @@ def test_every_verdict_is_identical_on_every_backend(loaded):
     reference = loaded["duckdb"]
     request_ids = _request_ids(reference)
     assert len(request_ids) == 4
-    for backend, store in loaded.items():
+    for backend, store in _others(loaded):
         assert _request_ids(store) == request_ids, backend
         for request_id in request_ids:
-            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
-            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict(), \
+                backend
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict(), backend
         assert summarize(store, None).as_dict() == summarize(reference, None).as_dict(), backend
 
 
@@ -279,10 +284,12 @@ def test_a_real_workload_gets_the_same_verdicts_on_every_backend(demo_loaded):
             verdict = (analyze_slowness(store, item["request_id"]).category if item["verdict"] == "slow"
                        else analyze_cache(store, item["request_id"]).cause)
             assert verdict == item["expect"], (backend, item["label"])
+    for backend, store in _others(demo_loaded):
         assert _request_ids(store) == request_ids, backend
         for request_id in request_ids:
-            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict()
-            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict()
+            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict(), \
+                backend
+            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict(), backend
 
 
 #: Values for the named queries that take only a window, an instance and a limit: everything.
@@ -318,6 +325,6 @@ def test_per_request_queries_give_the_same_frame_on_a_real_workload(demo_loaded,
         params = {p: values[p] for p in _params("duckdb", name)}
         expected = reference.frame(name, **params)
         found += expected.height
-        for store in demo_loaded.values():
+        for _, store in _others(demo_loaded):
             assert_frame_equal(store.frame(name, **params), expected, check_exact=False, rel_tol=1e-9)
     assert found, f"the demo workload gives {name} no row"
