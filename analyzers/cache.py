@@ -111,9 +111,9 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     sightings = reader.frame("prefix_sightings_of", hashes=hashes, before_ns=t).to_dicts() if hashes else []
     seen, cached_on = _deepest(sightings), _deepest_per_instance(sightings)
     here_key = request["instance_id"]
-    here = next((row for row in cached_on if row["instance_id"] == here_key), None)
+    here = next((row for row in _longer(cached_on, block, prompt, cached) if row["instance_id"] == here_key), None)
     eviction = None
-    if here is not None and _covered(here["last_block"], block, prompt) - cached >= block:
+    if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.frame("evictions_of", fingerprints=[row["fingerprint"] for row in others],
@@ -124,6 +124,13 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
                       divergences)
+
+
+def _longer(cached_on: list[dict], block: int, prompt: int, cached: int) -> list[dict]:
+    """The instances whose cache held at least a block more of this prompt than was reused, each
+    with the prompt tokens it ``covered``."""
+    rows = [{**row, "covered": _covered(row["last_block"], block, prompt)} for row in cached_on]
+    return [row for row in rows if row["covered"] - cached >= block]
 
 
 def _first_of_deepest(rows: list[dict]) -> dict:
@@ -222,8 +229,7 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
          "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
     ))
-    longer = [{**row, "covered": _covered(row["last_block"], block, prompt)} for row in facts.cached_on]
-    longer = [row for row in longer if row["covered"] - cached >= block]
+    longer = _longer(facts.cached_on, block, prompt, cached)
     if not (_capacity(verdict, facts, longer) or _instance_change(verdict, facts, longer)
             or _prefix_change(verdict, facts, block, cached)):
         _new_or_reused(verdict, facts, block)
