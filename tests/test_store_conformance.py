@@ -224,6 +224,18 @@ def _others(stores: dict) -> list[tuple[str, object]]:
     return [(backend, store) for backend, store in stores.items() if backend != "duckdb"]
 
 
+def _assert_same_verdicts(backend: str, store, reference, request_ids: list[str]) -> None:
+    """The store holds the reference's requests, and each gets the reference's two verdicts."""
+    from tokentrace.analyzers.cache import analyze_cache
+    from tokentrace.analyzers.slowness import analyze_slowness
+
+    assert _request_ids(store) == request_ids, backend
+    for request_id in request_ids:
+        assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict(), \
+            backend
+        assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict(), backend
+
+
 def _request_ids(store) -> list[str]:
     return sorted(set(store.requests(limit=10_000)["request_id"].to_list()))
 
@@ -231,19 +243,13 @@ def _request_ids(store) -> list[str]:
 def test_every_verdict_is_identical_on_every_backend(loaded):
     """Slowness and cache verdicts of every stored request (golden engine trace, hand-written OTLP,
     real vLLM spans) and the window report, computed through each backend's reader role."""
-    from tokentrace.analyzers.cache import analyze_cache
     from tokentrace.analyzers.report import summarize
-    from tokentrace.analyzers.slowness import analyze_slowness
 
     reference = loaded["duckdb"]
     request_ids = _request_ids(reference)
     assert len(request_ids) == 4
     for backend, store in _others(loaded):
-        assert _request_ids(store) == request_ids, backend
-        for request_id in request_ids:
-            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict(), \
-                backend
-            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict(), backend
+        _assert_same_verdicts(backend, store, reference, request_ids)
         assert summarize(store, None).as_dict() == summarize(reference, None).as_dict(), backend
 
 
@@ -285,11 +291,7 @@ def test_a_real_workload_gets_the_same_verdicts_on_every_backend(demo_loaded):
                        else analyze_cache(store, item["request_id"]).cause)
             assert verdict == item["expect"], (backend, item["label"])
     for backend, store in _others(demo_loaded):
-        assert _request_ids(store) == request_ids, backend
-        for request_id in request_ids:
-            assert analyze_slowness(store, request_id).as_dict() == analyze_slowness(reference, request_id).as_dict(), \
-                backend
-            assert analyze_cache(store, request_id).as_dict() == analyze_cache(reference, request_id).as_dict(), backend
+        _assert_same_verdicts(backend, store, reference, request_ids)
 
 
 #: Values for the named queries that take only a window, an instance and a limit: everything.
