@@ -23,26 +23,32 @@ from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokentrace import __version__
+from tokentrace import __version__, wire
 from tokentrace.collector.ingest import Counters, Pipeline
 from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import (
-    ConfigError,
-    NotFound,
-    Overloaded,
     PayloadError,
     PayloadTooLarge,
     StoreError,
-    UnsupportedMediaType,
+    TokentraceError,
+    Unauthorized,
+    retry_headers,
 )
 from tokentrace.wire import SPOOL_FILE_HEADER, SPOOL_FILE_NAME
 
 log = logging.getLogger("tokentrace.collector")
-_GRPC_CODE = {400: 3, 413: 8, 415: 3, 503: 14, 500: 13}
+_GRPC_CODE = {400: 3, 401: 16, 404: 5, 413: 8, 415: 3, 503: 14, 500: 13}  # HTTP -> google.rpc.Code
 TOKEN_COOKIE = "tokentrace_token"
+
+
+class FiniteJSONResponse(JSONResponse):
+    """The API's JSON answer: NaN and infinities become null instead of a 500 (tokentrace.wire)."""
+
+    def render(self, content) -> bytes:
+        return wire.dumps(content, ensure_ascii=False).encode("utf-8")
 
 
 def error_envelope(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -84,7 +90,8 @@ class BearerAuth:
             response = Response(status_code=303, headers={"Location": location, "Set-Cookie": cookie})
         else:
             response = error_envelope(
-                401, "unauthorized", "this collector requires a bearer token (Authorization: Bearer TOKEN)",
+                Unauthorized.http_status, Unauthorized.code,
+                "this collector requires a bearer token (Authorization: Bearer TOKEN)",
                 headers={"WWW-Authenticate": 'Bearer realm="tokentrace"'},
             )
         await response(scope, receive, send)
@@ -112,6 +119,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _spool_record(request: Request, body: bytes) -> SpoolRecord | None:
+    """The spool record of a body resent by an engine from its spool (wire.SPOOL_FILE_HEADER)."""
+    spool_name = request.headers.get(SPOOL_FILE_HEADER)
+    if spool_name is None:
+        return None
+    if not SPOOL_FILE_NAME.fullmatch(spool_name):
+        raise PayloadError(f"{SPOOL_FILE_HEADER} must be a plain file name (letters, digits, '.', '_', '-'; "
+                           f"at most 200), got {spool_name[:80]!r}")
+    # Stored once per SHA-256 of the bytes, as a file of --spool-dir.
+    return SpoolRecord.of(body, spool_name)
 
 
 class Collector:
@@ -170,25 +189,18 @@ class Collector:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    """Every query-API error answers with the one JSON envelope."""
+    """Every query-API error answers with the one JSON envelope, its status read from the error's
+    class (core/errors.py)."""
 
-    @app.exception_handler(NotFound)
-    async def not_found(_request: Request, exc: NotFound) -> JSONResponse:
-        return error_envelope(404, "not_found", str(exc))
-
-    @app.exception_handler(ConfigError)
-    async def bad_parameter(_request: Request, exc: ConfigError) -> JSONResponse:
-        return error_envelope(400, "bad_parameter", str(exc))
+    @app.exception_handler(TokentraceError)
+    async def known(_request: Request, exc: TokentraceError) -> JSONResponse:
+        return error_envelope(exc.http_status, exc.code, str(exc), headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()))
         return error_envelope(400, "bad_parameter", f"{where}: {first.get('msg', 'invalid value')}")
-
-    @app.exception_handler(StoreError)
-    async def store_failed(_request: Request, exc: StoreError) -> JSONResponse:
-        return error_envelope(503, "store_unavailable", str(exc), headers={"Retry-After": "5"})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -208,50 +220,29 @@ def create_app(collector: Collector) -> FastAPI:
             await run_in_threadpool(collector.stop)
 
     app = FastAPI(title="tokentrace collector", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None, default_response_class=FiniteJSONResponse)
     app.state.collector = collector
     app.state.reader = collector.store
     _install_error_handlers(app)
 
     @app.post("/v1/traces")
     async def receive_traces(request: Request) -> Response:
+        encoding = None
         try:
             encoding = encoding_for(request.headers.get("content-type"))
-        except UnsupportedMediaType as exc:
-            collector.counters.reject("unsupported_media_type")
-            return _otlp_error(415, str(exc), None)
-        try:
             body = await _read_body(request, collector.config.max_body_bytes)
-        except PayloadTooLarge as exc:
-            collector.counters.reject("too_large")
-            return _otlp_error(413, str(exc), encoding)
-        spool = None
-        spool_name = request.headers.get(SPOOL_FILE_HEADER)
-        if spool_name is not None:
-            if not SPOOL_FILE_NAME.fullmatch(spool_name):
-                collector.counters.reject("malformed")
-                return _otlp_error(400, f"{SPOOL_FILE_HEADER} must be a plain file name (letters, digits, '.', "
-                                        f"'_', '-'; at most 200), got {spool_name[:80]!r}", encoding)
-            # Stored once per SHA-256 of the bytes, as a file of --spool-dir (wire.SPOOL_FILE_HEADER).
-            spool = SpoolRecord.of(body, spool_name)
-        try:
+            spool = _spool_record(request, body)
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
             await asyncio.wrap_future(collector.queue.submit(batch, spool))
-        except PayloadTooLarge as exc:
-            return _otlp_error(413, str(exc), encoding)
-        except UnsupportedMediaType as exc:
-            return _otlp_error(415, str(exc), encoding)
-        except PayloadError as exc:
-            return _otlp_error(400, str(exc), encoding)
-        except Overloaded as exc:
-            collector.counters.reject("overloaded")
-            return _otlp_error(503, str(exc), encoding, {"Retry-After": str(exc.retry_after)})
-        except StoreError as exc:
-            collector.counters.reject("store_error")
-            return _otlp_error(503, f"the store could not write the batch: {exc}", encoding, {"Retry-After": "5"})
+        except TokentraceError as exc:
+            # Status and retryability come from the error's class (core/errors.py): 503 + Retry-After
+            # only for conditions that pass; input that can never succeed is 4xx.
+            if not getattr(exc, "counted", False):
+                collector.counters.reject(exc.code)
+            return _otlp_error(exc.http_status, str(exc), encoding, retry_headers(exc))
         return Response(encode_response(encoding, batch.rejected, batch.message()),
-                         media_type=encoding.media_type)
+                        media_type=encoding.media_type)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import NotFound, StoreError
 
 CHECKPOINT_THRESHOLD = "256MB"
@@ -193,11 +193,13 @@ class DuckDBStore(NamedQueryReader):
                     con.unregister("staged")
             con.execute("COMMIT")
             return True
-        except (duckdb.Error, pa.ArrowException) as exc:
+        except Exception as exc:  # whatever failed, the transaction must not outlive this call
             with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
                 con.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):
+                con.unregister("staged")
             self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def _record_sightings(self, con: duckdb.DuckDBPyConnection) -> None:
         candidates = con.sql(self._sightings_sql).pl()
