@@ -13,7 +13,7 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +68,9 @@ class BearerAuth:
     """ASGI middleware: every path needs ``Authorization: Bearer TOKEN`` or the token cookie.
 
     Browsers cannot send a bearer header by themselves, so ``?token=TOKEN`` on a GET sets the
-    cookie (HttpOnly, SameSite=Strict) and redirects to the same URL without the token.
+    cookie (HttpOnly, SameSite=Strict) and redirects to the same path without the token. A token in
+    the query is always taken out by that redirect, even when a cookie already authenticates the
+    request, so that no page renders it into its links; the redirect never leaves this host.
     """
 
     def __init__(self, app, token: str):
@@ -79,15 +81,17 @@ class BearerAuth:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._bearer_ok(headers.get(b"authorization", b"")) or self._cookie_ok(headers.get(b"cookie", b"")):
-            return await self.app(scope, receive, send)
+        authenticated = (self._bearer_ok(headers.get(b"authorization", b""))
+                         or self._cookie_ok(headers.get(b"cookie", b"")))
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         given = dict(query).get("token", "").encode()
-        if scope["method"] == "GET" and given and hmac.compare_digest(given, self.token):
-            rest = urlencode([(k, v) for k, v in query if k != "token"])
-            location = scope["path"] + (f"?{rest}" if rest else "")
-            cookie = f"{TOKEN_COOKIE}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict"
-            response = Response(status_code=303, headers={"Location": location, "Set-Cookie": cookie})
+        valid = bool(given) and hmac.compare_digest(given, self.token)
+        if scope["method"] == "GET" and any(key == "token" for key, _ in query) and (valid or authenticated):
+            response = Response(status_code=303, headers={"Location": _same_host(scope["path"], query)})
+            if valid:
+                response.set_cookie(TOKEN_COOKIE, self.token.decode(), path="/", httponly=True, samesite="strict")
+        elif authenticated:
+            return await self.app(scope, receive, send)
         else:
             response = error_envelope(
                 Unauthorized.http_status, Unauthorized.code,
@@ -106,6 +110,14 @@ class BearerAuth:
             if name == TOKEN_COOKIE.encode() and hmac.compare_digest(value, self.token):
                 return True
         return False
+
+
+def _same_host(path: str, query: list[tuple[str, str]]) -> str:
+    """A Location on this host: ``path`` (with leading slashes and backslashes folded into one
+    slash, so that ``//evil.example/`` cannot become another host) and ``query`` without the token."""
+    location = quote("/" + path.lstrip("/\\"), safe="/:@!$&'()*+,;=-._~")
+    rest = urlencode([(key, value) for key, value in query if key != "token"])
+    return location + (f"?{rest}" if rest else "")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -144,6 +156,7 @@ class Collector:
                                  config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
+        self.stop_error: str | None = None  #: why stopping failed (a checkpoint on a full disk)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
@@ -156,13 +169,18 @@ class Collector:
             self.spool.start()
 
     def stop(self) -> None:
-        """Stop the spool, write what was submitted, checkpoint and close the store."""
+        """Stop the spool, write what was submitted, checkpoint and close the store; a failure is
+        kept in ``stop_error`` (the process then exits non-zero, collector/cli.py)."""
         if self.spool is not None:
             self.spool.stop()
         self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
-        self.store.close()
+        try:
+            self.store.close()
+        except StoreError as exc:
+            log.error("the store was not closed cleanly: %s", exc)
+            self.stop_error = str(exc)
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) of /healthz."""

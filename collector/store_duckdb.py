@@ -8,6 +8,7 @@ no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector'
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -24,6 +25,18 @@ from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows
 from tokentrace.errors import NotFound, StoreError
 
 CHECKPOINT_THRESHOLD = "256MB"
+#: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
+#: needs about this much, and a checkpoint more.
+MIN_FREE_BYTES = 1 << 20
+
+
+def disk_free(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (None: unknown)."""
+    try:
+        stat = os.statvfs(Path(path).resolve().parent)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 _ARROW_TYPES = {
     "VARCHAR": pa.string(),
     "BIGINT": pa.int64(),
@@ -223,11 +236,16 @@ class DuckDBStore(NamedQueryReader):
             raise StoreError(f"closing {self.path} failed: {exc}") from exc
 
     def probe(self) -> None:
-        """Raise StoreError unless the store answers (health check)."""
+        """Raise StoreError unless the store answers and its disk has room (health check)."""
         try:
             self._cursor().execute("SELECT 1").fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+        if not self.read_only:
+            free = disk_free(self.path)
+            if free is not None and free < MIN_FREE_BYTES:
+                raise StoreError(f"the disk holding {self.path} has {free} bytes free: writes would fail "
+                                 f"(at least {MIN_FREE_BYTES} needed)")
 
     # --- reader role ------------------------------------------------------------------------------
     def _cursor(self) -> duckdb.DuckDBPyConnection:
