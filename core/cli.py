@@ -19,8 +19,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("analyze", "tokentrace.analyzers.cli", "verdicts: why a request was slow, why its cache lookup missed"),
     ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Chrome trace-event JSON for Perfetto"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
-    ("engine", "tokentrace.engine_shim.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
-    ("make-model", "tokentrace.engine_shim.make_model", "write a random-weight model to test and demo with"),
+    ("engine", "tokentrace.engine_shim.mlx.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
+    ("make-model", "tokentrace.engine_shim.mlx.make_model", "write a random-weight model to test and demo with"),
 )
 
 
