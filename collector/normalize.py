@@ -40,6 +40,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
+        "first_content_ms",
     ),
     "phases": (
         "request_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
@@ -251,7 +252,7 @@ def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _num(a.get(c.DECODE_MS)), _num(a.get(c.TTFT_MS)), _num(a.get(c.TPOT_MS)),
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
-        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)),
+        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _num(a.get(c.FIRST_CONTENT_MS)),
     ))
 
 
@@ -375,7 +376,7 @@ def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         span.start_time_unix_nano, span.end_time_unix_nano,
         ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
         _int(a.get(v.USAGE_PROMPT_TOKENS)), None, outputs, _int(a.get(v.REQUEST_MAX_TOKENS)),
-        None, None, None, None, None,
+        None, None, None, None, None, None,
     ))
 
 

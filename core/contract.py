@@ -72,6 +72,7 @@ PREFILL_MS = "tokentrace.request.prefill_ms"
 DECODE_MS = "tokentrace.request.decode_ms"
 TTFT_MS = "tokentrace.request.ttft_ms"
 TPOT_MS = "tokentrace.request.tpot_ms"
+FIRST_CONTENT_MS = "tokentrace.request.first_content_ms"
 
 # --- Attribute keys: queue, load ------------------------------------------------------------------
 QUEUE_DEPTH = "tokentrace.queue.depth"
@@ -260,6 +261,7 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(DECODE_MS, "double", "ms", "first token -> last token"),
             _a(TTFT_MS, "double", "ms", "arrival -> first token"),
             _a(TPOT_MS, "double", "ms", "decode_ms / (output tokens - 1)"),
+            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first response chunk carrying answer text"),
         ),
         _LIFECYCLE[2:3],
     ),
