@@ -125,13 +125,14 @@ class _Tokens(Harness):
         return job
 
 
-#: Values the API refuses, sent straight to the scheduler: each makes mlx-lm raise inside the
-#: batched step (the sampler at sampling time, a logits processor when it is applied).
-IN_LOOP_FAILURES = {
-    "top-k": Sampling(temperature=1.0, top_k=1_000_000_000),
-    "min-p": Sampling(temperature=1.0, min_p=2.0),
-    "processor": Sampling(frequency_penalty="much"),  # type: ignore[arg-type]
-}
+def _in_loop_failures() -> dict[str, Sampling]:
+    """Values the API refuses, sent straight to the scheduler: each makes mlx-lm raise inside the
+    batched step (the sampler at sampling time, a logits processor when it is applied)."""
+    return {
+        "top-k": Sampling(temperature=1.0, top_k=1_000_000_000),
+        "min-p": Sampling(temperature=1.0, min_p=2.0),
+        "processor": Sampling(frequency_penalty="much"),  # type: ignore[arg-type]
+    }
 
 
 def test_a_sequence_failing_inside_the_batch_is_removed_and_the_batch_goes_on(tiny_model):
@@ -146,7 +147,7 @@ def test_a_sequence_failing_inside_the_batch_is_removed_and_the_batch_goes_on(ti
         with h.done:  # the bad ones arrive mid-generation
             assert h.done.wait_for(lambda: all(len(h.tokens.get(f"good-{i}", [])) >= 50 for i in range(3)), 120)
         bad = {name: h.submit_sampling(f"bad-{name}", [5, 6, 7], 30, sampling)
-               for name, sampling in IN_LOOP_FAILURES.items()}
+               for name, sampling in _in_loop_failures().items()}
         finished = h.wait(*[f"good-{i}" for i in range(3)], *[f"bad-{name}" for name in bad])
         assert {rid: reason for rid, reason in finished.items() if rid.startswith("bad-")} == \
             {f"bad-{name}": "error" for name in bad}
