@@ -104,8 +104,11 @@ class Engine:
 
     async def new_job(self, kind: str, request: ChatRequest | CompletionRequest, record: RequestRecord) -> Job:
         """The request as a job, its prompt rendered and tokenized on the prompt threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_pool, self._new_job, kind, request, record)
+        return await self.off_loop(self._new_job, kind, request, record)
+
+    async def off_loop(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` on the prompt threads (request work too heavy for the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, function, *args)
 
     def _new_job(self, kind: str, request: ChatRequest | CompletionRequest, record: RequestRecord) -> Job:
         """Tokenize the request into a job; refuses prompts over the context limit."""

@@ -89,6 +89,10 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+#: Bodies larger than this are decoded and validated on the prompt threads, not the event loop.
+LARGE_BODY = 64 << 10
+
+
 class RequestStream:
     """A job's consumer on the event loop: tokens in, text out; finalizes the record once both
     the HTTP side and the generation are done (the scheduler may still be writing the record
@@ -182,7 +186,11 @@ async def _handle(engine: Engine, request: Request, kind: str, limits: Limits) -
         if declared.isdigit() and int(declared) > limits.max_bytes:
             raise BadRequest(f"Request body is {declared} bytes; this engine accepts at most {limits.max_bytes} "
                              f"(--max-request-bytes)", status=413)
-        parsed = parse_request(kind, await request.body(), limits)
+        body = await request.body()
+        if len(body) > LARGE_BODY:
+            parsed = await engine.off_loop(parse_request, kind, body, limits)
+        else:
+            parsed = parse_request(kind, body, limits)
         record.session_id = request.headers.get("x-session-id") or parsed.user
         record.model, record.max_tokens, record.streamed = parsed.model, max_tokens_of(parsed), parsed.stream
         engine.check_model(parsed.model)
