@@ -1,0 +1,109 @@
+"""What a client of mlx_lm.server relies on, on a real engine process (issue 12 §2): routes without
+/v1, models.retrieve, CORS, the API key, SSE keep-alive during a long prefill, log-probabilities."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from harness_engine import EngineProcess, streamed_text
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tiny_model):
+    process = EngineProcess(tmp_path_factory.mktemp("dropin"), tiny_model, "--max-batch", "4",
+                            "--allowed-origins", "http://app.example,http://other.example",
+                            "--keepalive-interval", "0.05", "--prefill-step-size", "16").start()
+    yield process
+    assert process.stop() == 0
+
+
+def test_routes_without_v1_and_models_retrieve(engine):
+    request = {"max_tokens": 4, "ignore_eos": True}
+    with_v1 = engine.post("/v1/chat/completions", {"messages": HELLO, **request}).json()
+    without = engine.post("/chat/completions", {"messages": HELLO, **request}).json()
+    assert without["choices"][0]["message"] == with_v1["choices"][0]["message"]
+    assert engine.post("/completions", {"prompt": "Hi", **request}).json()["object"] == "text_completion"
+    assert httpx.get(engine.url + "/v1/models/tiny").json() == {"id": "tiny", "object": "model", "created": 0,
+                                                                 "owned_by": "tokentrace"}
+    missing = httpx.get(engine.url + "/v1/models/gpt-17")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_answers_preflights_and_names_allowed_origins_only(engine):
+    preflight = httpx.options(engine.url + "/v1/chat/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+    assert preflight.headers["vary"] == "Origin"
+    assert httpx.options(engine.url + "/anything").status_code == 204
+    answered = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers={"Origin": "http://other.example"})
+    assert answered.headers["access-control-allow-origin"] == "http://other.example"
+    stranger = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers={"Origin": "http://evil.example"})
+    assert stranger.status_code == 200 and "access-control-allow-origin" not in stranger.headers
+
+
+def test_keepalive_comments_flow_while_a_long_prompt_is_prefilled(engine):
+    # ~1,400 prompt tokens in 16-token chunks: the first token takes many 50 ms keep-alive periods.
+    prompt = list(range(3, 500)) * 3
+    with httpx.stream("POST", engine.url + "/v1/completions", timeout=120,
+                      json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert first_data > 0 and all(line == ": keepalive" for line in lines[:first_data])
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_logprobs_in_openai_shape_streamed_and_not(engine):
+    body = {"messages": HELLO, "max_tokens": 8, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    whole = engine.post("/v1/chat/completions", body).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert len(content) == 8
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 2 and entry["bytes"] == list(entry["token"].encode())
+    events, _ = engine.stream("/v1/chat/completions", body)
+    streamed = [e for event in events for choice in event["choices"] if choice.get("logprobs")
+                for e in choice["logprobs"]["content"]]
+    assert [(e["token"], round(e["logprob"], 4)) for e in streamed] == \
+        [(e["token"], round(e["logprob"], 4)) for e in content]
+    assert streamed_text(events) == whole["message"]["content"]
+    completion = engine.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True,
+                                                 "logprobs": 3}).json()["choices"][0]
+    logprobs = completion["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 5
+    assert all(len(top) <= 3 for top in logprobs["top_logprobs"])
+    offsets = logprobs["text_offset"]  # each token's text starts where the previous one's ended
+    assert offsets == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(5)]
+    plain = engine.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}).json()["choices"][0]
+    assert plain["logprobs"] is None
+
+
+def test_large_bodies_and_many_messages_are_refused_clearly(engine):
+    too_many = engine.post("/v1/chat/completions", {"messages": HELLO * 3000, "max_tokens": 1})
+    assert too_many.status_code == 400 and "--max-messages" in too_many.json()["error"]["message"]
+    assert too_many.json()["error"]["param"] == "messages"
+    huge = engine.post("/v1/completions", json.dumps({"prompt": "x" * (9 << 20)}).encode())
+    assert huge.status_code == 413 and "--max-request-bytes" in huge.json()["error"]["message"]
+
+
+def test_an_api_key_guards_everything_but_health(tmp_path, tiny_model):
+    engine = EngineProcess(tmp_path, tiny_model, "--api-key", "s3cret").start()
+    try:
+        assert httpx.get(engine.url + "/health").status_code == 200
+        refused = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(engine.url + "/v1/models").status_code == 401
+        wrong = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1},
+                            headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1},
+                         headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+    finally:
+        assert engine.stop() == 0
