@@ -92,8 +92,12 @@ def test_large_bodies_and_many_messages_are_refused_clearly(engine):
     assert huge.status_code == 413 and "--max-request-bytes" in huge.json()["error"]["message"]
 
 
-def test_an_api_key_guards_everything_but_health(tmp_path, tiny_model):
-    engine = EngineProcess(tmp_path, tiny_model, "--api-key", "s3cret").start()
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{{ suffix }}"
+
+
+def test_an_api_key_guards_everything_but_health_and_the_chat_template_options_apply(tmp_path, tiny_model):
+    engine = EngineProcess(tmp_path, tiny_model, "--api-key", "s3cret", "--chat-template", TEMPLATE,
+                           "--chat-template-args", '{"suffix": "A:"}').start()
     try:
         assert httpx.get(engine.url + "/health").status_code == 200
         refused = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
@@ -102,8 +106,15 @@ def test_an_api_key_guards_everything_but_health(tmp_path, tiny_model):
         wrong = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1},
                             headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        ok = engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1},
-                         headers={"Authorization": "Bearer s3cret"})
-        assert ok.status_code == 200
+        key = {"Authorization": "Bearer s3cret"}
+        assert engine.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers=key).status_code == 200
+
+        def prompt_tokens(**extra) -> int:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+            return engine.post("/v1/chat/completions", body, headers=key).json()["usage"]["prompt_tokens"]
+
+        custom = prompt_tokens()
+        longer = prompt_tokens(chat_template_kwargs={"suffix": "Answer in a long and careful way:"})
+        assert custom < longer  # the suffix only exists in --chat-template; the request's kwargs win
     finally:
         assert engine.stop() == 0

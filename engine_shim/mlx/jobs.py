@@ -137,7 +137,7 @@ class SamplingObjects:
                                                   self._xtc_special))
         if sampling.top_k > 0:
             filters.append(lambda x: su.apply_top_k(x, sampling.top_k))
-        state = [mx.random.key(sampling.seed)]
+        state = [mx.random.key(sampling.seed % (1 << 64))]  # any integer, as a 64-bit key
         scale = 1.0 / sampling.temperature
 
         def sample(logprobs: Any) -> Any:

@@ -24,6 +24,9 @@ from tokentrace.engine_shim.mlx.protocol import BadRequest
 MAX_JSON_DEPTH = 64
 #: Most log-probability alternatives per token (OpenAI's limit for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+#: Stop strings per request, and characters per stop string: each is searched for in the answer
+#: on the event loop after every token.
+MAX_STOPS, MAX_STOP_CHARS = 32, 1024
 
 
 class _Strict(BaseModel):
@@ -202,6 +205,10 @@ def _check_values(request: ChatRequest | CompletionRequest) -> None:
     if limit is not None and request.min_tokens > limit:
         raise BadRequest(f"'min_tokens' ({request.min_tokens}) must not exceed max_tokens ({limit})",
                          param="min_tokens")
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise _fail("stop", f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+                    f"{len(stops)} strings, the longest {max(map(len, stops))} characters")
     for key, bias in (request.logit_bias or {}).items():
         if not key.strip().lstrip("-").isdigit():
             raise _fail("logit_bias", "a map from token ids to numbers", key)
