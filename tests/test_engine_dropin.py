@@ -118,3 +118,35 @@ def test_an_api_key_guards_everything_but_health_and_the_chat_template_options_a
         assert custom < longer  # the suffix only exists in --chat-template; the request's kwargs win
     finally:
         assert engine.stop() == 0
+
+
+def _write_adapter(model_dir, out) -> None:
+    """A LoRA adapter for the tiny model, as mlx_lm.lora saves one, with non-zero weights so that
+    it changes the output."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir)
+    model.freeze()
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(3)
+    weights = {k: mx.random.normal(v.shape) * 0.5 if k.endswith("lora_b") else v
+               for k, v in tree_flatten(model.trainable_parameters())}
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
+                                                         "lora_parameters": params}))
+
+
+def test_adapter_path_applies_lora_adapters(engine, tmp_path, tiny_model):
+    _write_adapter(tiny_model, tmp_path / "adapter")
+    request = {"prompt": [5, 6, 7, 8], "max_tokens": 16, "ignore_eos": True}
+    base = engine.post("/v1/completions", request).json()["choices"][0]["text"]
+    adapted = EngineProcess(tmp_path, tiny_model, "--adapter-path", str(tmp_path / "adapter")).start()
+    try:
+        assert adapted.post("/v1/completions", request).json()["choices"][0]["text"] != base
+    finally:
+        assert adapted.stop() == 0
