@@ -125,16 +125,23 @@ class Collector:
                                  config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
+        #: Read-side parts told of every committed batch (``observe(batch)``, ``close()``): /metrics.
+        self.listeners: list = []
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
         self.pipeline.start()
-        self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
+        self.queue = WriteQueue(self.store, self._written, self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
 
             self.spool = SpoolIngester(self.config.spool_dir, self.pipeline, self.queue, self.counters)
             self.spool.start()
+
+    def _written(self, batch) -> None:
+        self.counters.accept(batch.spans)
+        for listener in self.listeners:
+            listener.observe(batch)
 
     def stop(self) -> None:
         """Stop the spool, write what was submitted, checkpoint and close the store."""
@@ -143,6 +150,8 @@ class Collector:
         self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
+        for listener in self.listeners:
+            listener.close()
         self.store.close()
 
     def health(self) -> tuple[int, dict]:

@@ -58,6 +58,16 @@ def _token(text: str) -> str:
     return text
 
 
+def _slo(text: str):
+    from tokentrace.analyzers.slo import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ConfigError as exc:
+        raise ValueError(f"objectives like ttft=2s,tpot=50ms,e2e=30s, with model=NAME: or instance=NAME: "
+                         f"groups after ';' (docs/metrics.md): {str(exc).removeprefix('--slo: ')}") from None
+
+
 @dataclass(frozen=True)
 class Setting:
     """One collector setting."""
@@ -89,6 +99,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
             "processes that decode and normalize payloads; 0 parses in the collector (default: cores - 1, "
             "at most 4)", _non_negative),
+    Setting("slo", None, "TOKENTRACE_SLO",
+            "service-level objectives, e.g. ttft=2s,tpot=50ms;model=NAME:ttft=1s (docs/metrics.md)", _slo),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
 )
 
@@ -108,6 +120,7 @@ class CollectorConfig:
     max_queue: int
     max_attribute_length: int
     parse_workers: int
+    slo: Any  #: analyzers.slo.SloSpec, or None
     log_level: str
 
 
