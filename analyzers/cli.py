@@ -78,11 +78,10 @@ def run(args: argparse.Namespace) -> int:
 def _from_db(args: argparse.Namespace) -> dict:
     from tokentrace.analyzers.cache import analyze_cache
     from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.slo import parse_slo
     from tokentrace.analyzers.slowness import analyze_slowness
     from tokentrace.collector.store_duckdb import DuckDBStore
     from tokentrace.window import since_ns
-
-    from tokentrace.analyzers.slo import parse_slo
 
     slo = parse_slo(getattr(args, "slo", None))
     store = DuckDBStore(args.db, read_only=True)

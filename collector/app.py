@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
@@ -58,6 +59,37 @@ def _otlp_error(status: int, message: str, encoding: Encoding | None, headers: d
     return Response(json_format.MessageToJson(payload, indent=None), status, headers, media_type=JSON)
 
 
+#: 401 messages: a token that was not given, and one that was given but does not match.
+MISSING_TOKEN = ("this collector requires a token: send 'Authorization: Bearer TOKEN', or in a browser add "
+                 "?token=TOKEN to the address once")
+WRONG_TOKEN = "the token given does not match this collector's --token (TOKENTRACE_TOKEN)"
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>tokentrace: token required</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
+<h1>{title}</h1>
+<p>{message}.</p>
+<p>Open this page again with the collector's token in the address, once:
+<code>http://HOST:PORT/?token=TOKEN</code>. The browser keeps it in a cookie for this collector, and the
+token leaves the address bar.</p>
+</body></html>
+"""
+
+
+def _has_cookie(header: bytes) -> bool:
+    return any(part.strip().startswith(TOKEN_COOKIE.encode() + b"=") for part in header.split(b";"))
+
+
+def unauthorized(presented: bool, browser: bool) -> Response:
+    """The 401: an HTML page for a browser (it mentions ?token=), the JSON envelope otherwise; a wrong
+    token and a missing one get different messages."""
+    message = WRONG_TOKEN if presented else MISSING_TOKEN
+    headers = {"WWW-Authenticate": 'Bearer realm="tokentrace"' + (', error="invalid_token"' if presented else "")}
+    if browser:
+        title = "Wrong token" if presented else "This collector needs a token"
+        return HTMLResponse(_LOGIN_PAGE.format(title=title, message=html.escape(message)), 401, headers)
+    return error_envelope(401, "unauthorized", message, headers=headers)
+
+
 class BearerAuth:
     """ASGI middleware: every path needs ``Authorization: Bearer TOKEN`` or the token cookie.
 
@@ -83,10 +115,8 @@ class BearerAuth:
             cookie = f"{TOKEN_COOKIE}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict"
             response = Response(status_code=303, headers={"Location": location, "Set-Cookie": cookie})
         else:
-            response = error_envelope(
-                401, "unauthorized", "this collector requires a bearer token (Authorization: Bearer TOKEN)",
-                headers={"WWW-Authenticate": 'Bearer realm="tokentrace"'},
-            )
+            presented = bool(given or headers.get(b"authorization") or _has_cookie(headers.get(b"cookie", b"")))
+            response = unauthorized(presented, b"text/html" in headers.get(b"accept", b""))
         await response(scope, receive, send)
 
     def _bearer_ok(self, header: bytes) -> bool:

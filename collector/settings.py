@@ -128,9 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per setting; defaults are resolved later so that env vars can fill them."""
     for setting in SETTINGS:
         default = "unset" if setting.default is None else setting.default
+        shown = "" if "(default" in setting.help else f"default {default}; "  # a help that says its own default
         parser.add_argument(
             "--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
-            help=f"{setting.help} (default {default}; env {setting.env})",
+            help=f"{setting.help} ({shown}env {setting.env})",
         )
 
 

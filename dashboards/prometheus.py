@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import with_categories
-from tokentrace.analyzers.slo import SloSpec, judge, succeeded
+from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
 from tokentrace.collector.normalize import TABLES, Batch
 from tokentrace.collector.store import TraceReader
@@ -50,7 +50,8 @@ HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("ttft_ms", TTFT_BUCKETS, "Histogram of time to first token in seconds."),
     "vllm:request_time_per_output_token_seconds": (
         "tpot_ms", TOKEN_LATENCY_BUCKETS, "Histogram of time_per_output_token_seconds per request."),
-    "vllm:e2e_request_latency_seconds": ("e2e_ms", REQUEST_LATENCY_BUCKETS, "Histogram of e2e request latency in seconds."),
+    "vllm:e2e_request_latency_seconds": (
+        "e2e_ms", REQUEST_LATENCY_BUCKETS, "Histogram of e2e request latency in seconds."),
     "vllm:request_queue_time_seconds": (
         "queue_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in WAITING phase for request."),
     "vllm:request_prefill_time_seconds": (
@@ -198,7 +199,8 @@ class MetricsState:
             if r["instance_id"]:
                 if r["model"]:
                     self._model_of[r["instance_id"]] = r["model"]
-                self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "", r["host_name"] or "")
+                self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "",
+                                                r["host_name"] or "")
         if rows["requests"]:
             self._fold_requests(pl.DataFrame(rows["requests"], schema=list(_REQUEST_COLUMNS), orient="row",
                                              infer_schema_length=None))
@@ -245,7 +247,8 @@ class MetricsState:
         column = avoidable_prefill_column()
         if column:
             for r in keyed.group_by("instance_id", "model").agg(pl.col(column).sum()).iter_rows(named=True):
-                c[("tokentrace_avoidable_prefill_tokens", self._labels(r["instance_id"], r["model"]))] += r[column] or 0
+                labels = self._labels(r["instance_id"], r["model"])
+                c[("tokentrace_avoidable_prefill_tokens", labels)] += r[column] or 0
         for (instance, model), group in keyed.group_by("instance_id", "model"):
             labels = self._labels(instance, model)
             for name, (col, bounds, _) in HISTOGRAMS.items():
@@ -266,10 +269,11 @@ class MetricsState:
                 self.counters[("tokentrace_slo_requests", labels)] += n
 
     def _fold_itl(self, packed: list[tuple]) -> None:
-        for rid, instance, _start, offsets in packed:
+        for _rid, instance, _start, offsets in packed:
             if len(offsets) > 1:
                 gaps = np.diff(np.asarray(offsets, dtype=np.int64)) / 1e9
-                self.histograms.setdefault((ITL, self._labels(instance)), Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps)
+                key = (ITL, self._labels(instance))
+                self.histograms.setdefault(key, Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps)
 
     def _fold_heartbeats(self, rows: list[tuple]) -> None:
         for row in rows:
@@ -280,7 +284,8 @@ class MetricsState:
             self._beat_t[instance] = b["t_ns"]
             labels = self._labels(instance)
             values = {"vllm:num_requests_running": b["running"], "vllm:num_requests_waiting": b["queue_depth"],
-                      "tokentrace_kv_cache_bytes": b["cache_bytes"], "tokentrace_kv_cache_max_bytes": b["cache_max_bytes"],
+                      "tokentrace_kv_cache_bytes": b["cache_bytes"],
+                      "tokentrace_kv_cache_max_bytes": b["cache_max_bytes"],
                       "vllm:kv_cache_usage_perc": b["cache_bytes"] / b["cache_max_bytes"]
                       if b["cache_bytes"] is not None and b["cache_max_bytes"] else None}
             for name, value in values.items():
@@ -355,12 +360,14 @@ class MetricsState:
             samples[name].append(_sample(name, labels, value))
         for (name, labels), (bounds, counts, total) in histograms.items():
             cumulative = np.cumsum(counts)
-            lines = [_sample(name + "_bucket", (*labels, ("le", _number(b))), cumulative[i]) for i, b in enumerate(bounds)]
+            lines = [_sample(name + "_bucket", (*labels, ("le", _number(b))), cumulative[i])
+                     for i, b in enumerate(bounds)]
             lines.append(_sample(name + "_bucket", (*labels, ("le", "+Inf")), cumulative[-1]))
             lines += [_sample(name + "_sum", labels, total), _sample(name + "_count", labels, cumulative[-1])]
             samples[name].append("\n".join(lines))
         for instance, (engine, version, host) in info.items():
-            labels = (*self._labels(instance), ("engine_kind", engine), ("engine_version", version), ("host_name", host))
+            labels = (*self._labels(instance), ("engine_kind", engine), ("engine_version", version),
+                      ("host_name", host))
             samples["tokentrace_instance_info"].append(_sample("tokentrace_instance_info", labels, 1))
         samples["tokentrace_verdicts_pending"].append(_sample("tokentrace_verdicts_pending", (), pending))
         samples["tokentrace_ingest_spans_accepted"].append(

@@ -118,11 +118,6 @@ def test_ttft_buckets_bound_the_report_percentiles(scraped):
             upto = cumulative[at][1]
             assert upto - below >= 1, (instance, q, exact, cumulative)
             assert below <= q / 100 * n + 1 and upto >= q / 100 * n - 1, (instance, q, exact, cumulative)
-            estimate = float(prom.query(
-                f'histogram_quantile({q / 100}, sum by (le) '
-                f'(vllm:time_to_first_token_seconds_bucket{{instance_id="{instance}"}}))')[0]["value"][1])
-            low = cumulative[at - 2][0] if at >= 2 else 0.0
-            assert low <= estimate <= cumulative[min(at + 1, len(cumulative) - 1)][0], (instance, q, estimate, exact)
 
 
 def test_gauges_series_and_labels(scraped):
