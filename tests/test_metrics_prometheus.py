@@ -199,3 +199,12 @@ def test_report_cli_prints_slo_and_goodput(scraped):
                           "--url", collector.url, "--token", TOKEN], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "SLO" in out.stdout and "goodput" in out.stdout
+
+
+def test_overview_page_shows_attainment_and_goodput(scraped):
+    collector, report = scraped["collector"], scraped["report"]
+    twin = httpx.get(collector.url + "/.json", params={"since": "all"}, headers=collector.headers, timeout=60).json()
+    assert twin["slo"]["objectives"] == report["slo"]["objectives"]
+    assert twin["slo"]["all"]["good"] == report["slo"]["all"]["good"]
+    page = httpx.get(collector.url + "/", params={"since": "all"}, headers=collector.headers, timeout=60).text
+    assert 'id="slo"' in page and "Goodput" in page and 'data-metric="slo.tpot"' in page
