@@ -14,8 +14,8 @@ Definitions (the contract; tests check them):
 - A request *meets* an objective when its value is at most the objective; *misses* it when above.
   An objective whose value the request does not have (TPOT of a one-token answer, any value of a
   request that failed before answering) is neither met nor missed for it: unknown is not zero.
-- A request is *good* when it succeeded (HTTP status below 400, no error) and missed no objective
-  that applied to it. ``goodput`` = good requests per second of the window's active span.
+- A request is *good* when it completed (``outcome``: not rejected, failed or cancelled) and missed
+  no objective that applied to it. ``goodput`` = good requests per second of the window's active span.
 - ``attainment`` of an objective = met / (met + missed); of ``all`` = good / requests.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import polars as pl
 
+from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.errors import ConfigError
 
 #: Objective name -> the requests-frame column (milliseconds) it is judged on.
@@ -100,8 +101,8 @@ def _threshold(spec: SloSpec, name: str) -> pl.Expr:
 
 
 def succeeded() -> pl.Expr:
-    """A request that answered: HTTP status below 400 (or none recorded) and no error."""
-    return (pl.col("http_status").fill_null(200) < 400) & pl.col("error_type").is_null()
+    """A request that completed (``outcome.outcome_of``: not rejected, failed or cancelled)."""
+    return outcome_expr() == COMPLETED
 
 
 def judge(frame: pl.DataFrame, spec: SloSpec) -> pl.DataFrame:

@@ -25,8 +25,8 @@ from tokentrace.errors import TokentraceError
 
 INSTANCES = {"A": "demo-a", "B": "demo-b"}
 #: Which evidence the table shows first: the most specific fact of each verdict.
-KEY_EVIDENCE = ("prefill_interference", "blocker", "load", "eviction", "cached_elsewhere", "divergence",
-                "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
+KEY_EVIDENCE = ("outcome", "prefill_interference", "blocker", "load", "eviction", "restart", "cached_elsewhere",
+                "divergence", "too_short", "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +129,8 @@ def collect_verdicts(collector_url: str, request_ids: list[str]) -> dict[str, di
 def verdict_holds(shown, verdicts: dict) -> bool:
     """Whether a request got the verdict its scenario shows."""
     slow, cache = verdicts["slow"], verdicts["cache"]
+    if shown.verdict == "outcome":
+        return slow["outcome"] == shown.expect and slow["category"] is None
     if shown.verdict == "slow":
         return slow["abnormal"] is False if shown.expect is None else slow["category"] == shown.expect
     return cache["cause"] == shown.expect and (shown.expect is not None or cache["result"] == "hit")
@@ -145,6 +147,8 @@ def render_table(shown: list, verdicts: dict[str, dict]) -> str:
 
     A request that shows two scenarios (a slowness and a cache verdict) is one row; its mark is ✓
     only when both verdicts hold."""
+    from tokentrace.analyzers.cache import NO_CAUSE
+
     rows: dict[str, list] = {}
     for item in shown:
         rows.setdefault(item.request_id, []).append(item)
@@ -152,15 +156,15 @@ def render_table(shown: list, verdicts: dict[str, dict]) -> str:
     for request_id, items in rows.items():
         slow, cache = verdicts[request_id]["slow"], verdicts[request_id]["cache"]
         abnormal = {True: "yes", False: "no", None: "n/a"}[slow["abnormal"]]
-        cache_text = f"{cache['result']}/{cache['cause'] or 'none'}"
-        pool = slow["evidence"] if items[0].verdict == "slow" else cache["evidence"]
+        cache_text = f"{cache['result'] or 'no lookup'}/{cache['cause'] or NO_CAUSE}"
+        pool = slow["evidence"] if items[0].verdict != "cache" else cache["evidence"]
         ranked = sorted(pool, key=lambda e: KEY_EVIDENCE.index(e["kind"]) if e["kind"] in KEY_EVIDENCE else 99)
         key = ranked[0] if ranked else None
         mark = "✓" if all(verdict_holds(item, verdicts[request_id]) for item in items) else "✗"
         label = " + ".join(item.label for item in items)
         evidence = textwrap.shorten((key or {}).get("text", ""), EVIDENCE_WIDTH, placeholder=" …")
         lines.append(f"{mark} {label:<36}{request_id:<20}{INSTANCES[items[0].instance]:<8}"
-                     f"{slow['category'] + ' (' + abnormal + ')':<24}{cache_text:<26}{evidence}")
+                     f"{(slow['category'] or slow['outcome']) + ' (' + abnormal + ')':<24}{cache_text:<26}{evidence}")
     lines.append(LEGEND)
     return "\n".join(lines)
 

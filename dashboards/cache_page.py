@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
+from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.analyzers.report import token_hit_rate
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -81,8 +82,10 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     width = series.step_ns(t0, t1)
     buckets = series.bucket_starts(t0, t1, width)
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
-    hit, counted = series.ratio(requests, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
-    causes, sampled = window_causes(reader, requests, CAUSE_SAMPLE)
+    # Hit rates and causes count completed requests only (docs/analyzers.md, "Outcome").
+    completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
+    hit, counted = series.ratio(completed, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
+    causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
         group = thin(group.filter(pl.col("cache_max_bytes") > 0))
@@ -99,7 +102,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
             "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
-        "hit_rate": {"token_hit_rate": token_hit_rate(requests), "t": buckets, "rate": hit, "requests": counted},
+        "hit_rate": {"token_hit_rate": token_hit_rate(completed), "t": buckets, "rate": hit, "requests": counted},
         "causes": causes, "cause_sample": sampled,
         "charts": {
             "fill": {"kind": "line", "x_type": "time", "unit": "pct", "series": fill,

@@ -24,7 +24,8 @@ import polars as pl
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.outcome import COMPLETED, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
@@ -163,6 +164,7 @@ class MetricsState:
         self._beat_t: dict[str, int] = {}
         self._model_of: dict[str, str] = {}
         self._info: dict[str, tuple] = {}
+        self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._history: dict[str, _History] = defaultdict(_History)
         self._verdicts: deque = deque()
         self._max_verdicts = max_pending_verdicts
@@ -201,6 +203,7 @@ class MetricsState:
                     self._model_of[r["instance_id"]] = r["model"]
                 self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "",
                                                 r["host_name"] or "")
+                self._declared[r["instance_id"]] = measures_of(r["attributes"])
         if rows["requests"]:
             self._fold_requests(pl.DataFrame(rows["requests"], schema=list(_REQUEST_COLUMNS), orient="row",
                                              infer_schema_length=None))
@@ -216,18 +219,25 @@ class MetricsState:
                 *((k, "" if v is None else str(v)) for k, v in extra.items()))
 
     def _fold_requests(self, frame: pl.DataFrame) -> None:
-        frame = with_categories(frame)
+        frame = with_categories(frame, self._declared)
         for row in frame.select("instance_id", "model").unique().iter_rows():
             if row[0] and row[1]:
                 self._model_of.setdefault(row[0], row[1])
         keyed = frame.with_columns(pl.col("model").fill_null(pl.col("instance_id").replace_strict(
             self._model_of, default="unknown")).fill_null("unknown"), pl.col("instance_id").fill_null("unknown"))
         c = self.counters
-        for (instance, model, category), n in _counts(keyed, "category"):
-            c[("tokentrace_requests", self._labels(instance, model, category=category))] += n
+        # category: the slowness category of a completed request, else its outcome (rejected, ...).
+        labelled = keyed.with_columns(pl.col("category").fill_null(pl.col("outcome")).alias("label"))
+        for (instance, model, outcome, category), n in labelled.group_by(
+                "instance_id", "model", "outcome", "label").len().iter_rows():
+            c[("tokentrace_requests", self._labels(instance, model, outcome=outcome, category=category))] += n
         for (instance, model, reason), n in _counts(keyed.filter(pl.col("finish_reason").is_not_null()),
                                                     "finish_reason"):
             c[("vllm:request_success", self._labels(instance, model, finished_reason=reason))] += n
+        if self.slo is not None:
+            self._fold_slo(keyed)
+        # Latency and cache numbers are the completed requests', as in the report.
+        keyed = keyed.filter(pl.col("outcome") == COMPLETED)
         sums = keyed.group_by("instance_id", "model").agg(
             pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
             pl.col("prompt_tokens").filter(pl.col("cached_tokens").is_not_null()).sum().alias("queried"),
@@ -255,8 +265,6 @@ class MetricsState:
                 values = group[col].drop_nulls().to_numpy() / 1000.0
                 if values.size:
                     self.histograms.setdefault((name, labels), Histogram(bounds)).observe(values)
-        if self.slo is not None:
-            self._fold_slo(keyed)
         self._queue_verdicts(keyed)
 
     def _fold_slo(self, frame: pl.DataFrame) -> None:
@@ -331,10 +339,10 @@ class MetricsState:
     def _verdict(self, row: dict, history: pl.DataFrame) -> tuple[str, str, bool | None]:
         prompt, cached = row["prompt_tokens"], row["cached_tokens"]
         if prompt and cached is not None and cached >= prompt - 1:
-            result, cause = "hit", "none"  # the report's rule: a whole-prompt reuse has nothing to explain
+            result, cause = "hit", NO_CAUSE  # the report's rule: a whole-prompt reuse has nothing to explain
         else:
             verdict = analyze_cache(self.reader, row["request_id"])
-            result, cause = verdict.result, verdict.cause or "none"
+            result, cause = verdict.result or "no_lookup", verdict.cause or NO_CAUSE
         component = _COMPONENT.get(row["category"])
         abnormal = _baseline(component, row, history)["abnormal"] if component else None
         return result, cause, abnormal

@@ -47,6 +47,8 @@ def scraped(tmp_path_factory, tiny_model):
         _ask(a, "a-3", "How is the KV cache evicted?", tokens=12)
         _ask(b, "b-1", "What is time to first token?")  # cached on engine-a, not here
         _ask(b, "b-2", "Why does prefill take long?", tokens=3)
+        refused = b.chat([{"role": "user", "content": "no"}], headers={"X-Request-Id": "b-refused"}, max_tokens=0)
+        assert refused.status_code == 400  # the engine rejects it: outcome rejected, no category
         for engine in engines:
             assert engine.stop() == 0, engine.log_path.read_text()  # flushes every span
         assert collector.post(b"not a protobuf payload", "application/x-protobuf").status_code == 400
@@ -75,11 +77,17 @@ def _by(result: list[dict], label: str) -> dict[str, float]:
 
 def test_request_counts_and_categories_equal_the_report(scraped):
     prom, report = scraped["prometheus"], scraped["report"]
-    per_instance = _by(prom.query("sum by (instance_id) (tokentrace_requests_total)"), "instance_id")
+    completed = 'tokentrace_requests_total{outcome="completed"}'
+    per_instance = _by(prom.query(f"sum by (instance_id) ({completed})"), "instance_id")
     assert per_instance == {row["instance_id"]: row["requests"] for row in report["instances"]}
     assert per_instance == {"engine-a": 3, "engine-b": 2}
-    categories = _by(prom.query("sum by (category) (tokentrace_requests_total)"), "category")
+    categories = _by(prom.query(f"sum by (category) ({completed})"), "category")
     assert categories == {k: float(v) for k, v in report["categories"].items()}
+    outcomes = _by(prom.query("sum by (outcome) (tokentrace_requests_total)"), "outcome")
+    assert outcomes == {k: float(v) for k, v in report["outcomes"].items()}
+    assert outcomes["rejected"] == 1 and report["requests"] == 6
+    # A refused request's category is its outcome, so the verdict mix includes it.
+    assert _by(prom.query('tokentrace_requests_total{outcome="rejected"}'), "category") == {"rejected": 1}
     success = prom.query("sum(vllm:request_success_total)")
     assert float(success[0]["value"][1]) == 5
 
