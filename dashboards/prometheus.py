@@ -86,6 +86,7 @@ SERIES = {
     "tokentrace_slo_requests": ("counter", "Requests per objective, met or not; slo=all: met every objective."),
     "tokentrace_verdicts_pending": ("gauge", "Requests whose cache cause and abnormal test are not computed yet."),
     "tokentrace_verdicts_skipped": ("counter", "Requests left out of the per-request verdicts (queue full)."),
+    "tokentrace_metrics_fold_errors": ("counter", "Groups of written batches that could not be counted (a bug)."),
     "tokentrace_ingest_spans_accepted": ("counter", "Spans this collector stored."),
     "tokentrace_ingest_rejected": ("counter", "Refused spans or payloads, by reason."),
     "tokentrace_ingest_queue_batches": ("gauge", "Batches waiting for the writer."),
@@ -194,6 +195,13 @@ class MetricsState:
         batches, self._pending, self._pending_rows = self._pending, [], 0
         if not batches:
             return
+        try:
+            self._fold_batches(batches)
+        except Exception:  # a bug must not fail every later scrape; what was lost is counted
+            log.exception("metrics: folding %d batches failed", len(batches))
+            self.counters[("tokentrace_metrics_fold_errors", ())] += 1
+
+    def _fold_batches(self, batches: list[Batch]) -> None:
         rows = {name: [row for b in batches for row in b.rows[name]]
                 for name in ("requests", "resources", "heartbeats", "cache_evictions")}
         for row in rows["resources"]:
@@ -228,7 +236,7 @@ class MetricsState:
         c = self.counters
         # category: the slowness category of a completed request, else its outcome (rejected, ...).
         labelled = keyed.with_columns(pl.col("category").fill_null(pl.col("outcome")).alias("label"))
-        for (instance, model, outcome, category), n in labelled.group_by(
+        for instance, model, outcome, category, n in labelled.group_by(
                 "instance_id", "model", "outcome", "label").len().iter_rows():
             c[("tokentrace_requests", self._labels(instance, model, outcome=outcome, category=category))] += n
         for (instance, model, reason), n in _counts(keyed.filter(pl.col("finish_reason").is_not_null()),
