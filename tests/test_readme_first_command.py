@@ -78,6 +78,7 @@ def test_readme_first_command_runs_the_demo(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     reader.join(30)
+    proc.stdout.close()
     out = "".join(lines)
     assert re.search(r"(\d+) of \1 verdicts as expected", out), out[-4000:]
     check_table(out)
