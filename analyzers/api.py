@@ -4,6 +4,7 @@
     GET /api/requests/{id}/cache    cache verdict
     GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
     GET /api/report?since=15m       the window report
+    GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
 
 Errors use the collector's JSON envelope: 404 for an unknown request id, 400 for a bad parameter.
 """
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
 from tokentrace.analyzers.slowness import analyze_slowness
+from tokentrace.analyzers.workload import load_workload
 from tokentrace.window import since_ns
 
 router = APIRouter(prefix="/api")
@@ -44,3 +46,9 @@ def both_verdicts(request_id: str, request: Request) -> dict:
 def window_report(request: Request, since: str = "15m", causes: int = 25) -> dict:
     """The report over requests that started in the last ``since`` (or 'all')."""
     return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes).as_dict()
+
+
+@router.get("/workload")
+def window_workload(request: Request, since: str = "1h") -> dict:
+    """The requests that started in the last ``since`` with their prompt block ids, for whatif."""
+    return load_workload(request.app.state.reader, since_ns(since, what="since")).as_dict()
