@@ -71,8 +71,9 @@ def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | Non
               .unique(["request_id", "block_index"], keep="last", maintain_order=True)
               .group_by("request_id", maintain_order=True).agg(pl.col("hash")))
     joined = (requests.join(lookups.select("request_id", "block_size", "matched_tokens"), on="request_id", how="inner")
-              .join(blocks, on="request_id", how="inner").sort("start_ns", "request_id"))
-    skipped = requests.height - joined.height
+              .join(blocks, on="request_id", how="inner").filter(pl.col("instance_id").is_not_null())
+              .sort("start_ns", "request_id"))
+    skipped = requests.height - joined.height  # no fingerprint (or no instance id to replay it on)
     sizes = joined["block_size"].drop_nulls().unique().to_list()
     if len(sizes) > 1:
         raise ConfigError(f"the window mixes block sizes {sorted(sizes)}; choose a window (--since) of one")

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from harness_collector import CollectorProcess
 from harness_engine import EngineProcess
@@ -231,6 +232,23 @@ def test_export_mooncake_replays_to_the_same_ratios(recorded, tmp_path):
     from_file = json.loads(_cli("whatif", "--trace", str(exported), "--block-size", "16", *args).stdout)
     from_store = json.loads(_cli("whatif", "--url", recorded.url, "--since", "all", *args).stdout)
     assert [r["token_hit_ratio"] for r in from_file["results"]] == [r["token_hit_ratio"] for r in from_store["results"]]
+
+
+def test_cache_page_shows_each_instances_hit_rate_against_capacity(recorded):
+    page = httpx.get(f"{recorded.url}/cache.json", params={"since": "all"}, timeout=60).json()
+    chart = page["charts"]["capacity_curve"]
+    assert [series["name"] for series in chart["series"]] == ["whatif-a", "whatif-b"]
+    rows = {row["instance_id"]: row for row in page["capacity_curve"]}
+    replayed = json.loads(_cli("whatif", "--url", recorded.url, "--since", "all", "--capacity-tokens", "1100",
+                               "--json").stdout)["results"][0]
+    for k, series in enumerate(chart["series"]):
+        assert series["y"] == sorted(series["y"]) and len(series["y"]) == len(chart["x"])
+        row = rows[series["name"]]
+        assert series["y"][-1] == row["token_hit_ratio_unlimited"]  # the last point holds everything
+        assert row["capacity_tokens"] == 1100
+        assert row["token_hit_ratio_at_capacity"] == replayed["per_instance"][k]["token_hit_ratio"]
+    html = httpx.get(f"{recorded.url}/cache", params={"since": "all"}, timeout=60).text
+    assert 'id="capacity-curve"' in html and 'data-instance="whatif-b"' in html
 
 
 def test_a_stopped_collectors_file_gives_the_same_replay(recorded):
