@@ -260,3 +260,24 @@ def test_a_stopped_collectors_file_gives_the_same_replay(recorded):
     by_db = json.loads(_cli("whatif", "--db", str(recorded.db), *args).stdout)
     assert by_db == by_url
     assert len(by_db["results"]) == 12
+
+
+def _options(parser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings
+            if option.startswith("--") and option != "--help"}
+
+
+def test_every_whatif_and_export_mooncake_option_is_documented():
+    import argparse
+
+    from tokentrace.analyzers import whatif_cli
+    from tokentrace.dashboards import export_cli
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "whatif.md").read_text(encoding="utf-8")
+    whatif = argparse.ArgumentParser()
+    whatif_cli.add_arguments(whatif)
+    export = argparse.ArgumentParser()
+    export_cli.add_arguments(export)
+    mooncake = next(a for a in export._actions if isinstance(a, argparse._SubParsersAction)).choices["mooncake"]
+    options = _options(whatif) | _options(mooncake)
+    assert options and {option for option in options if f"`{option}`" not in docs} == set()
