@@ -3,6 +3,7 @@
     GET /api/requests/{id}/slow     slowness verdict
     GET /api/requests/{id}/cache    cache verdict
     GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
+    GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
     GET /api/report?since=15m       the window report
     GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
 
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
+from tokentrace.analyzers.session import analyze_session
 from tokentrace.analyzers.slowness import analyze_slowness
 from tokentrace.analyzers.workload import load_workload
 from tokentrace.window import since_ns
@@ -40,6 +42,12 @@ def both_verdicts(request_id: str, request: Request) -> dict:
     reader = request.app.state.reader
     slow, cache = analyze_slowness(reader, request_id), analyze_cache(reader, request_id)
     return {"slow": slow.as_dict(), "cache": cache.as_dict()}
+
+
+@router.get("/sessions/{session_id:path}")
+def session_verdict(session_id: str, request: Request) -> dict:
+    """The session verdict of one session id."""
+    return analyze_session(request.app.state.reader, session_id).as_dict()
 
 
 @router.get("/report")
