@@ -12,7 +12,7 @@ Errors use the collector's JSON envelope: 404 for an unknown request id, 400 for
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
@@ -22,6 +22,8 @@ from tokentrace.analyzers.workload import load_workload
 from tokentrace.window import since_ns
 
 router = APIRouter(prefix="/api")
+#: Most cache misses one report explains (each costs a cache verdict).
+MAX_CAUSE_SAMPLE = 100_000
 
 
 @router.get("/requests/{request_id:path}/slow")
@@ -51,8 +53,10 @@ def session_verdict(session_id: str, request: Request) -> dict:
 
 
 @router.get("/report")
-def window_report(request: Request, since: str = "15m", causes: int = 25) -> dict:
-    """The report over requests that started in the last ``since`` (or 'all')."""
+def window_report(request: Request, since: str = "15m",
+                  causes: int = Query(25, ge=0, le=MAX_CAUSE_SAMPLE)) -> dict:
+    """The report over requests that started in the last ``since`` (or 'all'), explaining the cache
+    misses of at most ``causes`` of them."""
     return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes).as_dict()
 
 

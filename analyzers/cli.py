@@ -14,7 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from tokentrace.errors import ConfigError, NotFound, StoreError, TokentraceError
+from tokentrace.errors import ConfigError, TokentraceError, error_for_status
 
 DEFAULT_URL = "http://127.0.0.1:4318"
 
@@ -112,11 +112,9 @@ def fetch_json(args: argparse.Namespace, path: str) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         message = _envelope_message(exc)
-        if exc.code == 404:
-            raise NotFound(message) from None
-        if exc.code in (400, 401):
-            raise ConfigError(message) from None
-        raise StoreError(f"the collector at {base} answered {exc.code}: {message}") from None
+        if exc.code >= 500:
+            message = f"the collector at {base} answered {exc.code}: {message}"
+        raise error_for_status(exc.code, message) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise TokentraceError(f"cannot reach the collector at {base} ({reason}); start it, or read a stopped "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokentrace.analyzers.cache import NO_CAUSE
 from tokentrace.analyzers.evidence import fmt_ms
 
 _BAR = 24
@@ -15,6 +16,8 @@ def render(kind: str, result: dict) -> str:
 
 def _abnormal(verdict: dict) -> str:
     base = verdict["baseline"]
+    if not base:
+        return "abnormal: not judged"
     if verdict["abnormal"] is None:
         return f"abnormal: unknown (only {base['samples']} comparable requests)"
     judged = "yes" if verdict["abnormal"] else "no"
@@ -25,12 +28,17 @@ def _abnormal(verdict: dict) -> str:
 def render_slow(verdict: dict) -> str:
     """The slowness verdict as a few lines and a bar per phase."""
     parts = verdict["breakdown_ms"]
-    lines = [f"request {verdict['request_id']} on {verdict['instance_id']} ({verdict['engine'] or 'unknown engine'})",
-             f"category: {verdict['category']} · ttft category: {verdict['ttft_category']} · {_abnormal(verdict)}"]
+    lines = [f"request {verdict['request_id']} on {verdict['instance_id']} ({verdict['engine'] or 'unknown engine'})"]
+    if verdict["outcome"] != "completed":
+        lines.append(f"outcome: {verdict['outcome']} · no category")
+    else:
+        lines.append(f"category: {verdict['category']} · ttft category: {verdict['ttft_category']} · "
+                     f"{_abnormal(verdict)}")
     total = max(parts["e2e"] or 0.0, 1e-9)
     for name in ("load_wait", "queue", "prefill", "decode", "other"):
-        value = parts[name] or 0.0
-        lines.append(f"  {name:<10}{fmt_ms(value):>11}  {'█' * round(_BAR * value / total)}")
+        value = parts[name]
+        bar = "unknown" if value is None else "█" * round(_BAR * value / total)
+        lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
     lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
     lines.append("evidence:")
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
@@ -39,7 +47,11 @@ def render_slow(verdict: dict) -> str:
 
 def render_cache(verdict: dict) -> str:
     """The cache verdict in a few lines."""
-    cause = verdict["cause"] or "none (everything reusable was reused)"
+    if verdict["result"] is None:
+        lines = [f"request {verdict['request_id']} on {verdict['instance_id']}: {verdict['outcome']}, no cache lookup",
+                 "evidence:"]
+        return "\n".join(lines + [f"  - {item['text']}" for item in verdict["evidence"]])
+    cause = verdict["cause"] or f"{NO_CAUSE} (everything reusable was reused)"
     where = ""
     if verdict.get("cached_on"):
         where = f" (cached on {verdict['cached_on']})"
@@ -47,7 +59,9 @@ def render_cache(verdict: dict) -> str:
         where = f" (evicted by request {verdict['evicted_by']})"
     elif verdict.get("divergence"):
         d = verdict["divergence"]
-        where = f" (diverges at token {d['token_index']}, {d['segment_role']} segment {d['segment_index']})"
+        at = ("between messages (template)" if d["segment_role"] == "template"
+              else f"{d['segment_role']} segment {d['segment_index']}")
+        where = f" (diverges at token {d['token_index']}, {at})"
     lines = [f"request {verdict['request_id']} on {verdict['instance_id']}: {verdict['result']} · cause {cause}{where}",
              f"  prompt {verdict['prompt_tokens']} · cached {verdict['cached_tokens']} · seen {verdict['seen_tokens']} "
              f"tokens (block {verdict['block_size']})", "evidence:"]
@@ -59,9 +73,10 @@ def render_report(report: dict) -> str:
     """The window report as small tables."""
     if not report["requests"]:
         return "no requests in the window"
-    lines = [f"{report['requests']} requests"]
-    lines.append("categories: " + ", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())))
-    causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "none"
+    lines = [f"{report['requests']} requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))]
+    lines.append("categories (completed requests): "
+                 + (", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())) or "-"))
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "-"
     lines.append(f"cache causes (latest {report['cause_sample']} requests that did not reuse their whole prompt): "
                  f"{causes}")
     rate = report["cache"]["token_hit_rate"]
@@ -79,6 +94,7 @@ def render_report(report: dict) -> str:
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
                      f"e2e {fmt_ms(row['e2e_ms'])} · ttft {fmt_ms(row['ttft_ms'])}")
+    lines.append("(latency, categories and cache figures count completed requests only)")
     return "\n".join(lines)
 
 

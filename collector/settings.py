@@ -7,6 +7,7 @@ value fails fast in one line naming the setting, what was expected and what arri
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ def default_parse_workers() -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
+def _yes(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("", "0", "false", "no"):
+        return False
+    raise ValueError("1, true, yes, 0, false or no")
+
+
 def _token(text: str) -> str:
     if not text.strip() or any(ch.isspace() for ch in text):
         raise ValueError("a non-empty token without spaces")
@@ -67,6 +76,7 @@ class Setting:
     env: str  #: environment variable that sets it
     help: str  #: one line for --help and docs
     parse: Callable[[str], Any] = str  #: text -> value; ValueError says what was expected
+    flag: bool = False  #: a flag without a value on the command line (its variable takes 1 or 0)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -79,6 +89,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host", "127.0.0.1", "TOKENTRACE_HOST", "address to bind; 127.0.0.1 keeps it on this machine"),
     Setting("port", 4318, "TOKENTRACE_PORT", "port of OTLP/HTTP, the API and the dashboard", _port),
     Setting("token", None, "TOKENTRACE_TOKEN", "bearer token required on every endpoint when set", _token),
+    Setting("insecure_no_token", False, "TOKENTRACE_INSECURE_NO_TOKEN",
+            "serve a --host other than loopback without --token: anyone who reaches it may read and write "
+            "traces", _yes, flag=True),
     Setting("spool_dir", None, "TOKENTRACE_SPOOL_DIR", "directory of OTLP files to ingest (watched)"),
     Setting("max_body_bytes", 16 * 1024 * 1024, "TOKENTRACE_MAX_BODY_BYTES",
             "largest request body accepted, after decompression", _positive),
@@ -103,6 +116,7 @@ class CollectorConfig:
     host: str
     port: int
     token: str | None
+    insecure_no_token: bool  #: bind beyond loopback without a token, on purpose
     spool_dir: str | None
     max_body_bytes: int
     max_queue: int
@@ -115,6 +129,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per setting; defaults are resolved later so that env vars can fill them."""
     for setting in SETTINGS:
         default = "unset" if setting.default is None else setting.default
+        if setting.flag:
+            parser.add_argument("--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
+                                action="store_const", const="1", help=f"{setting.help} (env {setting.env}=1)")
+            continue
         parser.add_argument(
             "--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
             help=f"{setting.help} (default {default}; env {setting.env})",
@@ -143,7 +161,25 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     _check_store(values, given)
+    _check_exposure(values)
     return CollectorConfig(**values)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the collector on this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name may resolve to any address
+
+
+def _check_exposure(values: dict) -> None:
+    """A collector reachable from other machines needs a token, or the operator's explicit word."""
+    if values["token"] is None and not values["insecure_no_token"] and not is_loopback(values["host"]):
+        raise ConfigError(f"--host {values['host']} is reachable from other machines: give --token (or "
+                          "TOKENTRACE_TOKEN), or --insecure-no-token to serve it to anyone on purpose")
 
 
 def _check_store(values: dict, given: set[str]) -> None:

@@ -25,6 +25,9 @@ HOST_NAME = "host.name"
 ENGINE = "tokentrace.engine"
 ENGINE_VERSION = "tokentrace.engine.version"
 MODEL = "gen_ai.request.model"
+OBSERVER_MEASURES = "tokentrace.observer.measures"
+MODEL_REVISION = "tokentrace.model.revision"
+CHAT_TEMPLATE_HASH = "tokentrace.chat_template.hash"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -149,6 +152,10 @@ ROLE_TOOL = "tool"
 ROLE_TOOLS = "tools"
 ROLE_PROMPT = "prompt"
 
+#: Per-request parts an observer can declare it measures (``OBSERVER_MEASURES``): the phase
+#: summary of ``llm.request`` by name (``{part}_ms`` in the request row).
+OBSERVER_PARTS = ("load_wait", "queue", "prefill", "decode", "ttft", "tpot")
+
 ENUMS: dict[str, tuple[str, ...]] = {
     ENGINE: (ENGINE_MLX, ENGINE_VLLM),
     CACHE_MATCH: (MATCH_EXACT, MATCH_PREFIX, MATCH_NONE),
@@ -156,6 +163,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
         EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM, EVICT_SUPERSEDED,
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
+    OBSERVER_MEASURES: OBSERVER_PARTS,
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
@@ -396,6 +404,10 @@ RESOURCE: tuple[Attr, ...] = (
     _a(ENGINE, "string", "", "engine family (enum)"),
     _a(ENGINE_VERSION, "string", "", "engine package version"),
     _a(MODEL, "string", "", "model served"),
+    _a(OBSERVER_MEASURES, "string[]", "", "request parts this observer measures (OBSERVER_PARTS); "
+       "a part left out is unknown, never zero"),
+    _a(MODEL_REVISION, "string", "", "identity of the weights and config served (hex digest)"),
+    _a(CHAT_TEMPLATE_HASH, "string", "", "identity of the chat template in use (hex digest)"),
 )
 
 SPANS_BY_NAME: dict[str, SpanSpec] = {spec.name: spec for spec in SPANS}

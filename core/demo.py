@@ -23,8 +23,8 @@ from tokentrace.errors import TokentraceError
 
 INSTANCES = {"A": "demo-a", "B": "demo-b"}
 #: Which evidence the table shows first: the most specific fact of each verdict.
-KEY_EVIDENCE = ("prefill_interference", "blocker", "load", "eviction", "cached_elsewhere", "divergence",
-                "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
+KEY_EVIDENCE = ("outcome", "prefill_interference", "blocker", "load", "eviction", "restart", "cached_elsewhere",
+                "divergence", "too_short", "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +125,8 @@ def collect_verdicts(collector_url: str, request_ids: list[str]) -> dict[str, di
 def verdict_holds(shown, verdicts: dict) -> bool:
     """Whether a request got the verdict its scenario shows."""
     slow, cache = verdicts["slow"], verdicts["cache"]
+    if shown.verdict == "outcome":
+        return slow["outcome"] == shown.expect and slow["category"] is None
     if shown.verdict == "slow":
         return slow["abnormal"] is False if shown.expect is None else slow["category"] == shown.expect
     return cache["cause"] == shown.expect and (shown.expect is not None or cache["result"] == "hit")
@@ -132,17 +134,19 @@ def verdict_holds(shown, verdicts: dict) -> bool:
 
 def render_table(shown: list, verdicts: dict[str, dict]) -> str:
     """One line per shown request: scenario, id, instance, both verdicts, the key evidence."""
+    from tokentrace.analyzers.cache import NO_CAUSE
+
     lines = [f"{'':2}{'scenario':<36}{'request':<20}{'inst':<8}{'slow (abnormal)':<24}{'cache':<26}evidence"]
     for item in shown:
         slow, cache = verdicts[item.request_id]["slow"], verdicts[item.request_id]["cache"]
         abnormal = {True: "yes", False: "no", None: "?"}[slow["abnormal"]]
-        cache_text = f"{cache['result']}/{cache['cause'] or 'none'}"
+        cache_text = f"{cache['result'] or 'no lookup'}/{cache['cause'] or NO_CAUSE}"
         pool = slow["evidence"] if item.verdict == "slow" else cache["evidence"]
         ranked = sorted(pool, key=lambda e: KEY_EVIDENCE.index(e["kind"]) if e["kind"] in KEY_EVIDENCE else 99)
         key = ranked[0] if ranked else None
         mark = "✓" if verdict_holds(item, verdicts[item.request_id]) else "✗"
         lines.append(f"{mark} {item.label:<36}{item.request_id:<20}{INSTANCES[item.instance]:<8}"
-                     f"{slow['category'] + ' (' + abnormal + ')':<24}{cache_text:<26}"
+                     f"{(slow['category'] or slow['outcome']) + ' (' + abnormal + ')':<24}{cache_text:<26}"
                      f"{(key or {}).get('text', '')[:110]}")
     return "\n".join(lines)
 

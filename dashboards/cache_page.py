@@ -24,6 +24,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
+from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.analyzers.report import token_hit_rate
 from tokentrace.analyzers.whatif import Capacity, assign, replay
 from tokentrace.analyzers.workload import load_workload
@@ -126,8 +127,10 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     width = series.step_ns(t0, t1)
     buckets = series.bucket_starts(t0, t1, width)
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
-    hit, counted = series.ratio(requests, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
-    causes, sampled = window_causes(reader, requests, CAUSE_SAMPLE)
+    # Hit rates and causes count completed requests only (docs/analyzers.md, "Outcome").
+    completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
+    hit, counted = series.ratio(completed, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
+    causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
     curve = capacity_curve(reader, window_ns)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
@@ -145,7 +148,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
             "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
-        "hit_rate": {"token_hit_rate": token_hit_rate(requests), "t": buckets, "rate": hit, "requests": counted},
+        "hit_rate": {"token_hit_rate": token_hit_rate(completed), "t": buckets, "rate": hit, "requests": counted},
         "causes": causes, "cause_sample": sampled,
         "capacity_curve": curve["instances"],
         "charts": {

@@ -11,7 +11,8 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
-from tokentrace.analyzers.report import percentiles, summarize_frame, with_categories
+from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
+from tokentrace.analyzers.report import declared_parts, percentiles, summarize_frame, with_categories
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -48,7 +49,7 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
 def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
     """The overview of requests that started in the last ``since``."""
     window_ns = since_ns(since, now_ns, what="since")
-    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT))
+    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT), declared_parts(reader))
     report = summarize_frame(reader, frame, window_ns, cause_sample=0).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
@@ -56,14 +57,17 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
     errors = 0
     if frame.height:
-        latency = {name: percentiles(frame[name]) for name in latency}
+        completed = frame.filter(pl.col("outcome") == COMPLETED)  # the report's rule: latency of completed only
+        latency = {name: percentiles(completed[name]) for name in latency}
         active_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
         output = int(frame["completion_tokens"].fill_null(0).sum())
         throughput = {"output_tokens": output, "input_tokens": int(frame["prompt_tokens"].fill_null(0).sum()),
                       "output_tokens_per_s": round(output / active_s, 2), "active_s": round(active_s, 3)}
         errors = int(frame.filter((pl.col("http_status").fill_null(200) >= 400)
                                   | pl.col("error_type").is_not_null()).height)
-    categories = {label: report["categories"].get(label, 0) for _, label in CATEGORIES}
+    categories = {label: report["categories"].get(label, 0) for label in [*(label for _, label in CATEGORIES),
+                                                                           UNDECOMPOSED]}
+    outcomes = {name: report["outcomes"].get(name, 0) for name in OUTCOMES}
     beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
     queue = queue_series(beats)
     chart_t0, _ = series.span(window_ns, now_ns, [beats["t_ns"]])
@@ -76,9 +80,10 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
                   for i, row in latency_of.items() if i not in known]
     return {
         "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
-        "requests": report["requests"], "errors": errors, "latency": latency, "throughput": throughput,
+        "requests": report["requests"], "errors": errors, "outcomes": outcomes, "latency": latency,
+        "throughput": throughput,
         "categories": categories,
-        "category_share": {k: round(v / report["requests"], 4) if report["requests"] else 0.0
+        "category_share": {k: round(v / outcomes[COMPLETED], 4) if outcomes[COMPLETED] else 0.0
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,

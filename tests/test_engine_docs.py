@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tokentrace.engine_shim import __all__ as exported
-from tokentrace.engine_shim.settings import SETTINGS
+from tokentrace.engine_shim.mlx.settings import SETTINGS
 
 DOC = (Path(__file__).parents[1] / "docs" / "engine.md").read_text()
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from tokentrace.engine_shim.jobs import Job, Sampling
-from tokentrace.engine_shim.prompts import Prompt
-from tokentrace.engine_shim.records import RequestRecord, StepWindow
-from tokentrace.engine_shim.scheduler import LOAD_READY, Scheduler
-from tokentrace.engine_shim.settings import EngineSettings
+from tokentrace.engine_shim.mlx.jobs import Job, Sampling
+from tokentrace.engine_shim.mlx.prompts import Prompt
+from tokentrace.engine_shim.mlx.records import RequestRecord, StepWindow
+from tokentrace.engine_shim.mlx.scheduler import LOAD_READY, Scheduler
+from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 
 class Harness:

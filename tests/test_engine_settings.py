@@ -10,7 +10,7 @@ import sys
 import pytest
 from harness_collector import free_port
 
-from tokentrace.engine_shim.settings import SETTINGS, add_setting_arguments, settings_from_args
+from tokentrace.engine_shim.mlx.settings import SETTINGS, add_setting_arguments, settings_from_args
 from tokentrace.errors import ConfigError
 
 

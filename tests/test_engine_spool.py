@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tokentrace.engine_shim.spool import STALE_CLAIM_S, Spool, SpoolingSpanExporter
+from tokentrace.engine_shim.emit.spool import STALE_CLAIM_S, Spool, SpoolingSpanExporter
 
 
 def _spans(count: int = 3):

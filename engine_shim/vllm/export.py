@@ -9,7 +9,7 @@ parented to it through ``TRACEPARENT``), and no global provider may be installed
 owns the global one when ``--otlp-traces-endpoint`` is set.
 
 With a spool directory, batches the collector does not take are written there (the engine shim's
-spool, engine_shim/spool.py) and resent when it answers again, or ingested by a collector watching
+spool, engine_shim/emit/spool.py) and resent when it answers again, or ingested by a collector watching
 that directory. Export failures are logged (the first, then every 100th) and counted, never raised
 into vLLM.
 """
@@ -174,7 +174,7 @@ class SpanPump:
             self._export(records)
 
     def _new_exporter(self) -> Any:
-        from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
+        from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
 
         name = f"vllm-{self._resource_attrs.get('service.instance.id', '')}"
         spool = Spool(self.spool_dir, self.spool_max_bytes, name) if self.spool_dir else None

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokentrace.engine_shim.records import RequestRecord
+from tokentrace.engine_shim.mlx.records import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from tokentrace.engine_shim.engine import Engine
-from tokentrace.engine_shim.jobs import Job
-from tokentrace.engine_shim.protocol import (
+from tokentrace.engine_shim.mlx.engine import Engine
+from tokentrace.engine_shim.mlx.jobs import Job
+from tokentrace.engine_shim.mlx.protocol import (
     BadRequest,
     TextAssembler,
     chunk_body,
@@ -32,8 +32,8 @@ from tokentrace.engine_shim.protocol import (
     usage,
     usage_chunk,
 )
-from tokentrace.engine_shim.records import RequestRecord
-from tokentrace.engine_shim.scheduler import LOAD_READY
+from tokentrace.engine_shim.mlx.records import RequestRecord
+from tokentrace.engine_shim.mlx.scheduler import LOAD_READY
 
 
 def create_app(engine: Engine) -> FastAPI:

@@ -9,13 +9,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tokentrace.engine_shim.emit.defaults import default_spool_dir
 from tokentrace.errors import ConfigError
-
-
-def default_spool_dir() -> str:
-    """Where span batches wait while the collector is away (engine and vLLM plugin)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "tokentrace" / "spool")
 
 
 @dataclass(frozen=True)

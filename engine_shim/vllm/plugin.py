@@ -29,8 +29,8 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.settings import default_spool_dir
-from tokentrace.engine_shim.vllm_coldstart import (
+from tokentrace.engine_shim.emit.defaults import default_spool_dir
+from tokentrace.engine_shim.vllm.coldstart import (
     DEFAULT_COLLECTOR,
     ENV_COLLECTOR,
     ENV_INSTANCE,
@@ -38,15 +38,15 @@ from tokentrace.engine_shim.vllm_coldstart import (
     disabled,
     load_context,
 )
-from tokentrace.engine_shim.vllm_compat import Compat, check_vllm
-from tokentrace.engine_shim.vllm_export import SpanEvent, SpanPump, SpanRecord
-from tokentrace.engine_shim.vllm_kv_events import (
+from tokentrace.engine_shim.vllm.compat import Compat, check_vllm
+from tokentrace.engine_shim.vllm.export import SpanEvent, SpanPump, SpanRecord
+from tokentrace.engine_shim.vllm.kv_events import (
     Eviction,
     KvCacheTracker,
     KvEventSubscriber,
     subscriber_endpoint,
 )
-from tokentrace.engine_shim.vllm_steps import StepWindow, heartbeat_record, request_record
+from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
 from tokentrace.vllm_names import client_request_id
 
 # A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no

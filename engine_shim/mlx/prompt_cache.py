@@ -31,7 +31,7 @@ from tokentrace.contract import (
     MATCH_NONE,
     MATCH_PREFIX,
 )
-from tokentrace.engine_shim.records import EvictionRecord, InsertRecord, LookupRecord
+from tokentrace.engine_shim.mlx.records import EvictionRecord, InsertRecord, LookupRecord
 
 
 @dataclass(eq=False)

@@ -27,12 +27,12 @@ from typing import Any
 from opentelemetry import trace
 
 from tokentrace.contract import MATCH_NONE, MATCH_PREFIX
-from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess, engine_resource
-from tokentrace.engine_shim.loader import load_runtime, new_load_record
-from tokentrace.engine_shim.prompts import Prompt, build_text_prompt
-from tokentrace.engine_shim.records import Clock, LookupRecord, RequestRecord, StepWindow
-from tokentrace.engine_shim.scheduler import WINDOW_NS, WINDOW_STEPS
-from tokentrace.engine_shim.telemetry import RecordSink, SpanSink, Telemetry
+from tokentrace.engine_shim.mlx.exporter_process import ExporterConfig, ExporterProcess, engine_resource
+from tokentrace.engine_shim.mlx.loader import load_runtime, new_load_record
+from tokentrace.engine_shim.mlx.prompts import Prompt, build_text_prompt
+from tokentrace.engine_shim.mlx.records import Clock, LookupRecord, RequestRecord, StepWindow
+from tokentrace.engine_shim.mlx.scheduler import WINDOW_NS, WINDOW_STEPS
+from tokentrace.engine_shim.mlx.telemetry import RecordSink, SpanSink, Telemetry
 
 
 class Instrumentation:

@@ -8,11 +8,11 @@ import logging
 import signal
 import sys
 
-from tokentrace.engine_shim.settings import add_setting_arguments, settings_from_args
+from tokentrace.engine_shim.mlx.settings import add_setting_arguments, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``tokentrace engine`` (see engine_shim/settings.py for the table)."""
+    """Options of ``tokentrace engine`` (see engine_shim/mlx/settings.py for the table)."""
     add_setting_arguments(parser)
 
 
@@ -20,11 +20,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the engine until SIGINT/SIGTERM; 1 when the model cannot be loaded at start."""
     import uvicorn
 
-    from tokentrace.engine_shim.engine import Engine
-    from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess, engine_resource
-    from tokentrace.engine_shim.records import Clock
-    from tokentrace.engine_shim.server import create_app
-    from tokentrace.engine_shim.telemetry import Telemetry
+    from tokentrace.engine_shim.mlx.engine import Engine
+    from tokentrace.engine_shim.mlx.exporter_process import ExporterConfig, ExporterProcess, engine_resource
+    from tokentrace.engine_shim.mlx.records import Clock
+    from tokentrace.engine_shim.mlx.server import create_app
+    from tokentrace.engine_shim.mlx.telemetry import Telemetry
 
     settings = settings_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace.contract import MATCH_NONE
-from tokentrace.engine_shim.jobs import Job, SamplingObjects
-from tokentrace.engine_shim.loader import Runtime, load_runtime, new_load_record
-from tokentrace.engine_shim.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
-from tokentrace.engine_shim.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
-from tokentrace.engine_shim.settings import EngineSettings
+from tokentrace.engine_shim.mlx.jobs import Job, SamplingObjects
+from tokentrace.engine_shim.mlx.loader import Runtime, load_runtime, new_load_record
+from tokentrace.engine_shim.mlx.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
+from tokentrace.engine_shim.mlx.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
+from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.vllm_export import SpanEvent, SpanRecord
+from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord
 
 #: vLLM FinishReason strings (vllm/v1/engine/__init__.py::FINISH_REASON_STRINGS) -> contract values.
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error",

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tokentrace.engine_shim.jobs import Sampling
+from tokentrace.engine_shim.mlx.jobs import Sampling
 
 
 class BadRequest(Exception):

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from opentelemetry import trace
 
 from tokentrace import __version__
-from tokentrace.engine_shim.records import Clock, HeartbeatRecord
-from tokentrace.engine_shim.spans import SpanBuilder
+from tokentrace.engine_shim.mlx.records import Clock, HeartbeatRecord
+from tokentrace.engine_shim.mlx.spans import SpanBuilder
 
 log = logging.getLogger(__name__)
 

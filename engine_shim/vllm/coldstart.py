@@ -20,7 +20,7 @@ import time
 import urllib.parse
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.vllm_export import new_span_id, new_trace_id
+from tokentrace.engine_shim.vllm.export import new_span_id, new_trace_id
 
 ENV_COLLECTOR = "TOKENTRACE_COLLECTOR_URL"
 ENV_INSTANCE = "TOKENTRACE_INSTANCE_ID"

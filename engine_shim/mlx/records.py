@@ -2,7 +2,7 @@
 
 The overhead rule (DESIGN §3): the generation loop only appends ``perf_counter_ns()`` readings and
 counters to these objects. Spans are built from finished records elsewhere (the exporter process,
-or the telemetry thread for embedders; ``tokentrace.engine_shim.spans``), with explicit timestamps
+or the telemetry thread for embedders; ``tokentrace.engine_shim.mlx.spans``), with explicit timestamps
 converted by a ``Clock``. Records hold plain data only (ints, strings, lists), so they pickle
 cheaply and never keep KV-cache arrays alive.
 """
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokentrace.engine_shim.prompts import Prompt
+from tokentrace.engine_shim.mlx.prompts import Prompt
 
 
 class Clock:

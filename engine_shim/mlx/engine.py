@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from tokentrace.contract import EVENT_STARTED, EVENT_STOPPED
-from tokentrace.engine_shim.jobs import Job
-from tokentrace.engine_shim.prompts import Prompt, build_chat_prompt, build_text_prompt
-from tokentrace.engine_shim.protocol import (
+from tokentrace.engine_shim.mlx.jobs import Job
+from tokentrace.engine_shim.mlx.prompts import Prompt, build_chat_prompt, build_text_prompt
+from tokentrace.engine_shim.mlx.protocol import (
     BadRequest,
     ChatRequest,
     CompletionRequest,
@@ -20,10 +20,10 @@ from tokentrace.engine_shim.protocol import (
     max_tokens_of,
     sampling_of,
 )
-from tokentrace.engine_shim.records import LifecycleRecord, LoadRecord, RequestRecord
-from tokentrace.engine_shim.scheduler import LOAD_FAILED, LOAD_READY, Scheduler
-from tokentrace.engine_shim.settings import EngineSettings
-from tokentrace.engine_shim.telemetry import Telemetry
+from tokentrace.engine_shim.mlx.records import LifecycleRecord, LoadRecord, RequestRecord
+from tokentrace.engine_shim.mlx.scheduler import LOAD_FAILED, LOAD_READY, Scheduler
+from tokentrace.engine_shim.mlx.settings import EngineSettings
+from tokentrace.engine_shim.mlx.telemetry import Telemetry
 
 
 class Engine:

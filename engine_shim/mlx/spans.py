@@ -14,7 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.records import (
+from tokentrace.engine_shim.mlx.records import (
     Clock,
     HeartbeatRecord,
     LifecycleRecord,

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.spool import Spool, SpoolingSpanExporter
+from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,9 @@ class ExporterProcess:
 def serve(conn: Any, config: ExporterConfig) -> None:
     """The exporter process: records in, spans out, until told to stop or the engine is gone."""
     from tokentrace import __version__
-    from tokentrace.engine_shim.records import Clock
-    from tokentrace.engine_shim.spans import SpanBuilder
-    from tokentrace.engine_shim.telemetry import SCOPE
+    from tokentrace.engine_shim.mlx.records import Clock
+    from tokentrace.engine_shim.mlx.spans import SpanBuilder
+    from tokentrace.engine_shim.mlx.telemetry import SCOPE
 
     # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

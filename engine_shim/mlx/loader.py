@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tokentrace.contract import LOAD_BYTES, SPAN_LOAD_RESOLVE, SPAN_LOAD_TOKENIZER, SPAN_LOAD_WARMUP, SPAN_LOAD_WEIGHTS
-from tokentrace.engine_shim.records import LoadRecord
+from tokentrace.engine_shim.mlx.records import LoadRecord
 from tokentrace.errors import EngineError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
