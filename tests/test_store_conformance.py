@@ -141,7 +141,6 @@ _SEGMENT_HASHES = next(s for s in _GOLDEN["spans"] if s["id"] == "lookup")["attr
 #: nothing (None where DuckDB takes NULL).
 PARAMS = {
     "request_id": ("golden-req-1", "json-req-1", "no-such-request"),
-    "session_id": ("sess-<b>1</b>", "no-such-session", None),
     "trace_id": (None, "0" * 32, "f" * 32),  # None: the golden trace, known once the payload is built
     "instance_id": ("golden-1", "json-engine", None),
     "since_ns": (BASE, 0, None),
