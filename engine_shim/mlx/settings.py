@@ -68,7 +68,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("top-p", float, 1.0, "default nucleus sampling top-p", minimum=0),
     Setting("top-k", int, 0, "default top-k sampling (0: off)", minimum=0),
     Setting("min-p", float, 0.0, "default min-p sampling (0: off)", minimum=0),
-    Setting("chat-template", str, None, "a chat template (Jinja text) replacing the tokenizer's"),
+    Setting("chat-template", str, None, "chat template (Jinja text) to render chats with instead of the model's "
+            "(as mlx_lm.server's --chat-template)"),
     Setting("chat-template-args", str, None, "JSON object of extra chat-template arguments, e.g. "
             "'{\"enable_thinking\":false}'"),
     Setting("use-default-chat-template", bool, False, "use the tokenizer's default chat template when it has none"),
