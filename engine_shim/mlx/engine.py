@@ -49,6 +49,9 @@ class Engine:
         self._prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-prompt")
         self._defaults = SamplingDefaults(settings.temp, settings.top_p, settings.top_k, settings.min_p)
         self._template_kwargs = settings.template_kwargs
+        # mlx_lm.server's names for its model: "default_model", --model as given, its resolved path.
+        self._model_names = {settings.served_name, settings.model, "default_model",
+                             str(Path(settings.model).expanduser().resolve())}
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,9 +98,7 @@ class Engine:
 
     def check_model(self, name: str | None) -> None:
         """Refuse requests naming another model (404, as OpenAI does)."""
-        model = self.settings.model
-        # mlx_lm.server's names for its model: "default_model", --model as given, its resolved path.
-        accepted = {self.settings.served_name, model, "default_model", str(Path(model).expanduser().resolve())}
+        accepted = self._model_names
         if name is not None and name not in accepted:
             raise BadRequest(f"The model '{name}' does not exist; this engine serves '{self.settings.served_name}'",
                              param="model", status=404, code="model_not_found")

@@ -261,15 +261,18 @@ async def _events(stream: RequestStream, kind: str, model: str, include_usage: b
     pending: asyncio.Future | None = None
     try:
         while True:
-            # While nothing comes (queued, or a long prefill), a comment now and then keeps the
-            # connection from looking idle.
-            pending = pending or asyncio.ensure_future(stream.next_piece())
-            done, _ = await asyncio.wait({pending}, timeout=keepalive)
-            if not done:
-                yield KEEPALIVE
-                continue
-            text, reason = pending.result()
-            pending = None
+            if pending is None and not stream.queue.empty():
+                text, reason = await stream.next_piece()  # the common case while tokens flow
+            else:
+                # While nothing comes (queued, or a long prefill), a comment now and then keeps the
+                # connection from looking idle.
+                pending = pending or asyncio.ensure_future(stream.next_piece())
+                done, _ = await asyncio.wait({pending}, timeout=keepalive)
+                if not done:
+                    yield KEEPALIVE
+                    continue
+                text, reason = pending.result()
+                pending = None
             if reason == "error":
                 yield _sse(stream.error().body())
                 break
