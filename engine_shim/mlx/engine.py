@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from tokentrace.engine_shim.mlx.records import LifecycleRecord, LoadRecord, Requ
 from tokentrace.engine_shim.mlx.scheduler import LOAD_FAILED, LOAD_READY, Scheduler
 from tokentrace.engine_shim.mlx.settings import EngineSettings
 from tokentrace.engine_shim.mlx.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -185,4 +188,7 @@ class Engine:
 
 def _dispatch(items: list[tuple[Job, int, str | None]]) -> None:
     for job, token, reason in items:
-        job.sink.push(token, reason)
+        try:
+            job.sink.push(token, reason)
+        except Exception:  # one consumer's error must not keep this step's tokens from the others
+            log.exception("delivering a token to request %s failed", job.record.request_id)
