@@ -261,6 +261,18 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
         return False
     verdict.cause = "capacity"
     eviction = facts.eviction
+    if eviction is None and facts.request.get("observer") == c.OBSERVER_GATEWAY:
+        # Seen from a gateway: the upstream served this prefix before and now reused less of it.
+        # The engine reports no evictions, so that it was evicted is inferred, not measured.
+        verdict.evidence.append(Evidence(
+            "no_longer_cached", f"{here['covered']} tokens of this prompt were served on {verdict.instance_id} "
+                                f"by request {here['request_id']}, and this time it reused only "
+                                f"{verdict.cached_tokens}: evicted in between (inferred; the engine reports "
+                                "no evictions).",
+            {"entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
+             "lost_tokens": here["covered"] - verdict.cached_tokens}, basis="inferred",
+        ))
+        return True
     if eviction is None:
         # A longer prefix was stored here before the lookup and the lookup did not find it: it was
         # gone, but its eviction is not among the latest ones examined on this instance.
@@ -302,6 +314,8 @@ def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict
                             f"on {verdict.instance_id}: the conversation moved instances.",
         {"instance_id": entry["instance_id"], "entry_request_id": entry["request_id"], "alive": entry["alive"],
          "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"], "covered_tokens": entry["covered"]},
+        # Behind a gateway the other upstream's cache is known only from what it served there.
+        basis="inferred" if facts.request.get("observer") == c.OBSERVER_GATEWAY else "measured",
     ))
     return True
 
