@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     def exporter(name: str) -> SpoolingSpanExporter:
         spool = (Spool(settings.spool_dir, settings.spool_max_bytes, f"gateway-{name}")
                  if settings.otlp_endpoint and settings.spool_max_bytes else None)
-        return SpoolingSpanExporter(settings.otlp_endpoint or None, spool, settings.otlp_token)
+        return SpoolingSpanExporter(settings.otlp_endpoint or None, spool, settings.otlp_token,
+                                    timeout=settings.otlp_timeout)
 
     tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
     observer = Observer(exporter, settings.block_size, tokenizer, settings.capture_content)

@@ -54,6 +54,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("otlp-endpoint", str, "http://127.0.0.1:4318",
             "collector base URL; spans go to ENDPOINT/v1/traces ('' disables export)"),
     Setting("otlp-token", str, None, "bearer token the collector requires, if any"),
+    Setting("otlp-timeout", float, 10.0, "seconds one span export may take before its batch goes to the spool",
+            minimum=0.1),
     Setting("spool-dir", str, default_spool_dir(),
             "where span batches wait while the collector is unreachable (the collector's --spool-dir)"),
     Setting("spool-max-bytes", int, 256 << 20, "spool size limit; batches beyond it are dropped and counted",
@@ -91,6 +93,7 @@ class GatewaySettings:
     insecure_no_api_key: bool = False  #: allow non-loopback bind without a key
     otlp_endpoint: str = "http://127.0.0.1:4318"  #: collector base URL ('' disables export)
     otlp_token: str | None = None  #: collector bearer token
+    otlp_timeout: float = 10.0  #: seconds per export before spooling
     spool_dir: str = field(default_factory=default_spool_dir)  #: spool directory
     spool_max_bytes: int = 256 << 20  #: spool size limit
     tokenizer: str | None = None  #: tokenizer directory
