@@ -159,8 +159,8 @@ def test_ttft_and_e2e_agree_with_the_client_and_responses_pass_through(gateway, 
     client = [gw.chat([system("timing"), {"role": "user", "content": f"count to {i}"}], f"tm-{i}", max_tokens=16)
               for i in range(8)]
     plain = gw.chat([system("timing"), {"role": "user", "content": "plain"}], "tm-plain", stream=False)
-    generated = httpx.post(gw.url + "/v1/chat/completions", timeout=60,
-                           json={"model": "default_model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    anonymous = {"model": "default_model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    generated = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json=anonymous)
     asked = gw.chat([system("timing"), {"role": "user", "content": "usage please"}], "tm-usage",
                     stream_options={"include_usage": True})
     gw.stop()
