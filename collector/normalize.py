@@ -273,7 +273,7 @@ def _observer(scope: _Scope) -> str:
 
 def _route(scope: _Scope, span, a: dict, ids: tuple) -> None:
     scope.batch.rows["routes"].append((
-        _str(a.get(c.REQUEST_ID)), ids[0], ids[1], _str(a.get(c.ROUTE_CHOICE)) or scope.instance_id,
+        _str(a.get(c.REQUEST_ID)), ids[0], ids[1], scope.instance_id or _str(a.get(c.ROUTE_CHOICE)),
         _str(a.get(c.SESSION_ID)), span.start_time_unix_nano, span.end_time_unix_nano,
         _str(a.get(c.ROUTE_POLICY)), _str(a.get(c.ROUTE_REASON)), [_str(x) for x in _list(a.get(c.ROUTE_CANDIDATES))],
         [float(x) for x in _list(a.get(c.ROUTE_SCORES)) if isinstance(x, (int, float)) and not isinstance(x, bool)],

@@ -248,6 +248,7 @@ class Gateway:
             upstream = decision.upstream
             exchange.decision, exchange.attempts = decision, exchange.attempts + 1
             tried.add(upstream.name)
+            exchange.queue_depth, exchange.queue_running = upstream.waiting, upstream.inflight
             exchange.wait_ns += await upstream.acquire()
             exchange.admitted_ns = time.perf_counter_ns()
             try:

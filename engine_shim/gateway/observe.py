@@ -138,10 +138,13 @@ class Observer:
     def _tracer(self, name: str, adapter: Adapter | None) -> trace.Tracer:
         provider = self._providers.get(name)
         if provider is None:
+            # An upstream that reports itself under its own instance id (the vLLM plugin's label)
+            # gets the gateway's rows under that id, so that they meet its evictions.
+            instance = (adapter.probe_result.instance_id if adapter is not None else None) or name
             attrs = {
-                c.SERVICE_NAME: SERVICE_NAME, c.SERVICE_INSTANCE_ID: name, c.HOST_NAME: socket.gethostname(),
-                c.ENGINE: adapter.engine if adapter is not None else "unknown",
-                c.OBSERVER: adapter.observer if adapter is not None else OBSERVER_GATEWAY,
+                c.SERVICE_NAME: SERVICE_NAME, c.SERVICE_INSTANCE_ID: instance, c.HOST_NAME: socket.gethostname(),
+                c.ENGINE: adapter.engine if adapter is not None else c.ENGINE_OPENAI,
+                c.OBSERVER: OBSERVER_GATEWAY,
             }
             if adapter is not None and adapter.probe_result.version:
                 attrs[c.ENGINE_VERSION] = adapter.probe_result.version
@@ -173,7 +176,11 @@ class Observer:
         tracer = self._tracer(name, adapter)
         reports_itself = adapter is not None and adapter.reports_itself and exchange.status == 200
         if reports_itself:
-            self._route_span(tracer, exchange, avoidable, None)
+            # The upstream's own request row is the row; the gateway adds its hop, and the prompt's
+            # fingerprint when the upstream sends none (the vLLM plugin).
+            route = self._route_span(tracer, exchange, avoidable, None)
+            if "fingerprint" not in adapter.measures:
+                self._cache_spans(tracer, trace.set_span_in_context(route), exchange, measured, printed)
             return
         root = self._request_span(tracer, exchange, measured, adapter)
         context = trace.set_span_in_context(root)
@@ -237,7 +244,7 @@ class Observer:
         return tracer.start_span(c.SPAN_REQUEST, kind=trace.SpanKind.SERVER, attributes=attrs,
                                  start_time=self._t(exchange.arrival_ns))
 
-    def _route_span(self, tracer, exchange: Exchange, avoidable: tuple[int | None, str | None], context) -> None:
+    def _route_span(self, tracer, exchange: Exchange, avoidable: tuple[int | None, str | None], context):
         decision = exchange.decision
         attrs: dict[str, Any] = {
             c.REQUEST_ID: exchange.request_id, c.ROUTE_POLICY: exchange.policy,
@@ -259,17 +266,15 @@ class Observer:
         span = tracer.start_span(c.SPAN_ROUTE, context=context, kind=kind, attributes=attrs,
                                  start_time=self._t(exchange.arrival_ns))
         span.end(end_time=self._t(exchange.sent_ns or exchange.end_ns or exchange.arrival_ns))
+        return span
 
     def _children(self, tracer, context, exchange: Exchange, measured: Measured, printed: PromptPrint | None) -> None:
         rid = exchange.request_id
         if exchange.wait_ns and exchange.admitted_ns is not None:
             self._span(tracer, context, c.SPAN_QUEUE, exchange.admitted_ns - exchange.wait_ns, exchange.admitted_ns,
-                       {c.REQUEST_ID: rid, c.QUEUE_DEPTH: 0})
-        facts = measured.facts
-        sent = exchange.sent_ns or exchange.arrival_ns
-        if printed is not None and printed.hashes:
-            attrs = self._lookup_attrs(rid, printed, facts.prompt_tokens, facts.cached_tokens)
-            self._span(tracer, context, c.SPAN_CACHE_LOOKUP, exchange.arrival_ns, sent, attrs)
+                       {c.REQUEST_ID: rid, c.QUEUE_DEPTH: exchange.queue_depth,
+                        c.QUEUE_RUNNING: exchange.queue_running, c.MAX_BATCH: exchange.decision.upstream.limit})
+        self._cache_spans(tracer, context, exchange, measured, printed)
         if measured.token_ns:
             offsets = [t - measured.token_ns[0] for t in measured.token_ns]
             itl = gaps_ms(measured.token_ns)
@@ -281,7 +286,18 @@ class Observer:
             if itl:
                 attrs[c.ITL_MAX_MS] = max(itl)
             self._span(tracer, context, c.SPAN_DECODE, measured.token_ns[0], measured.token_ns[-1], attrs)
-        if printed is not None and printed.hashes and exchange.status == 200 and not exchange.error_type:
+
+    def _cache_spans(self, tracer, context, exchange: Exchange, measured: Measured,
+                     printed: PromptPrint | None) -> None:
+        """The lookup (fingerprint, segments, the engine's cached tokens) and, after a success, the
+        insert the gateway infers: the upstream now holds the prompt it served."""
+        if printed is None or not printed.hashes:
+            return
+        rid, facts = exchange.request_id, measured.facts
+        sent = exchange.sent_ns or exchange.arrival_ns
+        attrs = self._lookup_attrs(rid, printed, facts.prompt_tokens, facts.cached_tokens)
+        self._span(tracer, context, c.SPAN_CACHE_LOOKUP, exchange.arrival_ns, sent, attrs)
+        if exchange.status == 200 and not exchange.error_type:
             end = exchange.end_ns or sent
             self._span(tracer, context, c.SPAN_CACHE_INSERT, end, end, {
                 c.REQUEST_ID: rid, c.ENTRY_FINGERPRINT: printed.hashes[-1], c.ENTRY_TOKENS: printed.length,

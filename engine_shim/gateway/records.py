@@ -47,6 +47,8 @@ class Exchange:
     attempts: int = 0  #: upstreams tried
     skipped: list[str] = field(default_factory=list)  #: "name:reason" of upstreams that failed it
     wait_ns: int = 0  #: waited at the gateway for a slot (all attempts)
+    queue_depth: int = 0  #: requests already waiting for the chosen upstream when this one arrived
+    queue_running: int = 0  #: requests in flight on the chosen upstream when this one arrived
     admitted_ns: int | None = None  #: perf time the slot was granted (last attempt)
     sent_ns: int | None = None  #: perf time the request went upstream (last attempt)
     headers_ns: int | None = None  #: perf time the upstream's status line arrived

@@ -50,6 +50,7 @@ MEASURES = (
     "queue_state",  #: instance-level running/waiting counts (poll)
     "lifecycle",  #: instance lifecycle events (loading, ready, unloaded) (poll)
     "tokenize",  #: the engine tokenizes prompts for the gateway (fingerprints in its own tokens)
+    "fingerprint",  #: the engine sends its own prompt fingerprint (llm.cache.lookup): the gateway sends none
 )
 
 #: Framing of a response body the gateway must split into JSON documents.

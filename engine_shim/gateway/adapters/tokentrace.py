@@ -25,6 +25,7 @@ class TokentraceEngineAdapter(Adapter):
     engine: ClassVar[str] = "mlx-lm"
     measures: ClassVar[frozenset[str]] = frozenset({
         "prompt_tokens", "completion_tokens", "cached_tokens", "queue", "load_wait", "prefill", "decode",
+        "fingerprint",
     })
 
     @classmethod

@@ -7,9 +7,12 @@ gives running/waiting requests and KV-cache usage, and ``usage.prompt_tokens_det
 appears when vLLM runs with ``--enable-prompt-tokens-details``.
 
 With the plugin (``VllmPluginAdapter``; ``--adapter NAME=vllm-plugin``, or detected by the
-``tokentrace_plugin_info`` line the plugin adds to ``/metrics``) vLLM reports every request itself:
-the gateway emits only its hop, joined on the ``X-Request-Id`` it forwards (vLLM builds its request
-id from that header; ``tokentrace.vllm_names.client_request_id``).
+``tokentrace_plugin_info{instance="..."}`` line the plugin adds to ``/metrics``) vLLM reports every
+request itself: the gateway emits no request row, only its hop, joined on the ``X-Request-Id`` it
+forwards (vLLM builds its request id from that header; ``tokentrace.vllm_names.client_request_id``).
+The plugin sends no prompt fingerprint, so the gateway still sends the lookup (fingerprint from
+``/tokenize``, segments) and what the upstream then holds, under the plugin's instance id (the
+metric's label), where the plugin's block evictions are.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tokentrace.engine_shim.gateway.adapters.openai import get_json
 
 #: A metric line the tokentrace vLLM plugin exposes on vLLM's /metrics (detection only).
 PLUGIN_METRIC = "tokentrace_plugin_info"
+_PLUGIN_INSTANCE = re.compile(PLUGIN_METRIC + r'\{[^}]*instance="([^"]*)"')
 _GAUGE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
 
 
@@ -46,12 +50,12 @@ class VllmAdapter(Adapter):
     async def probe(cls, client: httpx.AsyncClient, base_url: str) -> Probe | None:
         """``/version`` answers ``{"version": ...}`` and ``/metrics`` has ``vllm:`` series."""
         probe = await _probe_vllm(client, base_url)
-        if probe is None or probe[1] != (cls is VllmPluginAdapter):
+        if probe is None or (probe[1] is not None) != (cls is VllmPluginAdapter):
             return None
-        return cls._probe(probe[0])
+        return cls._probe(probe[0], probe[1])
 
     @classmethod
-    def _probe(cls, version: str | None) -> Probe:
+    def _probe(cls, version: str | None, instance: str | None) -> Probe:
         return Probe(kind=cls.kind, version=version)
 
     async def tokenize(self, route: Route, body: dict[str, Any],
@@ -101,12 +105,13 @@ class VllmPluginAdapter(VllmAdapter):
     kind: ClassVar[str] = "vllm-plugin"
 
     @classmethod
-    def _probe(cls, version: str | None) -> Probe:
-        return Probe(kind=cls.kind, version=version, reports_itself=True, observer=OBSERVER_PLUGIN)
+    def _probe(cls, version: str | None, instance: str | None) -> Probe:
+        return Probe(kind=cls.kind, version=version, reports_itself=True, observer=OBSERVER_PLUGIN,
+                     instance_id=instance or None)
 
 
-async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, bool] | None:
-    """(version, plugin present) when ``base_url`` is vLLM, else None."""
+async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, str | None] | None:
+    """(version, the plugin's instance id or None without the plugin) when ``base_url`` is vLLM."""
     base = base_url.rstrip("/")
     version = await get_json(client, base + "/version")
     if not isinstance(version, dict) or "version" not in version:
@@ -117,7 +122,8 @@ async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | N
         return None
     if not metrics.is_success or "vllm:" not in metrics.text:
         return None
-    return str(version["version"]), PLUGIN_METRIC in metrics.text
+    found = _PLUGIN_INSTANCE.search(metrics.text)
+    return str(version["version"]), (found.group(1) if found else None)
 
 
 def parse_gauges(text: str) -> dict[str, float]:
