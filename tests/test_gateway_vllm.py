@@ -92,7 +92,7 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
             gateway.stop()
         stop(proc)
     repeat = verdict(collector, "v-repeat")["cache"]
-    assert repeat["cause"] is None and repeat["result"] == "hit"
+    assert repeat["cause"] is None and repeat["result"] == "hit", repeat
     # vLLM reports whole cached blocks: all but the last partial block of the repeated prompt.
     assert repeat["prompt_tokens"] - BLOCK_SIZE <= repeat["cached_tokens"] < repeat["prompt_tokens"]
     assert repeat["prompt_tokens"] == len(tokens)
@@ -108,7 +108,9 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
     collector.stop()
     stored = [row[0] for row in collector.sql(
         "SELECT hash FROM prefix_blocks WHERE request_id = 'v-first' AND source = 'lookup' ORDER BY block_index")]
-    assert stored == block_hashes(tokens), "the fingerprint is over vLLM's own tokens of the rendered chat"
+    # Over vLLM's own tokens of the rendered chat, up to the last complete KV block (vLLM caches
+    # whole blocks: the partial last one is never reused).
+    assert stored == block_hashes(tokens)[: len(tokens) // BLOCK_SIZE * BLOCK_SIZE // 16]
 
 
 def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(model_dir, tmp_path):
