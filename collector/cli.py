@@ -46,4 +46,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: stopped_by.append(number))
     server.run()
+    stop_error = app.state.collector.stop_error
+    if stop_error:
+        print(f"tokentrace collector: error: stopping failed, the store may need its WAL replayed at the next "
+              f"start: {stop_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1

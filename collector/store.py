@@ -51,6 +51,7 @@ import polars as pl
 import pyarrow as pa
 
 from tokentrace.collector.normalize import PACKED, Batch
+from tokentrace.errors import RejectedBatch, StoreError
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,20 @@ def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     columns = list(zip(*rows, strict=True))
     arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+#: Exceptions of a write that say a value of the batch does not fit its column (a conversion):
+#: writing the same batch again cannot succeed. Anything else (I/O, a full disk, a busy store)
+#: may pass.
+_CONVERSION_ERRORS = (OverflowError, TypeError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError)
+
+
+def write_failure(exc: BaseException, message: str) -> StoreError | RejectedBatch:
+    """The error a failed write raises: RejectedBatch (permanent, 400) for a value the store cannot
+    hold, StoreError (transient, 503) for everything else."""
+    conversion = isinstance(exc, _CONVERSION_ERRORS) or type(exc).__name__ in ("ConversionException",
+                                                                                 "TypeMismatchException")
+    return RejectedBatch(message) if conversion else StoreError(message)
 
 
 class NamedQueryReader:

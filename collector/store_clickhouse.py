@@ -39,7 +39,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import StoreError
 
 #: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
@@ -196,8 +196,8 @@ class ClickHouseStore(NamedQueryReader):
                 self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
             return True
-        except (ClickHouseError, pa.ArrowException) as exc:
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+        except Exception as exc:
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def _table(self, batch: Batch, table: str) -> pa.Table | None:
         if table in PACKED:

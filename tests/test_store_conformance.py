@@ -158,6 +158,8 @@ PARAMS = {
     "reasons": (["max_entries", "max_bytes", "memory_pressure", "trim"], ["max_entries"], []),
     "block_indices": ([0, 1, 2, 3], [0], []),
     "inserted_ns": (BASE + 680_000_000, BASE, None),  # the golden insert span's start
+    "t_ns": (BASE, 0, None),
+    "session_id": ("sess-<b>1</b>", "<script>alert(1)</script>", None),
 }
 _DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
 _CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
