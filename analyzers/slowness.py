@@ -159,6 +159,10 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         verdict = SlowVerdict(r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
                               category, None, {}, tokens)
         (_outcome if outcome != COMPLETED else _undecomposed)(verdict, facts)
+        if outcome == COMPLETED and (breakdown["queue"] or 0) > 0:
+            # The parts that are known still explain themselves: a gateway's queue is measured
+            # even where the engine's prefill is not (docs/gateway.md).
+            _queueing(verdict, facts)
         return verdict
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
