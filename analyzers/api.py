@@ -3,7 +3,9 @@
     GET /api/requests/{id}/slow     slowness verdict
     GET /api/requests/{id}/cache    cache verdict
     GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
+    GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
     GET /api/report?since=15m       the window report
+    GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
 
 ``?slo=ttft=2s,...`` on slow, verdict and report judges against those objectives instead of the
 collector's ``--slo`` (docs/metrics.md).
@@ -17,8 +19,10 @@ from fastapi import APIRouter, Query, Request
 
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
+from tokentrace.analyzers.session import analyze_session
 from tokentrace.analyzers.slo import SloSpec, parse_slo
 from tokentrace.analyzers.slowness import analyze_slowness
+from tokentrace.analyzers.workload import load_workload
 from tokentrace.window import since_ns
 
 router = APIRouter(prefix="/api")
@@ -54,6 +58,12 @@ def both_verdicts(request_id: str, request: Request, slo: str | None = None) -> 
     return {"slow": slow.as_dict(), "cache": cache.as_dict()}
 
 
+@router.get("/sessions/{session_id:path}")
+def session_verdict(session_id: str, request: Request) -> dict:
+    """The session verdict of one session id."""
+    return analyze_session(request.app.state.reader, session_id).as_dict()
+
+
 @router.get("/report")
 def window_report(request: Request, since: str = "15m",
                   causes: int = Query(25, ge=0, le=MAX_CAUSE_SAMPLE), slo: str | None = None) -> dict:
@@ -61,3 +71,9 @@ def window_report(request: Request, since: str = "15m",
     misses of at most ``causes`` of them."""
     return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes,
                      slo=objectives(request, slo)).as_dict()
+
+
+@router.get("/workload")
+def window_workload(request: Request, since: str = "1h") -> dict:
+    """The requests that started in the last ``since`` with their prompt block ids, for whatif."""
+    return load_workload(request.app.state.reader, since_ns(since, what="since")).as_dict()

@@ -1,4 +1,4 @@
-"""Verdicts from the command line: ``tokentrace analyze slow|cache|report``.
+"""Verdicts from the command line: ``tokentrace analyze slow|cache|session|report``.
 
 Asks a running collector (``--url``, default http://127.0.0.1:4318) or reads a DuckDB file directly
 (``--db``) when no collector holds it. Both paths produce the same JSON, rendered the same way;
@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         _analysis_options(one)
         if name == "slow":
             _slo_option(one)
+    session = sub.add_parser("session", help="an agent session's turns: gaps, verdicts, whether the cache survived",
+                             description="Each turn of a session with its gap, both verdicts and whether the cache "
+                                         "survived the gap; per instance, the gap beyond which turns come back cold.")
+    session.add_argument("--session-id", required=True, help="the session's id (X-Session-Id or the OpenAI user field)")
+    _analysis_options(session)
     report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
                             description="A summary of the requests that started in the window.")
     report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def _from_db(args: argparse.Namespace) -> dict:
     from tokentrace.analyzers.cache import analyze_cache
     from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.session import analyze_session
     from tokentrace.analyzers.slo import parse_slo
     from tokentrace.analyzers.slowness import analyze_slowness
     from tokentrace.collector.store_duckdb import DuckDBStore
@@ -90,6 +96,8 @@ def _from_db(args: argparse.Namespace) -> dict:
             result = analyze_slowness(store, args.request_id, slo).as_dict()
         elif args.analysis == "cache":
             result = analyze_cache(store, args.request_id).as_dict()
+        elif args.analysis == "session":
+            result = analyze_session(store, args.session_id).as_dict()
         else:
             result = summarize(store, since_ns(args.since), cause_sample=args.causes, slo=slo).as_dict()
     finally:
@@ -101,6 +109,8 @@ def _from_url(args: argparse.Namespace) -> dict:
     slo = {"slo": args.slo} if getattr(args, "slo", None) is not None else {}
     if args.analysis == "report":
         path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes, **slo})
+    elif args.analysis == "session":
+        path = f"/api/sessions/{urllib.parse.quote(args.session_id, safe='')}"
     else:
         path = f"/api/requests/{urllib.parse.quote(args.request_id, safe='')}/{args.analysis}"
         path += "?" + urllib.parse.urlencode(slo) if slo else ""

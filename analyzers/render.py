@@ -9,8 +9,9 @@ _BAR = 24
 
 
 def render(kind: str, result: dict) -> str:
-    """Text for ``slow``, ``cache`` or ``report``."""
-    return {"slow": render_slow, "cache": render_cache, "report": render_report}[kind](result)
+    """Text for ``slow``, ``cache``, ``session`` or ``report``."""
+    return {"slow": render_slow, "cache": render_cache, "session": render_session,
+            "report": render_report}[kind](result)
 
 
 def _abnormal(verdict: dict) -> str:
@@ -114,3 +115,29 @@ def render_slo(slo: dict | None) -> list[str]:
     goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"
     return [f"SLO {slo['spec']}: " + "; ".join(parts),
             f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
+def _gap(value: float | None) -> str:
+    return "—" if value is None else fmt_ms(value)
+
+
+def render_session(verdict: dict) -> str:
+    """The session verdict: a line per turn, the cold turns' evidence, the thresholds per instance."""
+    lines = [f"session {verdict['session_id']}: {len(verdict['turns'])} turns, "
+             f"{len(verdict['cold_turns'])} came back to a cold cache"
+             + (" (only the latest shown)" if verdict["truncated"] else "")]
+    lines.append(f"  {'turn':>4} {'request':<24} {'instance':<14}{'gap':>11}{'ttft':>11}{'prompt':>8}{'cached':>8}"
+                 f"  {'slow':<11}{'cache':<28}survived")
+    for t in verdict["turns"]:
+        cache = t["cache"]["result"] + (f" ({t['cache']['cause']})" if t["cache"]["cause"] else "")
+        survived = {None: "—", True: "yes", False: "no"}[t["survived"]]
+        lines.append(f"  {t['turn']:>4} {t['request_id']:<24} {t['instance_id']!s:<14}{_gap(t['gap_ms']):>11}"
+                     f"{fmt_ms(t['ttft_ms']):>11}{t['prompt_tokens']!s:>8}{t['cached_tokens']!s:>8}  "
+                     f"{t['slow']['category']:<11}{cache:<28}{survived}")
+    if verdict["evidence"]:
+        lines.append("evidence:")
+        lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
+    for row in verdict["instances"]:
+        after = "unknown" if row["cold_after_ms"] is None else f"{fmt_ms(row['cold_after_ms'])} or more"
+        lines.append(f"{row['instance_id']}: follow-ups come back cold after gaps of {after} "
+                     f"({row['warm']} warm, {row['cold']} cold of {row['follow_ups']}; longest warm gap "
+                     f"{_gap(row['longest_warm_gap_ms'])})")
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ import hmac
 import html
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from urllib.parse import parse_qsl, quote, urlencode
 
@@ -43,6 +44,8 @@ from tokentrace.wire import SPOOL_FILE_HEADER, SPOOL_FILE_NAME
 log = logging.getLogger("tokentrace.collector")
 _GRPC_CODE = {400: 3, 401: 16, 404: 5, 413: 8, 415: 3, 503: 14, 500: 13}  # HTTP -> google.rpc.Code
 TOKEN_COOKIE = "tokentrace_token"
+#: Seconds a failed write keeps /healthz unavailable by itself (issue 11: tell the truth, and recover).
+RECENT_WRITE_ERROR_S = 10.0
 
 
 class FiniteJSONResponse(JSONResponse):
@@ -226,7 +229,9 @@ class Collector:
         problems = []
         if self.queue is None or not self.queue.alive():
             problems.append("the writer thread is not running")
-        elif self.queue.last_error:
+        elif self.queue.last_error and time.monotonic() - self.queue.last_error_at < RECENT_WRITE_ERROR_S:
+            # After that, the probe below (the store answers, its disk has room) says whether the
+            # condition passed: a sender must not be kept away by a failure that is over.
             problems.append(f"the last write failed: {self.queue.last_error}")
         try:
             self.store.probe()
@@ -236,7 +241,8 @@ class Collector:
             "status": "unavailable" if problems else "ok",
             "problems": problems,
             "version": __version__,
-            "store": {"path": getattr(self.store, "path", None), "writable": not problems},
+            "store": {"path": getattr(self.store, "path", None), "writable": not problems,
+                      "last_write_error": self.queue.last_error if self.queue else None},
             "queue": {"depth": self.queue.depth() if self.queue else 0,
                       "capacity": self.config.max_queue},
             **self.counters.snapshot(),

@@ -17,7 +17,8 @@ from tokentrace.errors import TokentraceError
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("collector", "tokentrace.collector.cli", "run the OTLP collector, its DuckDB store and dashboard"),
     ("analyze", "tokentrace.analyzers.cli", "verdicts: why a request was slow, why its cache lookup missed"),
-    ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Chrome trace-event JSON for Perfetto"),
+    ("whatif", "tokentrace.analyzers.whatif_cli", "replay traffic through other cache sizes, instances and routing"),
+    ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Perfetto JSON, Mooncake traces"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
     ("engine", "tokentrace.engine_shim.mlx.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
     ("make-model", "tokentrace.engine_shim.mlx.make_model", "write a random-weight model to test and demo with"),

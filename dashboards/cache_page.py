@@ -8,6 +8,12 @@ Capacity estimate, per instance, from its latest heartbeat and the window's requ
     sessions in all = min(byte limit / session bytes, entry limit)
 Cluster totals add the instances up: caches are per instance, so one instance's room does not help
 a session pinned to another (the field report's "position boundary").
+
+Hit rate against capacity, per instance: the window's requests replayed where they were served
+(``whatif``'s default block model, docs/whatif.md) at ``CURVE_POINTS`` capacities evenly spaced up
+to a little beyond the largest number of distinct prompt tokens one instance saw (where every
+capacity gives the unlimited ratio), and at each instance's own limit in tokens (byte limit / KV
+bytes per token).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from fastapi import Request
 
 from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.analyzers.report import token_hit_rate
+from tokentrace.analyzers.whatif import Capacity, assign, replay
+from tokentrace.analyzers.workload import load_workload
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
@@ -28,6 +36,43 @@ from tokentrace.dashboards.web import page
 from tokentrace.window import since_ns
 
 RECENT_EVICTIONS = 20
+CURVE_POINTS = 10
+
+
+def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]:
+    """Per instance, the token hit ratio the window's traffic gets at each capacity (module docstring)."""
+    workload = load_workload(reader, window_ns)
+    ids = workload.recorded_ids()
+    empty = {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
+             "empty": "no requests with a prompt fingerprint in this window"}
+    if not workload.requests:
+        return {"chart": empty, "instances": []}
+    chosen = assign(workload, len(ids), "recorded")
+    distinct = [set() for _ in ids]
+    for r, k in zip(workload.requests, chosen, strict=True):
+        distinct[k].update(r.blocks)
+    need = max(len(blocks) for blocks in distinct) * workload.block_size
+    step = max(workload.block_size, -(-need * 6 // 5 // CURVE_POINTS))
+    x = [step * (i + 1) for i in range(CURVE_POINTS)]
+    runs = [replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in x]
+    unlimited = replay(workload, Capacity(), len(ids), "recorded", chosen)
+    rows = []
+    for k, name in enumerate(ids):
+        facts = workload.instances[name]
+        own = None
+        if facts.cache_max_bytes and facts.kv_bytes_per_token:
+            own = facts.cache_max_bytes // facts.kv_bytes_per_token
+        at_own = None
+        if own:
+            at_own = replay(workload, Capacity(tokens=own), len(ids), "recorded", chosen)["per_instance"][k]
+        rows.append({"instance_id": name, "capacity_tokens": own,
+                     "token_hit_ratio_at_capacity": at_own["token_hit_ratio"] if at_own else None,
+                     "token_hit_ratio_unlimited": unlimited["per_instance"][k]["token_hit_ratio"],
+                     "requests": unlimited["per_instance"][k]["requests"]})
+    chart = {**empty, "x": x, "x_label": "capacity (tokens)",
+             "series": [{"name": name, "y": [run["per_instance"][k]["token_hit_ratio"] for run in runs]}
+                        for k, name in enumerate(ids)]}
+    return {"chart": chart, "instances": rows}
 
 
 def _fit(free: float | None, per_session: float | None) -> int | None:
@@ -86,6 +131,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
     hit, counted = series.ratio(completed, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
     causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
+    curve = capacity_curve(reader, window_ns)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
         group = thin(group.filter(pl.col("cache_max_bytes") > 0))
@@ -104,7 +150,9 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
             "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
         "hit_rate": {"token_hit_rate": token_hit_rate(completed), "t": buckets, "rate": hit, "requests": counted},
         "causes": causes, "cause_sample": sampled,
+        "capacity_curve": curve["instances"],
         "charts": {
+            "capacity_curve": curve["chart"],
             "fill": {"kind": "line", "x_type": "time", "unit": "pct", "series": fill,
                      "hline": {"name": "limit", "value": 1},
                      "x_min": t0 / 1e6, "x_max": t1 / 1e6,

@@ -55,6 +55,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lazy-load", bool, False, "load the model on the first request instead of at start"),
     Setting("capture-content", bool, False, "attach bounded prompt snippets to spans (off: no text leaves)"),
     Setting("heartbeat-interval", float, 5.0, "seconds between instance.heartbeat spans", minimum=0.1),
+    Setting("chat-template", str, None, "chat template (Jinja text) to render chats with instead of the model's "
+            "(as mlx_lm.server's --chat-template)"),
 )
 
 
@@ -79,6 +81,7 @@ class EngineSettings:
     lazy_load: bool = False  #: load on the first request
     capture_content: bool = False  #: prompt snippets in spans
     heartbeat_interval: float = 5.0  #: seconds between heartbeats
+    chat_template: str | None = None  #: chat template replacing the model's
 
     @property
     def served_name(self) -> str:
