@@ -21,7 +21,7 @@ def _help(*command: str) -> str:
 
 def test_help_texts_have_no_rst_marks_and_keep_examples_on_their_lines():
     analyze = _help("analyze")
-    assert "``" not in analyze and "tokentrace analyze slow|cache|report" in analyze
+    assert "``" not in analyze and "from the command line: tokentrace analyze slow|cache|" in analyze
     export = _help("export")
     assert "``" not in export
     lines = export.splitlines()
