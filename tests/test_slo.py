@@ -112,3 +112,28 @@ def test_histograms_and_inter_token_gaps(tmp_path):
     assert f'tokentrace_slo_requests_total{{{labels},slo="ttft",met="true"}} 2' in lines
     assert f'tokentrace_slo_requests_total{{{i2},slo="ttft",met="false"}} 1' in lines
     assert f'vllm:prefix_cache_hits_total{{{labels}}} 18' in lines
+
+
+def test_rows_that_know_little_are_counted_without_inventing_values(tmp_path):
+    """A gateway or vLLM-native row: no queue, no cached tokens, no phases, no finish reason."""
+    row = dict.fromkeys(TABLES["requests"])
+    row.update(request_id="g-1", trace_id="t", span_id="s", instance_id="gw", start_ns=0, end_ns=2_000_000_000,
+               ttft_ms=None, prompt_tokens=None)
+    store = DuckDBStore(tmp_path / "g.duckdb")
+    state = MetricsState(store, parse_slo("ttft=1s,e2e=10s"))
+    try:
+        batch = Batch()
+        batch.rows["requests"].append(tuple(row[name] for name in TABLES["requests"]))
+        state.observe(batch)
+        text = state.render({"accepted_spans": 1, "rejected": {}})
+    finally:
+        state.close()
+        store.close()
+    assert "tokentrace_metrics_fold_errors" not in text
+    gw = 'model_name="unknown",engine="0",instance_id="gw"'
+    assert f'tokentrace_requests_total{{{gw},outcome="completed",category="undecomposed"}} 1' in text
+    assert f"vllm:e2e_request_latency_seconds_count{{{gw}}} 1" in text
+    for absent in ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds", "vllm:prefix_cache_hits",
+                   "vllm:prompt_tokens_total", 'slo="ttft"'):
+        assert absent not in text, absent
+    assert f'tokentrace_slo_requests_total{{{gw},slo="e2e",met="true"}} 1' in text
