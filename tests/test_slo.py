@@ -88,6 +88,9 @@ def test_histograms_and_inter_token_gaps(tmp_path):
         batch.rows["requests"] += [_request_row("a", "i1", 1.0), _request_row("b", "i1", 100.0),
                                    _request_row("c", "i2", 3000.0)]
         # Two requests' step offsets on one instance: gaps are taken within each request only.
+        eviction = dict.fromkeys(TABLES["cache_evictions"])
+        eviction.update(instance_id="i1", t_ns=5, reason="max_bytes")
+        batch.rows["cache_evictions"] += [tuple(eviction[name] for name in TABLES["cache_evictions"])] * 2
         batch.packed["decode_steps"] += [("a", "i1", 0, [0, 10_000_000, 30_000_000]),
                                          ("b", "i1", 0, [5_000_000_000, 5_050_000_000]), ("c", "i2", 0, [7])]
         state.observe(batch)
@@ -112,6 +115,7 @@ def test_histograms_and_inter_token_gaps(tmp_path):
     assert f'tokentrace_slo_requests_total{{{labels},slo="ttft",met="true"}} 2' in lines
     assert f'tokentrace_slo_requests_total{{{i2},slo="ttft",met="false"}} 1' in lines
     assert f'vllm:prefix_cache_hits_total{{{labels}}} 18' in lines
+    assert f'tokentrace_cache_evictions_total{{{labels},reason="max_bytes"}} 2' in lines
 
 
 def test_rows_that_know_little_are_counted_without_inventing_values(tmp_path):
