@@ -18,6 +18,7 @@ from pathlib import Path
 
 import polars as pl
 
+from tokentrace.analyzers.session import once
 from tokentrace.analyzers.whatif import InstanceFacts, TraceRequest, Workload
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import ConfigError
@@ -65,7 +66,7 @@ def _prefill_rates(requests: pl.DataFrame) -> dict[str, float]:
 
 def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | None = None) -> Workload:
     """The requests that started in [since, until) with a prompt fingerprint, in arrival order."""
-    requests = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=LIMIT)
+    requests = once(reader.requests(since_ns=since_ns, until_ns=until_ns, limit=LIMIT))
     lookups = reader.bulk("lookups_in", since_ns=since_ns, until_ns=until_ns).unique("request_id", keep="last")
     blocks = (reader.bulk("lookup_blocks_in", since_ns=since_ns, until_ns=until_ns)
               .unique(["request_id", "block_index"], keep="last", maintain_order=True)

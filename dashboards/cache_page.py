@@ -1,9 +1,11 @@
 """``/cache``: the "global cache capacity" view the field reports say nobody has: per instance, the
 prefix cache's bytes and entries against its limits, and how many more sessions of the recent
-average context would fit; evictions over time by reason, token hit rate over time, miss causes.
+median session length would fit; evictions over time by reason, token hit rate over time, miss causes.
 
-Capacity estimate, per instance, from its latest heartbeat and the window's requests:
-    session bytes   = KV bytes per token x average context (prompt + output tokens) of its requests
+Capacity estimate, per instance, from its latest heartbeat and the window's requests (the KV budget):
+    session bytes   = KV bytes per token x the median session length (``session_length``: per
+                      session, its longest prompt + output tokens; a request without a session id
+                      is a session of its own)
     more sessions   = min(free bytes / session bytes, free entries)
     sessions in all = min(byte limit / session bytes, entry limit)
 Cluster totals add the instances up: caches are per instance, so one instance's room does not help
@@ -86,12 +88,22 @@ def _least(*values: int | None) -> int | None:
     return min(known) if known else None
 
 
+def session_length(requests: pl.DataFrame) -> float | None:
+    """The median session length in tokens: per session, its longest context (prompt + output tokens)
+    in the window, the latest turn's in a growing conversation; a request without a session id is a
+    session of its own. None without requests."""
+    if requests.height == 0:
+        return None
+    context = pl.col("prompt_tokens").fill_null(0) + pl.col("completion_tokens").fill_null(0)
+    key = pl.coalesce(pl.lit("s:") + pl.col("session_id"), pl.lit("r:") + pl.col("request_id"))
+    per_session = requests.group_by(key.alias("session")).agg(context.max().alias("tokens"))
+    return float(per_session["tokens"].median())
+
+
 def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     """One instance's cache use against its limits and the sessions that fit (module docstring)."""
     mine = requests.filter(pl.col("instance_id") == beat["instance_id"])
-    context = None
-    if mine.height:
-        context = float((mine["prompt_tokens"].fill_null(0) + mine["completion_tokens"].fill_null(0)).mean())
+    context = session_length(mine)
     per_token, used, limit = beat["kv_bytes_per_token"], beat["cache_bytes"], beat["cache_max_bytes"]
     entries, max_entries = beat["cache_entries"], beat["cache_max_entries"]
     session = per_token * context if per_token and context else None
@@ -104,7 +116,7 @@ def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
         "entries": entries, "max_entries": max_entries,
         "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
         "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
-        "requests": mine.height, "avg_context_tokens": None if context is None else round(context, 1),
+        "requests": mine.height, "median_session_tokens": None if context is None else round(context, 1),
         "session_bytes": None if session is None else round(session),
         "more_sessions": _least(_fit(free_bytes, session), free_entries),
         "sessions_in_all": _least(_fit(limit, session), max_entries),

@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    resource = engine_resource(settings.service_instance_id, settings.served_name)
+    resource = engine_resource(settings.service_instance_id, settings.served_name, settings.memory_bandwidth_gbs)
     # Spans are built and exported in a process of their own (exporter_process.py explains why).
     exporter = ExporterProcess(ExporterConfig(
-        resource={k: str(v) for k, v in resource.attributes.items()}, endpoint=settings.otlp_endpoint or None,
+        resource={k: v if isinstance(v, float) else str(v) for k, v in resource.attributes.items()},
+        endpoint=settings.otlp_endpoint or None,
         spool_dir=settings.spool_dir, spool_max_bytes=settings.spool_max_bytes, token=settings.otlp_token,
         clock_offset_ns=Clock().offset_ns,
     )).start()

@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
+from tokentrace.hardware import chip_name
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ EXPORT_QUEUE = 32768
 MAX_EVENTS = 4096
 
 
-def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine") -> Resource:
-    """The contract's resource attributes for an mlx-lm engine instance."""
+def engine_resource(instance_id: str, model: str, memory_bandwidth_gbs: float | None = None,
+                    service_name: str = "tokentrace-engine") -> Resource:
+    """The contract's resource attributes for an mlx-lm engine instance (the chip where macOS names
+    it; the declared peak memory bandwidth when given)."""
     try:
         from mlx_lm import __version__ as engine_version
     except ImportError:  # pragma: no cover - the engine needs mlx-lm anyway
@@ -60,6 +63,8 @@ def engine_resource(instance_id: str, model: str, service_name: str = "tokentrac
         c.ENGINE: c.ENGINE_MLX,
         c.ENGINE_VERSION: engine_version,
         c.MODEL: model,
+        **({c.HOST_CHIP: chip} if (chip := chip_name()) else {}),
+        **({c.HOST_MEMORY_BANDWIDTH_GBS: float(memory_bandwidth_gbs)} if memory_bandwidth_gbs else {}),
     })
 
 

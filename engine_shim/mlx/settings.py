@@ -55,6 +55,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lazy-load", bool, False, "load the model on the first request instead of at start"),
     Setting("capture-content", bool, False, "attach bounded prompt snippets to spans (off: no text leaves)"),
     Setting("heartbeat-interval", float, 5.0, "seconds between instance.heartbeat spans", minimum=0.1),
+    Setting("memory-bandwidth-gbs", float, None, "peak memory bandwidth of this machine in GB/s, for the decode "
+            "verdict (default: the chip's published figure; none on Linux)", minimum=0.001),
 )
 
 
@@ -79,6 +81,7 @@ class EngineSettings:
     lazy_load: bool = False  #: load on the first request
     capture_content: bool = False  #: prompt snippets in spans
     heartbeat_interval: float = 5.0  #: seconds between heartbeats
+    memory_bandwidth_gbs: float | None = None  #: declared peak memory bandwidth (GB/s)
 
     @property
     def served_name(self) -> str:
