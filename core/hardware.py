@@ -6,8 +6,13 @@ verdict takes that, else the published figure of the chip below, else says the p
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
+import sys
+
+#: The vLLM plugin's way to declare the peak (vLLM has no option of ours to carry it).
+ENV_MEMORY_BANDWIDTH = "TOKENTRACE_MEMORY_BANDWIDTH_GBS"
 
 #: Published unified-memory bandwidth in GB/s (10^9 bytes/s), by the name macOS reports
 #: (``sysctl machdep.cpu.brand_string``). Where a chip ships in two bandwidth configurations (M3 Max
@@ -41,6 +46,32 @@ def chip_name() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out or None
+
+
+def cuda_device_name() -> str | None:
+    """The first CUDA device's name, when torch is already loaded (inside vLLM) and sees one."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
+    except Exception:  # a broken CUDA setup must not stop the engine from serving
+        return None
+
+
+def vllm_resource() -> dict[str, str | float]:
+    """The vLLM plugin's hardware resource attributes: the GPU's name, and the declared peak from
+    ``TOKENTRACE_MEMORY_BANDWIDTH_GBS`` (ignored unless a positive number)."""
+    from tokentrace import contract as c
+
+    attributes: dict[str, str | float] = {}
+    if name := cuda_device_name():
+        attributes[c.HOST_CHIP] = name
+    try:
+        declared = float(os.environ.get(ENV_MEMORY_BANDWIDTH, ""))
+    except ValueError:
+        declared = 0.0
+    if declared > 0:
+        attributes[c.HOST_MEMORY_BANDWIDTH_GBS] = declared
+    return attributes
 
 
 def published_peak(chip: str | None) -> float | None:
