@@ -149,8 +149,9 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     times = dict(matches.group_by("request_id").agg(pl.col("t_ns").max()).iter_rows()) if matches.height else {}
     earlier = {rid: reader.frame("segments_of", request_id=rid, t0_ns=times[rid] - 1, t1_ns=times[rid] + 1).to_dicts()
                for rid in divergences if rid in times}
-    identity = _identity(reader, request["instance_id"], request["end_ns"])
-    previous = _previous_turn(reader, request, hashes, block)
+    # Only a lookup that reused less than a block can be a model or template change.
+    identity = _identity(reader, request["instance_id"], request["end_ns"]) if cached < block else {}
+    previous = _previous_turn(reader, request, hashes, block) if cached < block else None
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
                       divergences, earlier, loads, previous, identity)
 

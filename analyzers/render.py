@@ -40,6 +40,9 @@ def render_slow(verdict: dict) -> str:
         bar = "unknown" if value is None else "█" * round(_BAR * value / total)
         lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
     lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
+    for missed in verdict.get("slo_missed") or []:
+        lines.append(f"  missed SLO {missed['slo']}: {fmt_ms(missed['observed_ms'])} over the objective of "
+                     f"{fmt_ms(missed['objective_ms'])}")
     lines.append("evidence:")
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
     return "\n".join(lines)
@@ -90,6 +93,7 @@ def render_report(report: dict) -> str:
         lines.append(f"{row['instance_id']!s:<16}{row['requests']:>9}{fmt_ms(t['p50']):>11}{fmt_ms(t['p95']):>10}"
                      f"{fmt_ms(t['p99']):>10}{fmt_ms(p['p50']):>11}{fmt_ms(p['p95']):>10}{fmt_ms(p['p99']):>10}"
                      f"{row['output_tokens_per_s']:>9.1f}")
+    lines.extend(render_slo(report.get("slo")))
     lines.append("slowest:")
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
@@ -98,6 +102,19 @@ def render_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def render_slo(slo: dict | None) -> list[str]:
+    """SLO attainment lines of a report (none when no objectives are set)."""
+    if not slo:
+        return []
+    parts = []
+    for name, row in slo["objectives"].items():
+        share = "n/a" if row["attainment"] is None else f"{row['attainment']:.1%}"
+        parts.append(f"{name} {share} ({row['met']} met, {row['missed']} missed, {row['unknown']} unknown)")
+    whole = slo["all"]
+    share = "n/a" if whole["attainment"] is None else f"{whole['attainment']:.1%}"
+    goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"
+    return [f"SLO {slo['spec']}: " + "; ".join(parts),
+            f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
 def _gap(value: float | None) -> str:
     return "—" if value is None else fmt_ms(value)
 

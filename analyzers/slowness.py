@@ -33,6 +33,7 @@ from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_wind
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
 from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
+from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
@@ -59,10 +60,12 @@ class SlowVerdict:
     baseline: dict[str, Any]  #: {metric, unit, observed, value, samples, factor, floor}
     tokens: dict[str, int | None]  #: prompt, cached, completion
     evidence: list[Evidence] = field(default_factory=list)
+    #: objectives this request missed, [{slo, objective_ms, observed_ms}] (analyzers.slo); [] if none set
+    slo_missed: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (evidence flattened to {kind, text, ...})."""
-        return {
+        return {"slo_missed": self.slo_missed,
             "request_id": self.request_id, "instance_id": self.instance_id, "engine": self.engine,
             "outcome": self.outcome, "breakdown_ms": self.breakdown_ms, "category": self.category,
             "ttft_category": self.ttft_category,
@@ -354,6 +357,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
         ))
 
 
-def analyze_slowness(reader: TraceReader, request_id: str) -> SlowVerdict:
-    """Load and classify."""
-    return classify_slowness(load_slow_facts(reader, request_id))
+def analyze_slowness(reader: TraceReader, request_id: str, slo: SloSpec | None = None) -> SlowVerdict:
+    """Load and classify; with objectives, also say which of them the request missed."""
+    facts = load_slow_facts(reader, request_id)
+    verdict = classify_slowness(facts)
+    verdict.slo_missed = missed_objectives(facts.request, slo)
+    return verdict

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from urllib.parse import parse_qsl, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
@@ -42,6 +44,8 @@ from tokentrace.wire import SPOOL_FILE_HEADER, SPOOL_FILE_NAME
 log = logging.getLogger("tokentrace.collector")
 _GRPC_CODE = {400: 3, 401: 16, 404: 5, 413: 8, 415: 3, 503: 14, 500: 13}  # HTTP -> google.rpc.Code
 TOKEN_COOKIE = "tokentrace_token"
+#: Seconds a failed write keeps /healthz unavailable by itself (issue 11: tell the truth, and recover).
+RECENT_WRITE_ERROR_S = 10.0
 
 
 class FiniteJSONResponse(JSONResponse):
@@ -62,6 +66,38 @@ def _otlp_error(status: int, message: str, encoding: Encoding | None, headers: d
     if encoding is not None and encoding.name == "protobuf":
         return Response(payload.SerializeToString(), status, headers, media_type=encoding.media_type)
     return Response(json_format.MessageToJson(payload, indent=None), status, headers, media_type=JSON)
+
+
+#: 401 messages: a token that was not given, and one that was given but does not match.
+MISSING_TOKEN = ("this collector requires a token: send 'Authorization: Bearer TOKEN', or in a browser add "
+                 "?token=TOKEN to the address once")
+WRONG_TOKEN = "the token given does not match this collector's --token (TOKENTRACE_TOKEN)"
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>tokentrace: token required</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
+<h1>{title}</h1>
+<p>{message}.</p>
+<p>Open this page again with the collector's token in the address, once:
+<code>http://HOST:PORT/?token=TOKEN</code>. The browser keeps it in a cookie for this collector, and the
+token leaves the address bar.</p>
+</body></html>
+"""
+
+
+def _has_cookie(header: bytes) -> bool:
+    return any(part.strip().startswith(TOKEN_COOKIE.encode() + b"=") for part in header.split(b";"))
+
+
+def unauthorized(presented: bool, browser: bool) -> Response:
+    """The 401: an HTML page for a browser (it mentions ?token=), the JSON envelope otherwise; a wrong
+    token and a missing one get different messages."""
+    message = WRONG_TOKEN if presented else MISSING_TOKEN
+    headers = {"WWW-Authenticate": 'Bearer realm="tokentrace"' + (', error="invalid_token"' if presented else "")}
+    if browser:
+        title = "Wrong token" if presented else "This collector needs a token"
+        return HTMLResponse(_LOGIN_PAGE.format(title=title, message=html.escape(message)), Unauthorized.http_status,
+                            headers)
+    return error_envelope(Unauthorized.http_status, Unauthorized.code, message, headers=headers)
 
 
 class BearerAuth:
@@ -93,11 +129,8 @@ class BearerAuth:
         elif authenticated:
             return await self.app(scope, receive, send)
         else:
-            response = error_envelope(
-                Unauthorized.http_status, Unauthorized.code,
-                "this collector requires a bearer token (Authorization: Bearer TOKEN)",
-                headers={"WWW-Authenticate": 'Bearer realm="tokentrace"'},
-            )
+            presented = bool(given or headers.get(b"authorization") or _has_cookie(headers.get(b"cookie", b"")))
+            response = unauthorized(presented, b"text/html" in headers.get(b"accept", b""))
         await response(scope, receive, send)
 
     def _bearer_ok(self, header: bytes) -> bool:
@@ -156,17 +189,24 @@ class Collector:
                                  config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
+        #: Read-side parts told of every committed batch (``observe(batch)``, ``close()``): /metrics.
+        self.listeners: list = []
         self.stop_error: str | None = None  #: why stopping failed (a checkpoint on a full disk)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
         self.pipeline.start()
-        self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
+        self.queue = WriteQueue(self.store, self._written, self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
 
             self.spool = SpoolIngester(self.config.spool_dir, self.pipeline, self.queue, self.counters)
             self.spool.start()
+
+    def _written(self, batch) -> None:
+        self.counters.accept(batch.spans)
+        for listener in self.listeners:
+            listener.observe(batch)
 
     def stop(self) -> None:
         """Stop the spool, write what was submitted, checkpoint and close the store; a failure is
@@ -176,6 +216,8 @@ class Collector:
         self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
+        for listener in self.listeners:
+            listener.close()
         try:
             self.store.close()
         except StoreError as exc:
@@ -187,7 +229,9 @@ class Collector:
         problems = []
         if self.queue is None or not self.queue.alive():
             problems.append("the writer thread is not running")
-        elif self.queue.last_error:
+        elif self.queue.last_error and time.monotonic() - self.queue.last_error_at < RECENT_WRITE_ERROR_S:
+            # After that, the probe below (the store answers, its disk has room) says whether the
+            # condition passed: a sender must not be kept away by a failure that is over.
             problems.append(f"the last write failed: {self.queue.last_error}")
         try:
             self.store.probe()
@@ -197,7 +241,8 @@ class Collector:
             "status": "unavailable" if problems else "ok",
             "problems": problems,
             "version": __version__,
-            "store": {"path": getattr(self.store, "path", None), "writable": not problems},
+            "store": {"path": getattr(self.store, "path", None), "writable": not problems,
+                      "last_write_error": self.queue.last_error if self.queue else None},
             "queue": {"depth": self.queue.depth() if self.queue else 0,
                       "capacity": self.config.max_queue},
             **self.counters.snapshot(),

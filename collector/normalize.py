@@ -306,6 +306,7 @@ def _event(scope: _Scope, span, event, span_attrs: dict, counter: list) -> dict:
 
 # --- typed rows per span name ---------------------------------------------------------------------
 def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    a = v.with_both_names(a)  # legacy GenAI names too (docs/telemetry.md, "OpenTelemetry GenAI conventions")
     reasons = a.get(c.FINISH_REASONS)
     finish = reasons[0] if isinstance(reasons, list) and reasons else _str(reasons)
     scope.batch.rows["requests"].append((
@@ -447,6 +448,7 @@ def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
     """
     if scope.engine is not None:
         return
+    a = v.with_both_names(a)
     ms = {key: _ms(scope, a, name, 1e3) for name, key in v.LATENCY_TO_CONTRACT_MS.items()}
     outputs = _int(a.get(v.USAGE_COMPLETION_TOKENS))
     decode = ms[c.DECODE_MS]
@@ -457,7 +459,8 @@ def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
         span.start_time_unix_nano, span.end_time_unix_nano,
         ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
-        _int(a.get(v.USAGE_PROMPT_TOKENS)), None, outputs, _int(a.get(v.REQUEST_MAX_TOKENS)),
+        _int(a.get(v.USAGE_PROMPT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), outputs,
+        _int(a.get(v.REQUEST_MAX_TOKENS)),
         None, None, None, None, None,
     ))
 

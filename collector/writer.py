@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 from tokentrace.collector.normalize import Batch
@@ -29,7 +30,8 @@ class WriteQueue:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._group_spans = group_spans
         self.capacity = max_pending
-        self.last_error: str | None = None
+        self.last_error: str | None = None  #: why the latest write failed, until one succeeds
+        self.last_error_at = 0.0  #: time.monotonic() of that failure
         self._thread = threading.Thread(target=self._run, name="tokentrace-writer", daemon=True)
         self._thread.start()
 
@@ -104,7 +106,7 @@ class WriteQueue:
             log.warning("the store refused a batch: %s", exc)
             future.set_exception(exc)
         except StoreError as exc:
-            self.last_error = str(exc)
+            self.last_error, self.last_error_at = str(exc), time.monotonic()
             future.set_exception(exc)
         except Exception as exc:  # a bug must fail the request, never kill the writer thread
             log.exception("unexpected error in the writer")

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     for name, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
+        # Docstrings are written for Sphinx-like readers: drop the ``literal`` marks, keep their line
+        # breaks (examples stay on their own lines).
+        sub = commands.add_parser(name, help=help_text, description=(module.__doc__ or "").replace("``", ""),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

@@ -71,6 +71,11 @@ INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
+OPERATION_NAME = "gen_ai.operation.name"
+PROVIDER_NAME = "gen_ai.provider.name"
+RESPONSE_ID = "gen_ai.response.id"
+OPERATION_CHAT = "chat"
+OPERATION_TEXT_COMPLETION = "text_completion"
 QUEUE_MS = "tokentrace.request.queue_ms"
 LOAD_WAIT_MS = "tokentrace.request.load_wait_ms"
 PREFILL_MS = "tokentrace.request.prefill_ms"
@@ -166,6 +171,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
     OBSERVER_MEASURES: OBSERVER_PARTS,
+    OPERATION_NAME: (OPERATION_CHAT, OPERATION_TEXT_COMPLETION),
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
@@ -264,6 +270,9 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(OUTPUT_TOKENS, "int", "tokens", "completion tokens"),
             _a(CACHED_TOKENS, "int", "tokens", "prompt tokens reused from the prefix cache"),
             _a(FINISH_REASONS, "string[]", "", "finish reason per choice (stop, length, cancelled, error)"),
+            _a(OPERATION_NAME, "string", "", "GenAI operation (enum): chat or text_completion, from the endpoint"),
+            _a(PROVIDER_NAME, "string", "", "GenAI provider: the engine that served it (mlx-lm, vllm)"),
+            _a(RESPONSE_ID, "string", "", "id of the response body; equals the request id"),
             _a(QUEUE_MS, "double", "ms", "waiting for a batch slot"),
             _a(LOAD_WAIT_MS, "double", "ms", "waiting for the model to load (cold start)"),
             _a(PREFILL_MS, "double", "ms", "admission -> first token"),

@@ -87,7 +87,7 @@ def _mutate_message(request: ExportTraceServiceRequest, rng: random.Random) -> N
         choice = rng.randrange(9)
         if choice == 0:
             span.start_time_unix_nano = rng.choice(_EXTREME_TIMES)
-            span.end_time_unix_nano = rng.choice(_EXTREME_TIMES + [span.start_time_unix_nano])
+            span.end_time_unix_nano = rng.choice([*_EXTREME_TIMES, span.start_time_unix_nano])
         elif choice == 1:
             value = rng.choice(_ODD_VALUES + _EXTREME_INTS + [[rng.choice(_EXTREME_INTS) for _ in range(3)]])
             _set_any(span.attributes.add(key=rng.choice(_KEYS)).value, value, rng)

@@ -120,7 +120,8 @@ class Engine:
         capture = self.settings.capture_content
         try:
             if kind == "chat":
-                return build_chat_prompt(tokenizer, chat_messages(request), request.tools, capture)
+                template = {"chat_template": self.settings.chat_template} if self.settings.chat_template else None
+                return build_chat_prompt(tokenizer, chat_messages(request), request.tools, capture, template)
             prompt = request.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 prompt = prompt[0]

@@ -57,6 +57,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heartbeat-interval", float, 5.0, "seconds between instance.heartbeat spans", minimum=0.1),
     Setting("memory-bandwidth-gbs", float, None, "peak memory bandwidth of this machine in GB/s, for the decode "
             "verdict (default: the chip's published figure; none on Linux)", minimum=0.001),
+    Setting("chat-template", str, None, "chat template (Jinja text) to render chats with instead of the model's "
+            "(as mlx_lm.server's --chat-template)"),
 )
 
 
@@ -82,6 +84,7 @@ class EngineSettings:
     capture_content: bool = False  #: prompt snippets in spans
     heartbeat_interval: float = 5.0  #: seconds between heartbeats
     memory_bandwidth_gbs: float | None = None  #: declared peak memory bandwidth (GB/s)
+    chat_template: str | None = None  #: chat template replacing the model's
 
     @property
     def served_name(self) -> str:

@@ -239,7 +239,12 @@ def _request_attributes(record: RequestRecord) -> dict[str, Any]:
         c.CLIENT_DISCONNECTED: record.client_disconnected,
         c.HTTP_STATUS: record.http_status,
         c.OUTPUT_TOKENS: record.completion_tokens,
+        c.PROVIDER_NAME: c.ENGINE_MLX,
+        c.RESPONSE_ID: record.request_id,
     }
+    if record.endpoint.endswith("completions"):
+        attributes[c.OPERATION_NAME] = (c.OPERATION_CHAT if record.endpoint.endswith("chat/completions")
+                                        else c.OPERATION_TEXT_COMPLETION)
     optional = {
         c.SESSION_ID: record.session_id,
         c.MODEL: record.model,

@@ -90,6 +90,8 @@ class _Runtime:
                 c.ENGINE: c.ENGINE_VLLM,
                 c.ENGINE_VERSION: self.compat.version,
                 c.MODEL: self.model,
+                # vLLM's FinishedRequestStats time every part; load_wait is 0 by construction (docs/vllm.md).
+                c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
                 **vllm_resource(),
             }
             pump = SpanPump(self.collector, resource, spool_dir=self.spool_dir)
