@@ -107,6 +107,30 @@ def test_cache_page_counts_sessions_of_the_median_length_that_fit_in_the_kv_budg
     assert row["sessions_in_all"] == min(row["max_bytes"] // row["session_bytes"], row["max_entries"])
 
 
+@pytest.mark.browser
+def test_session_page_in_a_browser_shows_its_twins_numbers_and_is_reached_from_a_request(session, browser_page):
+    page = browser_page.page
+    browser_page.open(f"{session.url}/requests/{SESSION}-turn-3")
+    page.click("#session-id a")
+    page.wait_for_url(f"**/sessions/{SESSION}")
+    page.wait_for_load_state("networkidle")
+    browser_page.screenshot("session")
+    browser_page.assert_clean()
+    twin = page.request.get(f"{session.url}/sessions/{SESSION}.json").json()
+    shown = page.evaluate("""() => Array.from(document.querySelectorAll('[data-turn]')).map(row => ({
+        turn: row.dataset.turn,
+        gap: row.querySelector('[data-metric="gap_ms"]').dataset.value,
+        survived: row.querySelector('[data-metric="survived"]').dataset.value,
+        text: row.querySelector('[data-metric="survived"]').textContent.trim()}))""")
+    assert [row["turn"] for row in shown] == [str(t["turn"]) for t in twin["turns"]]
+    for row, turn in zip(shown, twin["turns"], strict=True):
+        assert row["gap"] == str(turn["gap_ms"])
+        assert row["survived"] == str(turn["survived"])
+    assert shown[3]["text"] == f"no: evicted by {twin['turns'][3]['taken_by']['evicted_by']}"
+    assert page.locator('[data-instance="agent-box"] [data-metric="cold_after_ms"]').get_attribute(
+        "data-value") == str(twin["instances"][0]["cold_after_ms"])
+
+
 def test_session_page_and_cli_agree_and_request_pages_link_to_it(session):
     twin = httpx.get(f"{session.url}/sessions/{SESSION}.json", timeout=120).json()
     api = httpx.get(f"{session.url}/api/sessions/{SESSION}", timeout=120).json()
