@@ -159,7 +159,10 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
 def _identity(reader: TraceReader, instance_id: str | None, t_ns: int) -> dict:
     """The model revision and chat-template hash an instance's resource declared at ``t_ns``."""
     rows = reader.frame("resource_at", instance_id=instance_id, t_ns=t_ns)
-    attributes = json.loads(rows["attributes"][0] or "{}") if rows.height else {}
+    try:
+        attributes = json.loads(rows["attributes"][0] or "{}") if rows.height else {}
+    except ValueError:  # a foreign sender's resource is stored as sent; an unreadable one declares nothing
+        attributes = {}
     return {"model_revision": attributes.get(c.MODEL_REVISION), "chat_template": attributes.get(c.CHAT_TEMPLATE_HASH)}
 
 

@@ -78,10 +78,18 @@ def percentiles(column: pl.Series) -> dict[str, float | None]:
     return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
 
 
+def reuse_known(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows of a requests frame whose prompt and cached token counts are both known: a count
+    an engine did not report is unknown, not 0, and stays out of hit rates."""
+    return frame.filter(pl.col("prompt_tokens").is_not_null() & pl.col("cached_tokens").is_not_null())
+
+
 def token_hit_rate(frame: pl.DataFrame) -> float | None:
-    """Prompt tokens served from the cache over all prompt tokens of a requests frame."""
-    prompt = frame["prompt_tokens"].fill_null(0).sum()
-    return round(frame["cached_tokens"].fill_null(0).sum() / prompt, 4) if prompt else None
+    """Prompt tokens served from the cache over all prompt tokens, over the rows of a requests frame
+    that know both counts (``reuse_known``)."""
+    known = reuse_known(frame)
+    prompt = known["prompt_tokens"].sum()
+    return round(known["cached_tokens"].sum() / prompt, 4) if prompt else None
 
 
 def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:

@@ -27,7 +27,7 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
-from tokentrace.analyzers.report import token_hit_rate
+from tokentrace.analyzers.report import reuse_known, token_hit_rate
 from tokentrace.analyzers.whatif import Capacity, assign, replay
 from tokentrace.analyzers.workload import load_workload
 from tokentrace.collector.store import TraceReader
@@ -163,7 +163,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
     # Hit rates and causes count completed requests only (docs/analyzers.md, "Outcome").
     completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
-    hit, counted = series.ratio(completed, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
+    hit, counted = series.ratio(reuse_known(completed), "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
     causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
     curve = capacity_curve(reader, window_ns)
     fill = []

@@ -1,10 +1,14 @@
 """Issue 16 item 1 acceptance: cache causes that need an engine restarted between two turns of a
-conversation, with the same instance id: ``restart`` (same settings) and ``template_change`` (the
-second process renders chats with another ``--chat-template``). Real engines on the tiny model, a
+conversation, with the same instance id: ``restart`` (same settings), ``template_change`` (the
+second process renders chats with another ``--chat-template``) and ``model_change`` (the second
+process serves another generated model, whose tokenizer differs). Real engines on the tiny model, a
 real collector; every engine is stopped (its telemetry flushed) before a verdict is read.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -29,14 +33,16 @@ def _user(text: str) -> dict:
     return {"role": "user", "content": text * 3}
 
 
-def _two_turns(workdir, model, collector, instance: str, session: str, second_args: tuple[str, ...]) -> None:
+def _two_turns(workdir, model, collector, instance: str, session: str, second_args: tuple[str, ...],
+               second_model=None) -> None:
     """Turn 1 on one engine process, turn 2 on a new process with the same instance id."""
     first_engine = EngineProcess(workdir, model, collector=collector, instance_id=instance).start()
     try:
         first = chat(first_engine.url, f"{session}-1", [SYSTEM, _user("how full is the cache? ")], 8, session)
     finally:
         assert first_engine.stop() == 0, first_engine.log_path.read_text()
-    second_engine = EngineProcess(workdir, model, *second_args, collector=collector, instance_id=instance).start()
+    second_engine = EngineProcess(workdir, second_model or model, *second_args, collector=collector,
+                                  instance_id=instance).start()
     try:
         chat(second_engine.url, f"{session}-2",
              [SYSTEM, _user("how full is the cache? "), reply(first), _user("and after the restart? ")], 4, session)
@@ -51,6 +57,10 @@ def restarted(tmp_path_factory, tiny_model):
     try:
         _two_turns(workdir, tiny_model, collector, "restart-a", "conv-restart", ())
         _two_turns(workdir, tiny_model, collector, "template-a", "conv-template", ("--chat-template", OTHER_TEMPLATE))
+        other = workdir / "models" / "small"  # another size: other weights and another tokenizer
+        subprocess.run([sys.executable, "-m", "tokentrace", "make-model", str(other), "--size", "small"],
+                       check=True, capture_output=True, timeout=300)
+        _two_turns(workdir, tiny_model, collector, "model-a", "conv-model", (), second_model=other)
         yield collector
     finally:
         collector.stop()
@@ -86,6 +96,14 @@ def test_other_chat_template_after_restart_is_template_change(restarted):
     assert change["before"] != change["after"] and len(change["after"]) == 16
     segments = httpx.get(f"{restarted.url}/requests/conv-template-2.json", timeout=60).json()["segments"]
     assert change["token_index"] < segments[0]["token_end"]  # before the first message's content ends
+
+
+def test_another_model_after_restart_is_model_change(restarted):
+    cache = _cache(restarted, "conv-model-2")
+    assert (cache["result"], cache["cause"]) == ("miss", "model_change")
+    [change] = _evidence(cache, "model_change")
+    assert change["earlier_request_id"] == "conv-model-1"
+    assert change["before"] != change["after"] and len(change["after"]) == 16
 
 
 def test_the_engine_declares_what_it_measures(restarted):

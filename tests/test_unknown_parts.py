@@ -101,7 +101,8 @@ def test_report_and_pages_invent_no_category(collector):
     # The failed and cancelled requests' 8-9 s stay out of the latency figures.
     e2e = {row["instance_id"]: row["e2e_ms"]["p99"] for row in report["instances"]}
     assert e2e == {"outside-1": 800.0, "bare-1": 500.0}
-    assert report["cache"]["token_hit_rate"] == 0.25  # 50 of the two completed requests' 200 prompt tokens
+    # 50 of outside-1's 100 prompt tokens; bare-1 reports no cached count (unknown, not 0: not 50 of 200).
+    assert report["cache"]["token_hit_rate"] == 0.5
     overview = _get(collector, "/.json?since=all")
     assert overview["categories"]["undecomposed"] == 2 and overview["categories"]["queueing"] == 0
     assert overview["latency"]["e2e_ms"]["p99"] == 800.0
@@ -110,5 +111,9 @@ def test_report_and_pages_invent_no_category(collector):
                                                                       timeline["requests"]["category"], strict=True)}
     assert labels == {"partial-1": "undecomposed", "bare-1": "undecomposed", "failed-1": "failed",
                       "cancelled-1": "cancelled"}
+    bare = timeline["requests"]["id"].index("bare-1")
+    assert [timeline["requests"][part][bare] for part in ("load_wait", "queue", "prefill", "decode")] == [None] * 4
+    partial = timeline["requests"]["id"].index("partial-1")
+    assert timeline["requests"]["queue"][partial] is None  # sent as 0.0, but not measured by its observer
     page = httpx.get(collector.url + "/requests/failed-1", timeout=30)
     assert page.status_code == 200 and 'data-value="failed"' in page.text
