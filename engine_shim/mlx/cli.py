@@ -42,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         logging.getLogger(__name__).warning(warning)
     resource = engine_resource(settings.service_instance_id, settings.served_name, model_dir=settings.model,
-                               chat_template=settings.chat_template)
+                               chat_template=settings.chat_template,
+                               memory_bandwidth_gbs=settings.memory_bandwidth_gbs)
     # Spans are built and exported in a process of their own (exporter_process.py explains why).
     exporter = ExporterProcess(ExporterConfig(
-        resource={k: list(v) if isinstance(v, tuple | list) else str(v) for k, v in resource.attributes.items()},
+        resource={k: list(v) if isinstance(v, tuple | list) else v if isinstance(v, float) else str(v)
+                  for k, v in resource.attributes.items()},
         endpoint=settings.otlp_endpoint or None,
         spool_dir=settings.spool_dir, spool_max_bytes=settings.spool_max_bytes, token=settings.otlp_token,
         clock_offset_ns=Clock().offset_ns,

@@ -68,6 +68,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("top-p", float, 1.0, "default nucleus sampling top-p", minimum=0),
     Setting("top-k", int, 0, "default top-k sampling (0: off)", minimum=0),
     Setting("min-p", float, 0.0, "default min-p sampling (0: off)", minimum=0),
+    Setting("memory-bandwidth-gbs", float, None, "peak memory bandwidth of this machine in GB/s, for the decode "
+            "verdict (default: the chip's published figure; none on Linux)", minimum=0.001),
     Setting("chat-template", str, None, "chat template (Jinja text) to render chats with instead of the model's "
             "(as mlx_lm.server's --chat-template)"),
     Setting("chat-template-args", str, None, "JSON object of extra chat-template arguments, e.g. "
@@ -121,6 +123,7 @@ class EngineSettings:
     adapter_path: str | None = None  #: LoRA adapters
     trust_remote_code: bool = False  #: allow model code
     log_level: str = "INFO"  #: logging level
+    memory_bandwidth_gbs: float | None = None  #: declared peak memory bandwidth (GB/s)
 
     @property
     def served_name(self) -> str:
