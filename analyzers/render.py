@@ -9,8 +9,9 @@ _BAR = 24
 
 
 def render(kind: str, result: dict) -> str:
-    """Text for ``slow``, ``cache`` or ``report``."""
-    return {"slow": render_slow, "cache": render_cache, "report": render_report}[kind](result)
+    """Text for ``slow``, ``cache``, ``session`` or ``report``."""
+    return {"slow": render_slow, "cache": render_cache, "session": render_session,
+            "report": render_report}[kind](result)
 
 
 def _abnormal(verdict: dict) -> str:
@@ -39,6 +40,9 @@ def render_slow(verdict: dict) -> str:
         bar = "unknown" if value is None else "█" * round(_BAR * value / total)
         lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
     lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
+    for missed in verdict.get("slo_missed") or []:
+        lines.append(f"  missed SLO {missed['slo']}: {fmt_ms(missed['observed_ms'])} over the objective of "
+                     f"{fmt_ms(missed['objective_ms'])}")
     lines.append("evidence:")
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
     return "\n".join(lines)
@@ -89,9 +93,57 @@ def render_report(report: dict) -> str:
         lines.append(f"{row['instance_id']!s:<16}{row['requests']:>9}{fmt_ms(t['p50']):>11}{fmt_ms(t['p95']):>10}"
                      f"{fmt_ms(t['p99']):>10}{fmt_ms(p['p50']):>11}{fmt_ms(p['p95']):>10}{fmt_ms(p['p99']):>10}"
                      f"{row['output_tokens_per_s']:>9.1f}")
+    lines.extend(render_slo(report.get("slo")))
     lines.append("slowest:")
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
                      f"e2e {fmt_ms(row['e2e_ms'])} · ttft {fmt_ms(row['ttft_ms'])}")
+    for row in report.get("routing") or ():
+        lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
+                     f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
+                     f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
     lines.append("(latency, categories and cache figures count completed requests only)")
+    return "\n".join(lines)
+
+
+def render_slo(slo: dict | None) -> list[str]:
+    """SLO attainment lines of a report (none when no objectives are set)."""
+    if not slo:
+        return []
+    parts = []
+    for name, row in slo["objectives"].items():
+        share = "n/a" if row["attainment"] is None else f"{row['attainment']:.1%}"
+        parts.append(f"{name} {share} ({row['met']} met, {row['missed']} missed, {row['unknown']} unknown)")
+    whole = slo["all"]
+    share = "n/a" if whole["attainment"] is None else f"{whole['attainment']:.1%}"
+    goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"
+    return [f"SLO {slo['spec']}: " + "; ".join(parts),
+            f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
+
+
+def _gap(value: float | None) -> str:
+    return "—" if value is None else fmt_ms(value)
+
+
+def render_session(verdict: dict) -> str:
+    """The session verdict: a line per turn, the cold turns' evidence, the thresholds per instance."""
+    lines = [f"session {verdict['session_id']}: {len(verdict['turns'])} turns, "
+             f"{len(verdict['cold_turns'])} came back to a cold cache"
+             + (" (only the latest shown)" if verdict["truncated"] else "")]
+    lines.append(f"  {'turn':>4} {'request':<24} {'instance':<14}{'gap':>11}{'ttft':>11}{'prompt':>8}{'cached':>8}"
+                 f"  {'slow':<11}{'cache':<28}survived")
+    for t in verdict["turns"]:
+        cache = t["cache"]["result"] + (f" ({t['cache']['cause']})" if t["cache"]["cause"] else "")
+        survived = {None: "—", True: "yes", False: "no"}[t["survived"]]
+        lines.append(f"  {t['turn']:>4} {t['request_id']:<24} {t['instance_id']!s:<14}{_gap(t['gap_ms']):>11}"
+                     f"{fmt_ms(t['ttft_ms']):>11}{t['prompt_tokens']!s:>8}{t['cached_tokens']!s:>8}  "
+                     f"{t['slow']['category']:<11}{cache:<28}{survived}")
+    if verdict["evidence"]:
+        lines.append("evidence:")
+        lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
+    for row in verdict["instances"]:
+        after = "unknown" if row["cold_after_ms"] is None else f"{fmt_ms(row['cold_after_ms'])} or more"
+        lines.append(f"{row['instance_id']}: follow-ups come back cold after gaps of {after} "
+                     f"({row['warm']} warm, {row['cold']} cold of {row['follow_ups']}; longest warm gap "
+                     f"{_gap(row['longest_warm_gap_ms'])})")
     return "\n".join(lines)

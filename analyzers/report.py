@@ -19,6 +19,7 @@ import polars as pl
 
 from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, mask_unmeasured, observers, outcome_expr
+from tokentrace.analyzers.slo import SloSpec, attainment
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 
@@ -39,6 +40,10 @@ class Report:
     cache: dict[str, Any]  #: token hit rate, requests with any reuse / none
     instances: list[dict[str, Any]]  #: per instance: count, ttft/tpot/e2e p50 p95 p99, tokens/s
     slowest: list[dict[str, Any]] = field(default_factory=list)  #: top requests by e2e
+    slo: dict[str, Any] | None = None  #: attainment and goodput (analyzers.slo), when objectives are set
+    routing: list[dict[str, Any]] = field(default_factory=list)
+    """Per gateway routing policy: decisions, avoidable prefill tokens summed, decisions with any,
+    decisions measured, mean gateway wait (docs/gateway.md); empty without a gateway."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -76,10 +81,18 @@ def percentiles(column: pl.Series) -> dict[str, float | None]:
     return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
 
 
+def reuse_known(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows of a requests frame whose prompt and cached token counts are both known: a count
+    an engine did not report is unknown, not 0, and stays out of hit rates."""
+    return frame.filter(pl.col("prompt_tokens").is_not_null() & pl.col("cached_tokens").is_not_null())
+
+
 def token_hit_rate(frame: pl.DataFrame) -> float | None:
-    """Prompt tokens served from the cache over all prompt tokens of a requests frame."""
-    prompt = frame["prompt_tokens"].fill_null(0).sum()
-    return round(frame["cached_tokens"].fill_null(0).sum() / prompt, 4) if prompt else None
+    """Prompt tokens served from the cache over all prompt tokens, over the rows of a requests frame
+    that know both counts (``reuse_known``)."""
+    known = reuse_known(frame)
+    prompt = known["prompt_tokens"].sum()
+    return round(known["cached_tokens"].sum() / prompt, 4) if prompt else None
 
 
 def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:
@@ -91,27 +104,32 @@ def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:
 
 
 def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
-              cause_sample: int = 25, limit: int = 1_000_000) -> Report:
+              cause_sample: int = 25, limit: int = 1_000_000, slo: SloSpec | None = None) -> Report:
     """The report over requests that started in [since, until)."""
     frame = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit)
     return summarize_frame(reader, with_categories(frame, declared_parts(reader)), since_ns, until_ns, slowest,
-                           cause_sample)
+                           cause_sample, slo)
 
 
 def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | None, until_ns: int | None = None,
-                    slowest: int = 10, cause_sample: int = 25) -> Report:
+                    slowest: int = 10, cause_sample: int = 25, slo: SloSpec | None = None) -> Report:
     """``summarize`` over a requests frame already read and given its categories (``with_categories``)."""
     if frame.height == 0:
-        return Report(since_ns, until_ns, 0, {}, {}, {}, 0, {"token_hit_rate": None}, [], [])
+        return Report(since_ns, until_ns, 0, {}, {}, {}, 0, {"token_hit_rate": None}, [], [],
+                      attainment(frame, slo, None) if slo else None)
     outcomes = dict(sorted(frame.group_by("outcome").len().iter_rows()))
     whole = frame
     frame = frame.filter(pl.col("outcome") == COMPLETED)
     categories = dict(frame.group_by("category").len().iter_rows())
     cached = frame["cached_tokens"].fill_null(0)
+    known = frame.filter(pl.col("cached_tokens").is_not_null())
     cache = {
         "token_hit_rate": token_hit_rate(frame),
         "requests_with_reuse": int((cached > 0).sum()),
         "requests_without_reuse": int((cached == 0).sum()),
+        # Over the requests whose engine reported cached tokens (vllm:prefix_cache_queries/_hits).
+        "prompt_tokens": int(known["prompt_tokens"].fill_null(0).sum()),
+        "cached_tokens": int(known["cached_tokens"].sum()),
     }
     span_s = max(1e-9, (whole["end_ns"].max() - whole["start_ns"].min()) / 1e9)
     instances = []
@@ -134,4 +152,15 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
             cause = verdict.cause or NO_CAUSE
             causes[cause] = causes.get(cause, 0) + 1
     return Report(since_ns, until_ns, whole.height, outcomes, categories, causes, sample.height, cache,
-                  sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows)
+                  sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows,
+                  attainment(whole, slo, span_s) if slo else None, routing_by_policy(reader, since_ns, until_ns))
+
+
+def routing_by_policy(reader: TraceReader, since_ns: int | None, until_ns: int | None) -> list[dict[str, Any]]:
+    """The gateway's routing decisions per policy in the window (``Report.routing``)."""
+    rows = reader.frame("routing_by_policy", since_ns=since_ns, until_ns=until_ns).to_dicts()
+    for row in rows:
+        wait = row["mean_gateway_wait_ms"]
+        row["mean_gateway_wait_ms"] = None if wait is None else round(float(wait), 3)
+        row["avoidable_prefill_tokens"] = int(row["avoidable_prefill_tokens"] or 0)
+    return rows

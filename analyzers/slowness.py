@@ -32,6 +32,8 @@ import polars as pl
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
+from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
+from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
@@ -58,10 +60,12 @@ class SlowVerdict:
     baseline: dict[str, Any]  #: {metric, unit, observed, value, samples, factor, floor}
     tokens: dict[str, int | None]  #: prompt, cached, completion
     evidence: list[Evidence] = field(default_factory=list)
+    #: objectives this request missed, [{slo, objective_ms, observed_ms}] (analyzers.slo); [] if none set
+    slo_missed: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (evidence flattened to {kind, text, ...})."""
-        return {
+        return {"slo_missed": self.slo_missed,
             "request_id": self.request_id, "instance_id": self.instance_id, "engine": self.engine,
             "outcome": self.outcome, "breakdown_ms": self.breakdown_ms, "category": self.category,
             "ttft_category": self.ttft_category,
@@ -82,6 +86,7 @@ class SlowFacts:
     steps: pl.DataFrame  #: engine steps in which this request decoded
     cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
     measures: frozenset[str] | None = None  #: parts the instance's observer declares; None: undeclared
+    hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -110,7 +115,8 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
     prefill = category_of(request, measures) == "prefill"
     cache = analyze_cache(reader, request_id) if prefill else None
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures)
+    hardware = load_hardware(reader, instance, request["end_ns"]) if decode.height else None
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 
 def category_of(request: dict, measures: frozenset[str] | None = None,
@@ -156,6 +162,10 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         verdict = SlowVerdict(r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
                               category, None, {}, tokens)
         (_outcome if outcome != COMPLETED else _undecomposed)(verdict, facts)
+        if outcome == COMPLETED and (breakdown["queue"] or 0) > 0:
+            # The parts that are known still explain themselves: a gateway's queue is measured
+            # even where the engine's prefill is not (docs/gateway.md).
+            _queueing(verdict, facts)
         return verdict
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
@@ -325,6 +335,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
     ))
     context = (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
     verdict.evidence.append(Evidence("context", f"Context grew to {context} tokens.", {"context_tokens": context}))
+    bandwidth = memory_bandwidth(r, tpot, facts.steps, facts.hardware) if facts.hardware else None
+    if bandwidth is not None:
+        verdict.evidence.append(bandwidth)
     if facts.steps.height == 0:
         return
     steps = facts.steps
@@ -348,6 +361,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
         ))
 
 
-def analyze_slowness(reader: TraceReader, request_id: str) -> SlowVerdict:
-    """Load and classify."""
-    return classify_slowness(load_slow_facts(reader, request_id))
+def analyze_slowness(reader: TraceReader, request_id: str, slo: SloSpec | None = None) -> SlowVerdict:
+    """Load and classify; with objectives, also say which of them the request missed."""
+    facts = load_slow_facts(reader, request_id)
+    verdict = classify_slowness(facts)
+    verdict.slo_missed = missed_objectives(facts.request, slo)
+    return verdict

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from urllib.parse import parse_qsl, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
@@ -68,6 +69,38 @@ def _otlp_error(status: int, message: str, encoding: Encoding | None, headers: d
     return Response(json_format.MessageToJson(payload, indent=None), status, headers, media_type=JSON)
 
 
+#: 401 messages: a token that was not given, and one that was given but does not match.
+MISSING_TOKEN = ("this collector requires a token: send 'Authorization: Bearer TOKEN', or in a browser add "
+                 "?token=TOKEN to the address once")
+WRONG_TOKEN = "the token given does not match this collector's --token (TOKENTRACE_TOKEN)"
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>tokentrace: token required</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
+<h1>{title}</h1>
+<p>{message}.</p>
+<p>Open this page again with the collector's token in the address, once:
+<code>http://HOST:PORT/?token=TOKEN</code>. The browser keeps it in a cookie for this collector, and the
+token leaves the address bar.</p>
+</body></html>
+"""
+
+
+def _has_cookie(header: bytes) -> bool:
+    return any(part.strip().startswith(TOKEN_COOKIE.encode() + b"=") for part in header.split(b";"))
+
+
+def unauthorized(presented: bool, browser: bool) -> Response:
+    """The 401: an HTML page for a browser (it mentions ?token=), the JSON envelope otherwise; a wrong
+    token and a missing one get different messages."""
+    message = WRONG_TOKEN if presented else MISSING_TOKEN
+    headers = {"WWW-Authenticate": 'Bearer realm="tokentrace"' + (', error="invalid_token"' if presented else "")}
+    if browser:
+        title = "Wrong token" if presented else "This collector needs a token"
+        return HTMLResponse(_LOGIN_PAGE.format(title=title, message=html.escape(message)), Unauthorized.http_status,
+                            headers)
+    return error_envelope(Unauthorized.http_status, Unauthorized.code, message, headers=headers)
+
+
 class BearerAuth:
     """ASGI middleware: every path needs ``Authorization: Bearer TOKEN`` or the token cookie.
 
@@ -97,11 +130,8 @@ class BearerAuth:
         elif authenticated:
             return await self.app(scope, receive, send)
         else:
-            response = error_envelope(
-                Unauthorized.http_status, Unauthorized.code,
-                "this collector requires a bearer token (Authorization: Bearer TOKEN)",
-                headers={"WWW-Authenticate": 'Bearer realm="tokentrace"'},
-            )
+            presented = bool(given or headers.get(b"authorization") or _has_cookie(headers.get(b"cookie", b"")))
+            response = unauthorized(presented, b"text/html" in headers.get(b"accept", b""))
         await response(scope, receive, send)
 
     def _bearer_ok(self, header: bytes) -> bool:
@@ -160,17 +190,24 @@ class Collector:
                                  config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
+        #: Read-side parts told of every committed batch (``observe(batch)``, ``close()``): /metrics.
+        self.listeners: list = []
         self.stop_error: str | None = None  #: why stopping failed (a checkpoint on a full disk)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
         self.pipeline.start()
-        self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
+        self.queue = WriteQueue(self.store, self._written, self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
 
             self.spool = SpoolIngester(self.config.spool_dir, self.pipeline, self.queue, self.counters)
             self.spool.start()
+
+    def _written(self, batch) -> None:
+        self.counters.accept(batch.spans)
+        for listener in self.listeners:
+            listener.observe(batch)
 
     def stop(self) -> None:
         """Stop the spool, write what was submitted, checkpoint and close the store; a failure is
@@ -180,6 +217,8 @@ class Collector:
         self.pipeline.stop()
         if self.queue is not None:
             self.queue.close()
+        for listener in self.listeners:
+            listener.close()
         try:
             self.store.close()
         except StoreError as exc:

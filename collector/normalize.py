@@ -43,6 +43,12 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
+        "first_content_ms", "observer",
+    ),
+    "routes": (
+        "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
+        "reason", "candidates", "scores", "attempts", "skipped", "gateway_wait_ms", "avoidable_prefill_tokens",
+        "avoidable_from",
     ),
     "phases": (
         "request_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
@@ -183,6 +189,7 @@ class _Scope:
     engine: str | None
     model: str | None
     max_len: int
+    observer: str | None = None  #: resource tokentrace.observer, when the sender says
 
 
 def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAULT_MAX_VALUE_LENGTH) -> Batch:
@@ -194,6 +201,7 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
         scope = _Scope(
             batch, _str(resource.get(c.SERVICE_INSTANCE_ID)), _str(resource.get(c.SERVICE_NAME)),
             _str(resource.get(c.ENGINE)), _str(resource.get(c.MODEL)), max_value_length,
+            _str(resource.get(c.OBSERVER)),
         )
         resource_json = _json(resource)
         seen_ns = 0
@@ -310,6 +318,7 @@ def _event(scope: _Scope, span, event, span_attrs: dict, counter: list) -> dict:
 
 # --- typed rows per span name ---------------------------------------------------------------------
 def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    a = v.with_both_names(a)  # legacy GenAI names too (docs/telemetry.md, "OpenTelemetry GenAI conventions")
     reasons = a.get(c.FINISH_REASONS)
     finish = reasons[0] if isinstance(reasons, list) and reasons else _str(reasons)
     scope.batch.rows["requests"].append((
@@ -320,7 +329,27 @@ def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _ms(scope, a, c.DECODE_MS), _ms(scope, a, c.TTFT_MS), _ms(scope, a, c.TPOT_MS),
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
-        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)),
+        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _ms(scope, a, c.FIRST_CONTENT_MS),
+        _observer(scope),
+    ))
+
+
+def _observer(scope: _Scope) -> str:
+    """Who observed a contract ``llm.request``: the resource says so (the gateway does); otherwise
+    the vLLM plugin for a vLLM resource, a tokentrace engine for anything else."""
+    if scope.observer:
+        return scope.observer
+    return c.OBSERVER_PLUGIN if scope.engine == c.ENGINE_VLLM else c.OBSERVER_ENGINE
+
+
+def _route(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    scope.batch.rows["routes"].append((
+        _str(a.get(c.REQUEST_ID)), ids[0], ids[1], scope.instance_id or _str(a.get(c.ROUTE_CHOICE)),
+        _str(a.get(c.SESSION_ID)), span.start_time_unix_nano, span.end_time_unix_nano,
+        _str(a.get(c.ROUTE_POLICY)), _str(a.get(c.ROUTE_REASON)), [_str(x) for x in _list(a.get(c.ROUTE_CANDIDATES))],
+        [float(x) for x in _list(a.get(c.ROUTE_SCORES)) if isinstance(x, (int, float)) and not isinstance(x, bool)],
+        _int(a.get(c.ROUTE_ATTEMPTS)), [_str(x) for x in _list(a.get(c.ROUTE_SKIPPED))],
+        _ms(scope, a, c.GATEWAY_WAIT_MS), _int(a.get(c.AVOIDABLE_PREFILL)), _str(a.get(c.AVOIDABLE_FROM)),
     ))
 
 
@@ -451,6 +480,7 @@ def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
     """
     if scope.engine is not None:
         return
+    a = v.with_both_names(a)
     ms = {key: _ms(scope, a, name, 1e3) for name, key in v.LATENCY_TO_CONTRACT_MS.items()}
     outputs = _int(a.get(v.USAGE_COMPLETION_TOKENS))
     decode = ms[c.DECODE_MS]
@@ -461,8 +491,9 @@ def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
         span.start_time_unix_nano, span.end_time_unix_nano,
         ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
-        _int(a.get(v.USAGE_PROMPT_TOKENS)), None, outputs, _int(a.get(v.REQUEST_MAX_TOKENS)),
-        None, None, None, None, None,
+        _int(a.get(v.USAGE_PROMPT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), outputs,
+        _int(a.get(v.REQUEST_MAX_TOKENS)),
+        None, None, None, None, None, None, c.OBSERVER_NATIVE,
     ))
 
 
@@ -496,6 +527,7 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_LOAD_WARMUP: _load_stage,
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
+    c.SPAN_ROUTE: _route,
     v.SPAN_LLM_REQUEST: _vllm_request,
     **dict.fromkeys(v.LOAD_STAGE_BY_SPAN, _vllm_load_stage),
 }

@@ -67,6 +67,16 @@ def _token(text: str) -> str:
     return text
 
 
+def _slo(text: str):
+    from tokentrace.analyzers.slo import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ConfigError as exc:
+        raise ValueError(f"objectives like ttft=2s,tpot=50ms,e2e=30s, with model=NAME: or instance=NAME: "
+                         f"groups after ';' (docs/metrics.md): {str(exc).removeprefix('--slo: ')}") from None
+
+
 @dataclass(frozen=True)
 class Setting:
     """One collector setting."""
@@ -102,6 +112,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
             "processes that decode and normalize payloads; 0 parses in the collector (default: cores - 1, "
             "at most 4)", _non_negative),
+    Setting("slo", None, "TOKENTRACE_SLO",
+            "service-level objectives, e.g. ttft=2s,tpot=50ms;model=NAME:ttft=1s (docs/metrics.md)", _slo),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
 )
 
@@ -122,6 +134,7 @@ class CollectorConfig:
     max_queue: int
     max_attribute_length: int
     parse_workers: int
+    slo: Any  #: analyzers.slo.SloSpec, or None
     log_level: str
 
 
@@ -133,9 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
                                 action="store_const", const="1", help=f"{setting.help} (env {setting.env}=1)")
             continue
+        shown = "" if "(default" in setting.help else f"default {default}; "  # a help that says its own default
         parser.add_argument(
             "--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
-            help=f"{setting.help} (default {default}; env {setting.env})",
+            help=f"{setting.help} ({shown}env {setting.env})",
         )
 
 

@@ -1,5 +1,6 @@
 """``/``: the window at a glance. Latency percentiles over every instance, output tokens/s,
 requests per slowness category, cache reuse and miss causes (from the analyzers' window report),
+attainment of the collector's service-level objectives (``--slo``) and goodput,
 queue depth over time from heartbeats, and each instance's health.
 """
 
@@ -13,6 +14,7 @@ from fastapi import Request
 
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
 from tokentrace.analyzers.report import declared_parts, percentiles, summarize_frame, with_categories
+from tokentrace.analyzers.slo import SloSpec
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -46,11 +48,11 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
     return lines
 
 
-def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
-    """The overview of requests that started in the last ``since``."""
+def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None = None) -> dict[str, Any]:
+    """The overview of requests that started in the last ``since`` (SLO attainment with ``slo``)."""
     window_ns = since_ns(since, now_ns, what="since")
     frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT), declared_parts(reader))
-    report = summarize_frame(reader, frame, window_ns, cause_sample=0).as_dict()
+    report = summarize_frame(reader, frame, window_ns, cause_sample=0, slo=slo).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
                                for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
@@ -87,7 +89,7 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
-        "slowest": report["slowest"], "queue": queue,
+        "slowest": report["slowest"], "queue": queue, "slo": report["slo"], "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}
@@ -99,4 +101,6 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
 @page("/", "overview.html", "Overview")
 def overview_page(request: Request, since: str = "15m") -> dict[str, Any]:
     """The overview page and its twin ``/.json``."""
-    return overview(request.app.state.reader, since, time.time_ns())
+    collector = getattr(request.app.state, "collector", None)
+    slo = getattr(collector.config, "slo", None) if collector is not None else None
+    return overview(request.app.state.reader, since, time.time_ns(), slo)

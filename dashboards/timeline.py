@@ -42,7 +42,7 @@ def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[st
         pl.col("instance_id").fill_null("").replace_strict(lanes, return_dtype=pl.Int32).alias("lane"),
         _ms("start_ns", t0_ns).alias("start"),
         _ms("end_ns", t0_ns).alias("end"),
-        *[pl.col(f"{name}_ms").fill_null(0.0).round(3).alias(name) for name in PHASES],
+        *[pl.col(f"{name}_ms").round(3).alias(name) for name in PHASES],  # null: unknown, never 0
         pl.coalesce("category", "outcome").replace_strict(codes, return_dtype=pl.Int8).alias("category"),
         pl.col("ttft_ms").round(3).alias("ttft"), pl.col("tpot_ms").round(3).alias("tpot"),
         pl.col("e2e_ms").round(3).alias("e2e"),

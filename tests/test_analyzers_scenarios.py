@@ -220,6 +220,10 @@ def test_a_request_fast_everywhere_is_not_abnormal(scenario):
     slow = verdict(scenario, "demo-fast", "slow")
     assert slow["abnormal"] is False
     assert slow["baseline"]["samples"] >= 3
+    # Issue 11 item 8: units on every baseline figure, on the page as in the JSON.
+    base = slow["baseline"]
+    page = httpx.get(f"{scenario['collector'].url}/requests/demo-fast", timeout=60).text
+    assert f"{base['observed']} {base['unit']} against a median of {base['value']} {base['unit']} over" in page
 
 
 def test_every_shown_request_gets_the_verdict_its_scenario_shows(scenario):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tokentrace.collector.app import MISSING_TOKEN, WRONG_TOKEN
+
 
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
@@ -55,8 +57,20 @@ def test_errors_use_the_envelope(collector, caption, method, path, status, code,
 def test_missing_token_uses_the_envelope(collector):
     response = httpx.get(collector.url + "/api/report")
     assert response.status_code == 401
-    assert response.json() == {"error": {"status": 401, "code": "unauthorized", "message":
-                                         "this collector requires a bearer token (Authorization: Bearer TOKEN)"}}
+    assert response.json() == {"error": {"status": 401, "code": "unauthorized", "message": MISSING_TOKEN}}
+    wrong = httpx.get(collector.url + "/api/report", headers={"Authorization": "Bearer not-the-token"})
+    assert wrong.status_code == 401
+    assert wrong.json() == {"error": {"status": 401, "code": "unauthorized", "message": WRONG_TOKEN}}
+    assert "?token=" in MISSING_TOKEN and MISSING_TOKEN != WRONG_TOKEN
+
+
+def test_a_browser_without_the_token_gets_a_page_that_says_how(collector):
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    page = httpx.get(collector.url + "/", headers=browser)
+    assert page.status_code == 401 and page.headers["content-type"].startswith("text/html")
+    assert "?token=" in page.text and "needs a token" in page.text
+    wrong = httpx.get(collector.url + "/", headers=browser, cookies={"tokentrace_token": "stale"})
+    assert wrong.status_code == 401 and "Wrong token" in wrong.text
 
 
 def test_empty_store_report_is_a_valid_answer(collector):
