@@ -129,7 +129,8 @@ class Collector:
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
         self.pipeline.start()
-        self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans), self.config.max_queue)
+        self.queue = WriteQueue(self.store, lambda batch: self.counters.accept(batch.spans - batch.duplicates,
+                                                                      batch.duplicates), self.config.max_queue)
         if self.config.spool_dir:
             from tokentrace.collector.spool import SpoolIngester
 

@@ -31,6 +31,7 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.accepted_spans = 0
+        self.duplicate_spans = 0
         self.rejected: Counter[str] = Counter()
 
     def reject(self, reason: str, count: int = 1) -> None:
@@ -38,15 +39,17 @@ class Counters:
         with self._lock:
             self.rejected[reason] += count
 
-    def accept(self, spans: int) -> None:
-        """Count spans stored."""
+    def accept(self, spans: int, duplicates: int = 0) -> None:
+        """Count spans stored, and spans left out because they were stored already."""
         with self._lock:
             self.accepted_spans += spans
+            self.duplicate_spans += duplicates
 
     def snapshot(self) -> dict:
         """A JSON-ready copy."""
         with self._lock:
-            return {"accepted_spans": self.accepted_spans, "rejected": dict(self.rejected)}
+            return {"accepted_spans": self.accepted_spans, "duplicate_spans": self.duplicate_spans,
+                    "rejected": dict(self.rejected)}
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,

@@ -143,6 +143,10 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     _check_store(values, given)
+    if values["spool_dir"]:
+        from tokentrace.collector.spool import check_directory
+
+        check_directory(values["spool_dir"])
     return CollectorConfig(**values)
 
 

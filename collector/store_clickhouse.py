@@ -26,6 +26,7 @@ Writer guarantees (ClickHouse has no multi-table transactions; compare store.py'
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,13 +38,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from tokentrace.collector import sqlfiles
+from tokentrace.collector import once, sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
 from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
 from tokentrace.errors import StoreError
 
-#: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
-WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
+#: Insert order: ``requests`` next to last, so that a request visible to readers has all its rows;
+#: ``spans`` last, so that a span counts as stored (once.py) only once every row it made is in.
+WRITE_ORDER = (*(t for t in TABLES if t not in ("requests", "spans")), "requests", "spans")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
 #: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
@@ -115,6 +117,9 @@ class ClickHouseStore(NamedQueryReader):
             if retention_days is not None:
                 self._retain(retention_days)
             self._schemas = self._arrow_schemas()
+            self._keys = once.SpanKeys()
+            self._keys.load(self.frame("span_key_minutes"),
+                            lambda since_ns: self.frame("span_keys_since", since_ns=since_ns))
         except ClickHouseError as exc:
             self.close()
             raise StoreError(_explain(exc, self.target)) from exc
@@ -177,27 +182,40 @@ class ClickHouseStore(NamedQueryReader):
         return schemas
 
     # --- writer role ------------------------------------------------------------------------------
+    #: The writer thread gives this store one batch per write: a resent request is then the same
+    #: insert blocks with the same deduplication tokens (see ``write``).
+    group_writes = False
+
     def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
-        """Insert ``batch`` table by table, ``requests`` last (guarantees in the module docstring)."""
+        """Insert ``batch`` table by table, ``spans`` last (guarantees in the module docstring)."""
         try:
-            settings = dict(_INSERT_SETTINGS)
-            if spool is not None:
-                if self.spool_seen(spool.sha256):
-                    return False
-                settings["insert_deduplicate"] = 1
+            if spool is not None and self.spool_seen(spool.sha256):
+                return False
+            fresh = once.select(batch, self._keys.fresh(batch, self._stored_keys))
+            batch.duplicates = batch.spans - fresh.spans
+            spans = fresh.rows["spans"]
+            # One token per table from the keys of the spans written: a resend after a crash
+            # mid-batch finds the tables already inserted and the server drops those blocks.
+            digest = hashlib.blake2b(once.key_hashes([r[0] for r in spans], [r[1] for r in spans]).tobytes(),
+                                     digest_size=16).hexdigest()
+            settings = {**_INSERT_SETTINGS, "insert_deduplicate": 1}
             for table in WRITE_ORDER:
-                data = self._table(batch, table)
+                data = self._table(fresh, table)
                 if data is None:
                     continue
-                if spool is not None:
-                    settings["insert_deduplication_token"] = f"spool:{spool.sha256}:{table}"
+                settings["insert_deduplication_token"] = f"once:{digest}:{table}"
                 self._writer.insert_arrow(table, data, settings=settings)
             if spool is not None:
                 self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
+            self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
             return True
         except (ClickHouseError, pa.ArrowException) as exc:
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
+        rows = self.frame("span_keys", starts=starts, traces=traces)
+        return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
     def _table(self, batch: Batch, table: str) -> pa.Table | None:
         if table in PACKED:

@@ -72,7 +72,7 @@ class WriteQueue:
 
     def _write_group(self, group: list) -> None:
         plain = [item for item in group if item[1] is None]
-        if len(plain) > 1:
+        if len(plain) > 1 and getattr(self._writer, "group_writes", True):
             merged = Batch()
             for batch, _, _ in plain:
                 merged.extend(batch)
@@ -81,7 +81,8 @@ class WriteQueue:
             except StoreError as exc:
                 log.warning("group write failed, retrying batch by batch: %s", exc)
             else:
-                self._done(plain, True)
+                self._on_written(merged)
+                self._done(plain, True, count=False)
                 plain = []
         for item in plain + [item for item in group if item[1] is not None]:
             batch, spool, future = item
@@ -95,9 +96,9 @@ class WriteQueue:
                 self.last_error = repr(exc)
                 future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
 
-    def _done(self, items: list, result: bool) -> None:
+    def _done(self, items: list, result: bool, count: bool = True) -> None:
         self.last_error = None
         for batch, _spool, future in items:
-            if result:
+            if result and count:
                 self._on_written(batch)
             future.set_result(result)
