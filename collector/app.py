@@ -9,6 +9,7 @@ Retry-After when the write queue is full or the store is failing (both retryable
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -22,10 +23,12 @@ from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tokentrace import __version__
+from tokentrace.collector.budget import EXPANSION, Budget, Hold
 from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for
+from tokentrace.collector.otlp import JSON, Encoding, decompress, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
@@ -101,17 +104,59 @@ class BearerAuth:
         return False
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, hold: Hold) -> bytes:
+    """The body, held against the byte budget (collector/budget.py): refused before reading when
+    Content-Length says it does not fit, or as soon as the chunks received pass the budget."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
+    if declared.isdigit() and not hold.take(EXPANSION * int(declared)):
+        raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+        if not declared.isdigit() and not hold.take(EXPANSION * len(chunk)):
+            raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _discard(request: Request, limit: int) -> None:
+    """Read and drop the rest of a refused body (at most ``limit`` bytes; past that the connection
+    closes after the answer)."""
+    size = 0
+    with contextlib.suppress(ClientDisconnect):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return
+
+
+_FULL = "the collector holds as many request bytes as --max-pending-bytes allows ({}); retry later"
+
+
+async def _inflate(body: bytes, content_encoding: str | None, limit: int, hold: Hold) -> bytes:
+    """A compressed body inflated here, held against the budget first: a guess of 32 times its size
+    (1 MiB at least), then the whole --max-body-bytes when it inflates past that. What it did not
+    need is given back."""
+    if (content_encoding or "identity").strip().lower() in ("", "identity"):
+        return body
+    guess = min(limit, max(1 << 20, 32 * len(body)))
+    for size in dict.fromkeys((guess, limit)):
+        if not hold.take(EXPANSION * size):
+            raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
+        try:
+            data = await run_in_threadpool(decompress, body, content_encoding, size)
+        except PayloadTooLarge:
+            hold.give(EXPANSION * size)
+            if size == limit:
+                raise
+            continue
+        hold.give(EXPANSION * (size - len(data)))
+        return data
+    raise AssertionError("unreachable: the last size is the limit")
 
 
 class Collector:
@@ -125,6 +170,7 @@ class Collector:
                                  config.parse_workers)
         self.queue: WriteQueue | None = None
         self.spool = None
+        self.budget = Budget(config.max_pending_bytes)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
@@ -164,6 +210,7 @@ class Collector:
             "store": {"path": getattr(self.store, "path", None), "writable": not problems},
             "queue": {"depth": self.queue.depth() if self.queue else 0,
                       "capacity": self.config.max_queue},
+            "pending": self.budget.snapshot(),
             **self.counters.snapshot(),
             "spool": self.spool.snapshot() if self.spool else None,
         }
@@ -221,11 +268,33 @@ def create_app(collector: Collector) -> FastAPI:
         except UnsupportedMediaType as exc:
             collector.counters.reject("unsupported_media_type")
             return _otlp_error(415, str(exc), None)
+        hold = Hold(collector.budget)
         try:
-            body = await _read_body(request, collector.config.max_body_bytes)
+            return await _receive(request, encoding, hold)
+        finally:
+            hold.release()
+
+    async def _receive(request: Request, encoding: Encoding, hold: Hold) -> Response:
+        limit = collector.config.max_body_bytes
+        try:
+            body = await _read_body(request, limit, hold)
+            content_encoding = request.headers.get("content-encoding")
+            payload = await _inflate(body, content_encoding, limit, hold)
         except PayloadTooLarge as exc:
             collector.counters.reject("too_large")
             return _otlp_error(413, str(exc), encoding)
+        except Overloaded as exc:
+            # Refused before the rest of the body is held; it is read and dropped so that the sender,
+            # still writing it, reads the answer (closing now would reset its connection instead).
+            collector.counters.reject("overloaded")
+            await _discard(request, limit)
+            return _otlp_error(503, str(exc), encoding, {"Retry-After": str(exc.retry_after)})
+        except PayloadError as exc:
+            collector.counters.reject("malformed")
+            return _otlp_error(400, str(exc), encoding)
+        except UnsupportedMediaType as exc:
+            collector.counters.reject("unsupported_media_type")
+            return _otlp_error(415, str(exc), encoding)
         spool = None
         spool_name = request.headers.get(SPOOL_FILE_HEADER)
         if spool_name is not None:
@@ -237,7 +306,7 @@ def create_app(collector: Collector) -> FastAPI:
             spool = SpoolRecord.of(body, spool_name)
         try:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
-            batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
+            batch = await collector.pipeline.batch_async(payload, encoding)
             await asyncio.wrap_future(collector.queue.submit(batch, spool))
         except PayloadTooLarge as exc:
             return _otlp_error(413, str(exc), encoding)

@@ -86,7 +86,7 @@ class SpanKeys:
         if not spans:
             return np.zeros(0, dtype=bool)
         traces, ids = [row[0] for row in spans], [row[1] for row in spans]
-        starts = np.fromiter((row[5] for row in spans), dtype=np.int64, count=len(spans))
+        starts = np.array([row[5] for row in spans], dtype=np.int64)
         hashes = key_hashes(traces, ids)
         keep = _first_of_each(hashes, traces, ids)
         doubt = keep & (self._known(hashes, starts) | (starts // MINUTE_NS < self.horizon))

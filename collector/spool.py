@@ -69,14 +69,14 @@ def check_directory(directory: str | Path) -> None:
     sub-folder is a link or not a directory (the collector would write outside the spool)."""
     root = Path(directory).expanduser()
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for name in SUBFOLDERS:
-            folder = root / name
-            with contextlib.suppress(FileExistsError):
-                folder.mkdir()
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+        for folder in (root / name for name in SUBFOLDERS):
+            if os.path.lexists(folder) and not stat.S_ISDIR(os.lstat(folder).st_mode):
                 raise ConfigError(f"--spool-dir: {folder} must be a directory inside the spool directory, "
                                   f"found a link or another kind of file; move it away")
+        root.mkdir(parents=True, exist_ok=True)
+        for name in SUBFOLDERS:
+            with contextlib.suppress(FileExistsError):
+                (root / name).mkdir()
     except OSError as exc:
         raise ConfigError(f"--spool-dir: cannot use {root}: {exc}") from None
 

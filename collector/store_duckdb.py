@@ -209,6 +209,12 @@ class DuckDBStore(NamedQueryReader):
             self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
             raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
+    def limit_memory(self, limit_bytes: int) -> None:
+        """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
+        past it DuckDB evicts or spills to ``FILE.tmp``). Unbounded, it grows with what is stored
+        up to 80 % of the machine's memory: measured 15 MB per 8k engine spans written."""
+        self._con.execute(f"SET memory_limit = '{int(limit_bytes)}B'")
+
     def _writer_frame(self, name: str, **params) -> pl.DataFrame:
         """A named query on the write connection (inside the writer's transaction)."""
         sql, params = bind_lists(self._queries.text(name), params)
