@@ -7,17 +7,18 @@ server gets. Schema: ``sql/clickhouse/NNN_*.sql``; named queries: ``sql/clickhou
 
 Writer guarantees (ClickHouse has no multi-table transactions; compare store.py's contract):
     - ``write`` inserts each non-empty table of the batch as one Arrow INSERT, tables in
-      ``WRITE_ORDER`` (``requests`` last), and returns once every INSERT returned: the server has
-      then committed those parts, so an acknowledged batch is complete and readable from any
-      collector. A reader that sees a ``requests`` row sees every row its batch carried.
-    - Each INSERT is atomic per partition (one part per UTC day it touches). A failure or crash
-      mid-batch can leave the tables already inserted; the sender got no 200 and will resend, so
-      those rows can then be stored twice (as DuckDB stores a twice-sent batch twice).
-    - Spool files stay exactly-once: a file whose sha256 is in ``spool_files`` is skipped; each
-      table of a spool batch is inserted with the deduplication token ``spool:<sha256>:<table>``
-      (kept for the last 1000 inserts of each table), and the ``spool_files`` row goes in last.
-      Re-ingesting a file after a crash, or the same file in two collectors' spools, stores
-      nothing twice.
+      ``WRITE_ORDER`` (``requests`` next to last, ``spans`` last), and returns once every INSERT
+      returned: the server has then committed those parts, so an acknowledged batch is complete and
+      readable from any collector. A reader that sees a ``requests`` row sees every row its batch
+      carried.
+    - Exactly once per span (collector/once.py): spans already stored are left out before any
+      INSERT. A span counts as stored once its ``spans`` row is in, which is inserted last; each
+      table's INSERT carries the deduplication token ``once:<hash of the spans written>:<table>``
+      (kept for the last 1000 inserts of each table), so a batch resent after a crash mid-batch
+      finds the tables inserted before the crash and the server drops those blocks. The writer
+      gives this store one request per write (``group_writes``), so a resend is the same blocks.
+    - Spool files are also known by their sha256: a file whose sha256 is in ``spool_files`` is
+      skipped, and the ``spool_files`` row goes in after every table.
     - Durability is the server's: an INSERT returns after its part is written, not fsynced
       (ClickHouse's default; the table setting ``fsync_after_insert`` changes that). A collector
       killed with -9 loses nothing acknowledged; a power cut of the database host can lose the
@@ -53,7 +54,7 @@ _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Floa
 #: of such queries alias inside a subquery instead: sql/clickhouse/queries/slot_holders.sql.)
 _READ_SETTINGS = {"join_use_nulls": 1}
 #: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
-_INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0, "insert_deduplicate": 0}
+_INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0}
 
 
 @dataclass(frozen=True)
