@@ -2,7 +2,8 @@
 
 Receiver status codes follow the OTLP/HTTP spec: 200 (with partial success when spans were refused
 or values truncated), 400 malformed, 413 too large, 415 unsupported media type or encoding, 503 +
-Retry-After when the write queue is full or the store is failing (both retryable). Error bodies are
+Retry-After when the byte budget (collector/budget.py) or the write queue is full, or the store is
+failing (all retryable). Error bodies are
 ``google.rpc.Status`` in the request's encoding.
 """
 
