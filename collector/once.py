@@ -37,6 +37,8 @@ from tokentrace.collector.normalize import MARKED, Batch
 
 MINUTE_NS = 60_000_000_000
 DEFAULT_CAPACITY = 4_000_000
+#: Spans looked up in the store per query (each binds its start times and trace ids as values).
+LOOKUP_SPANS = 2_000
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9))
 
 #: (start times, trace ids) -> the (trace id, span id) pairs stored with those.
@@ -90,8 +92,9 @@ class SpanKeys:
         hashes = key_hashes(traces, ids)
         keep = _first_of_each(hashes, traces, ids)
         doubt = keep & (self._known(hashes, starts) | (starts // MINUTE_NS < self.horizon))
-        if doubt.any():
-            where = np.flatnonzero(doubt)
+        for where in np.array_split(np.flatnonzero(doubt), max(1, -(-int(doubt.sum()) // LOOKUP_SPANS))):
+            if not len(where):
+                continue
             found = stored(sorted({int(starts[i]) for i in where}), sorted({traces[i] for i in where}))
             for i in where:
                 if (traces[i], ids[i]) in found:
