@@ -157,9 +157,9 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
 def instrumented_engine(scheduler, thread_ident: int, telemetry, work: list[list[int]], tokens: int,
                         concurrency: int) -> Run:
     """The engine's Scheduler with telemetry on, closed loop, records finished as the server does."""
-    from tokentrace.engine_shim.jobs import Job, Sampling
-    from tokentrace.engine_shim.prompts import Prompt
-    from tokentrace.engine_shim.records import RequestRecord
+    from tokentrace.engine_shim.mlx.jobs import Job, Sampling
+    from tokentrace.engine_shim.mlx.prompts import Prompt
+    from tokentrace.engine_shim.mlx.records import RequestRecord
 
     run = Run([0] * len(work), [0] * len(work), [0] * len(work), [0] * len(work))
     pending = list(range(len(work)))
@@ -275,21 +275,21 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
     """Every configuration on one model size."""
     from mlx_lm.generate import BatchGenerator
 
-    from tokentrace.engine_shim.embed import Instrumentation
-    from tokentrace.engine_shim.exporter_process import (
+    from tokentrace.engine_shim.mlx.embed import Instrumentation
+    from tokentrace.engine_shim.mlx.exporter_process import (
         ExporterConfig,
         ExporterProcess,
         build_tracer_provider,
         engine_resource,
     )
-    from tokentrace.engine_shim.records import Clock
-    from tokentrace.engine_shim.scheduler import LOAD_READY, Scheduler
-    from tokentrace.engine_shim.settings import EngineSettings
-    from tokentrace.engine_shim.telemetry import Telemetry
+    from tokentrace.engine_shim.mlx.records import Clock
+    from tokentrace.engine_shim.mlx.scheduler import LOAD_READY, Scheduler
+    from tokentrace.engine_shim.mlx.settings import EngineSettings
+    from tokentrace.engine_shim.mlx.telemetry import Telemetry
 
     count, tokens, length = WORKLOAD[size]
     resource = engine_resource(f"bench-{size}", size)
-    # The engine's wiring (as in engine_shim/cli.py): an exporter process behind the telemetry thread.
+    # The engine's wiring (as in engine_shim/mlx/cli.py): an exporter process behind the telemetry thread.
     exporter = ExporterProcess(ExporterConfig({k: str(v) for k, v in resource.attributes.items()}, endpoint,
                                               str(spool), 64 << 20, clock_offset_ns=Clock().offset_ns)).start()
     TELEMETRY_PIDS[:] = [exporter.pid]
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table for docs/benchmarks.md")
     args = parser.parse_args(argv)
 
-    from tokentrace.engine_shim.make_model import write_model
+    from tokentrace.engine_shim.mlx.make_model import write_model
 
     sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     started = time.monotonic()

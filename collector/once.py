@@ -149,6 +149,15 @@ def _first_of_each(hashes: np.ndarray, traces: list[str], ids: list[str]) -> np.
     return keep
 
 
+def drop_stored(batch: Batch, keys: SpanKeys, stored: Lookup) -> None:
+    """Leave out of ``batch``, in place, the spans already stored and every row they made; after
+    it the batch holds what the store writes (what counters and /metrics then see) and
+    ``duplicates`` how many spans were left out."""
+    fresh = select(batch, keys.fresh(batch, stored))
+    batch.duplicates = batch.spans - fresh.spans
+    batch.rows, batch.packed, batch.marks, batch.spans = fresh.rows, fresh.packed, fresh.marks, fresh.spans
+
+
 def select(batch: Batch, keep: np.ndarray) -> Batch:
     """The batch with only the spans of ``keep`` and the rows they made (``Batch.marks``)."""
     if keep.all():

@@ -15,8 +15,8 @@ Writer contract
         of the same batch carries the same deduplication tokens and the server drops those tables'
         blocks.
     - Exactly once per span (collector/once.py): a span whose (trace id, span id) is stored already
-      is left out, with every row it made, before anything is written; ``batch.duplicates`` says
-      how many. A batch written twice is stored once, whatever grouping or path it came by.
+      is left out, with every row it made, before anything is written: ``write`` removes them from
+      ``batch`` in place (it then holds what was stored) and sets ``batch.duplicates``. A batch written twice is stored once, whatever grouping or path it came by.
         DuckDB: checked and written in one transaction.
         ClickHouse: exact for one collector per store (chdb, or one collector on a server); a
         server shared by several collectors checks what each collector wrote, and what the others
@@ -54,6 +54,7 @@ import polars as pl
 import pyarrow as pa
 
 from tokentrace.collector.normalize import PACKED, Batch
+from tokentrace.errors import RejectedBatch, StoreError
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,20 @@ def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     columns = list(zip(*rows, strict=True))
     arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+#: Exceptions of a write that say a value of the batch does not fit its column (a conversion):
+#: writing the same batch again cannot succeed. Anything else (I/O, a full disk, a busy store)
+#: may pass.
+_CONVERSION_ERRORS = (OverflowError, TypeError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError)
+
+
+def write_failure(exc: BaseException, message: str) -> StoreError | RejectedBatch:
+    """The error a failed write raises: RejectedBatch (permanent, 400) for a value the store cannot
+    hold, StoreError (transient, 503) for everything else."""
+    conversion = isinstance(exc, _CONVERSION_ERRORS) or type(exc).__name__ in ("ConversionException",
+                                                                                 "TypeMismatchException")
+    return RejectedBatch(message) if conversion else StoreError(message)
 
 
 class NamedQueryReader:

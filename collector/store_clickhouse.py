@@ -41,7 +41,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from tokentrace.collector import once, sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import StoreError
 
 #: Insert order: ``requests`` next to last, so that a request visible to readers has all its rows;
@@ -192,9 +192,9 @@ class ClickHouseStore(NamedQueryReader):
         try:
             if spool is not None and self.spool_seen(spool.sha256):
                 return False
-            fresh = once.select(batch, self._keys.fresh(batch, self._stored_keys))
-            batch.duplicates = batch.spans - fresh.spans
-            spans = fresh.rows["spans"]
+            in_file = batch.spans
+            once.drop_stored(batch, self._keys, self._stored_keys)
+            fresh, spans = batch, batch.rows["spans"]
             # One token per table from the keys of the spans written: a resend after a crash
             # mid-batch finds the tables already inserted and the server drops those blocks.
             digest = hashlib.blake2b(once.key_hashes([r[0] for r in spans], [r[1] for r in spans]).tobytes(),
@@ -207,12 +207,12 @@ class ClickHouseStore(NamedQueryReader):
                 settings["insert_deduplication_token"] = f"once:{digest}:{table}"
                 self._writer.insert_arrow(table, data, settings=settings)
             if spool is not None:
-                self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
+                self._writer.insert("spool_files", [(spool.sha256, spool.name, in_file, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
             self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
             return True
-        except (ClickHouseError, pa.ArrowException) as exc:
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+        except Exception as exc:
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
         rows = self.frame("span_keys", starts=starts, traces=traces)

@@ -8,6 +8,7 @@ no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector'
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -20,10 +21,22 @@ import pyarrow as pa
 
 from tokentrace.collector import once, sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import NotFound, StoreError
 
 CHECKPOINT_THRESHOLD = "256MB"
+#: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
+#: needs about this much, and a checkpoint more.
+MIN_FREE_BYTES = 1 << 20
+
+
+def disk_free(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (None: unknown)."""
+    try:
+        stat = os.statvfs(Path(path).resolve().parent)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 _ARROW_TYPES = {
     "VARCHAR": pa.string(),
     "BIGINT": pa.int64(),
@@ -31,6 +44,7 @@ _ARROW_TYPES = {
     "DOUBLE": pa.float64(),
     "BOOLEAN": pa.bool_(),
     "VARCHAR[]": pa.list_(pa.string()),
+    "DOUBLE[]": pa.list_(pa.float64()),
 }
 
 
@@ -186,9 +200,7 @@ class DuckDBStore(NamedQueryReader):
                 con.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
                             [spool.sha256, spool.name, batch.spans, time.time_ns()])
             # Exactly once per span (once.py): rows of spans already stored are left out.
-            fresh = once.select(batch, self._keys.fresh(batch, self._stored_keys))
-            batch.duplicates = batch.spans - fresh.spans
-            batch = fresh
+            once.drop_stored(batch, self._keys, self._stored_keys)
             for table, rows in batch.rows.items():
                 if rows:
                     con.from_arrow(self._arrow(table, rows)).insert_into(table)
@@ -203,11 +215,13 @@ class DuckDBStore(NamedQueryReader):
             spans = batch.rows["spans"]
             self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
             return True
-        except (duckdb.Error, pa.ArrowException) as exc:
+        except Exception as exc:  # whatever failed, the transaction must not outlive this call
             with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
                 con.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):
+                con.unregister("staged")
             self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
 
     def limit_memory(self, limit_bytes: int) -> None:
         """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
@@ -246,11 +260,16 @@ class DuckDBStore(NamedQueryReader):
             raise StoreError(f"closing {self.path} failed: {exc}") from exc
 
     def probe(self) -> None:
-        """Raise StoreError unless the store answers (health check)."""
+        """Raise StoreError unless the store answers and its disk has room (health check)."""
         try:
             self._cursor().execute("SELECT 1").fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+        if not self.read_only:
+            free = disk_free(self.path)
+            if free is not None and free < MIN_FREE_BYTES:
+                raise StoreError(f"the disk holding {self.path} has {free} bytes free: writes would fail "
+                                 f"(at least {MIN_FREE_BYTES} needed)")
 
     # --- reader role ------------------------------------------------------------------------------
     def _cursor(self) -> duckdb.DuckDBPyConnection:

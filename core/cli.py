@@ -11,16 +11,18 @@ import importlib
 import sys
 
 from tokentrace import __version__
-from tokentrace.errors import ConfigError, NotFound, TokentraceError
+from tokentrace.errors import TokentraceError
 
 #: (command, module, one-line help). The order is the order of ``tokentrace --help``.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("collector", "tokentrace.collector.cli", "run the OTLP collector, its DuckDB store and dashboard"),
     ("analyze", "tokentrace.analyzers.cli", "verdicts: why a request was slow, why its cache lookup missed"),
-    ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Chrome trace-event JSON for Perfetto"),
+    ("whatif", "tokentrace.analyzers.whatif_cli", "replay traffic through other cache sizes, instances and routing"),
+    ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Perfetto JSON, Mooncake traces"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
-    ("engine", "tokentrace.engine_shim.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
-    ("make-model", "tokentrace.engine_shim.make_model", "write a random-weight model to test and demo with"),
+    ("engine", "tokentrace.engine_shim.mlx.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
+    ("gateway", "tokentrace.engine_shim.gateway.cli", "route to OpenAI-compatible engines, observed from outside"),
+    ("make-model", "tokentrace.engine_shim.mlx.make_model", "write a random-weight model to test and demo with"),
 )
 
 
@@ -35,23 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     for name, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
+        # Docstrings are written for Sphinx-like readers: drop the ``literal`` marks, keep their line
+        # breaks (examples stay on their own lines).
+        sub = commands.add_parser(name, help=help_text, description=(module.__doc__ or "").replace("``", ""),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, run the command, and map errors to exit codes (2: bad input, 1: failure)."""
+    """Parse ``argv``, run the command, and map errors to their exit codes (core/errors.py)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ConfigError, NotFound) as exc:
-        print(f"tokentrace {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except TokentraceError as exc:
         print(f"tokentrace {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130

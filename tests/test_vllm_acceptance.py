@@ -127,7 +127,7 @@ def test_analyze_slow_gives_a_verdict_for_a_vllm_request(vllm_run):
 
 
 def test_version_check_passes_on_the_installed_vllm():
-    script = ("from tokentrace.engine_shim.vllm_compat import check_vllm; r = check_vllm(); "
+    script = ("from tokentrace.engine_shim.vllm.compat import check_vllm; r = check_vllm(); "
               "print(r.version, sorted(r.features), r.problems)")
     result = subprocess.run([str(require_vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tokentrace import contract as c
-from tokentrace.engine_shim.vllm_compat import check_vllm, parse_version
-from tokentrace.engine_shim.vllm_kv_events import KvCacheTracker, subscriber_endpoint
-from tokentrace.engine_shim.vllm_steps import StepWindow, steps_record
+from tokentrace.engine_shim.vllm.compat import check_vllm, parse_version
+from tokentrace.engine_shim.vllm.kv_events import KvCacheTracker, subscriber_endpoint
+from tokentrace.engine_shim.vllm.steps import StepWindow, steps_record
 from tokentrace.fingerprint import block_hashes
 from tokentrace.vllm_names import client_request_id
 

@@ -1,0 +1,284 @@
+"""A separate process that turns the engine's finished records into spans and exports them.
+
+Why a process: building SDK spans and encoding OTLP protobuf costs about 1 µs of Python per array
+element (the encoder visits every value), i.e. 15-20 µs per generated token once the engine.steps
+columns and decode offsets are counted. On a thread, that CPU competes with the generation thread
+for the GIL: measured 2-4 % slower decode on the tiny model. In a process of its own it runs on
+another core; the engine only pickles plain records (lists of ints), about 1 µs per token.
+
+The parent sends records over a ``multiprocessing`` pipe (spawn context: nothing of the engine's
+MLX state is inherited). The child wires the SDK (``build_tracer_provider``: OTLP/HTTP with the
+spool behind it) with the engine's resource and clock offset, and answers flush and stop requests
+with its export counters. If the child dies, records are counted as dropped and it is restarted.
+
+The SDK wiring (``build_tracer_provider``, ``engine_resource``) is also what embedders and the
+benchmark use. It is never called on import and never installs a global provider (STYLE §9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from tokentrace import contract as c
+from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
+from tokentrace.hardware import chip_name
+
+log = logging.getLogger(__name__)
+
+#: Restarts allowed after the exporter process died, per engine process.
+MAX_RESTARTS = 3
+
+#: Batches leave twice a second, so a collector sees a finished request within about a second.
+EXPORT_DELAY_MS = 500
+#: Finished spans the batch processor may hold; a request is ~10 spans.
+EXPORT_QUEUE = 32768
+#: An insert can evict many entries at once; each eviction is an event.
+MAX_EVENTS = 4096
+
+
+def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine",
+                    model_dir: str | None = None, chat_template: str | None = None,
+                    memory_bandwidth_gbs: float | None = None) -> Resource:
+    """The contract's resource attributes for an mlx-lm engine instance: it measures every request
+    part, and names the weights (``model_dir``) and chat template (``chat_template``, else the
+    model's own) it serves with, when it can read them; the chip where macOS names it, and the
+    declared peak memory bandwidth (``memory_bandwidth_gbs``) when given."""
+    try:
+        from mlx_lm import __version__ as engine_version
+    except ImportError:  # pragma: no cover - the engine needs mlx-lm anyway
+        engine_version = "unknown"
+    attributes = {
+        c.SERVICE_NAME: service_name,
+        c.SERVICE_INSTANCE_ID: instance_id,
+        c.HOST_NAME: socket.gethostname(),
+        c.ENGINE: c.ENGINE_MLX,
+        c.ENGINE_VERSION: engine_version,
+        c.MODEL: model,
+        c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
+    }
+    if chip := chip_name():
+        attributes[c.HOST_CHIP] = chip
+    if memory_bandwidth_gbs:
+        attributes[c.HOST_MEMORY_BANDWIDTH_GBS] = float(memory_bandwidth_gbs)
+    if model_dir is not None:
+        attributes.update(model_identity(Path(model_dir), chat_template))
+    return Resource.create(attributes)
+
+
+def model_identity(directory: Path, chat_template: str | None = None) -> dict[str, str]:
+    """``tokentrace.model.revision`` (config.json, and each weight file's name and size) and
+    ``tokentrace.chat_template.hash`` (the template given, else tokenizer_config.json's or
+    chat_template.jinja's), each the first 16 hex digits of a SHA-256 (docs/telemetry.md); a part
+    that cannot be read (a hub id not yet downloaded) is left out."""
+    identity: dict[str, str] = {}
+    config = directory / "config.json"
+    if config.is_file():
+        digest = hashlib.sha256(config.read_bytes())
+        for weights in sorted(directory.glob("*.safetensors")):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        identity[c.MODEL_REVISION] = digest.hexdigest()[:16]
+    if chat_template is None:
+        jinja, tokenizer_config = directory / "chat_template.jinja", directory / "tokenizer_config.json"
+        if jinja.is_file():
+            chat_template = jinja.read_text(encoding="utf-8")
+        elif tokenizer_config.is_file():
+            template = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("chat_template")
+            chat_template = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    if chat_template is not None:
+        identity[c.CHAT_TEMPLATE_HASH] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
+    return identity
+
+
+def build_tracer_provider(
+    resource: Resource, endpoint: str | None, spool_dir: str | None, spool_max_bytes: int, token: str | None = None,
+) -> tuple[TracerProvider, SpoolingSpanExporter]:
+    """A provider exporting OTLP/HTTP protobuf to ``endpoint`` with a spool behind it."""
+    name = str(resource.attributes.get(c.SERVICE_INSTANCE_ID, "engine"))
+    spool = Spool(spool_dir, spool_max_bytes, name) if spool_dir else None
+    exporter = SpoolingSpanExporter(endpoint or None, spool, token=token)
+    provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_events=MAX_EVENTS))
+    provider.add_span_processor(BatchSpanProcessor(
+        exporter, schedule_delay_millis=EXPORT_DELAY_MS, max_queue_size=EXPORT_QUEUE, max_export_batch_size=512))
+    return provider, exporter
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    """What the exporter process needs to wire its SDK."""
+
+    resource: dict[str, str | list[str]]  #: resource attributes (service.instance.id, ...)
+    endpoint: str | None  #: collector base URL; None or '' disables export
+    spool_dir: str | None  #: spool directory; None disables spooling
+    spool_max_bytes: int  #: spool size limit
+    token: str | None = None  #: collector bearer token
+    clock_offset_ns: int = 0  #: the engine's perf_counter -> epoch offset
+
+
+@dataclass(frozen=True)
+class Control:
+    """A request to the exporter process: flush or stop; it answers with its counters."""
+
+    kind: str  #: "flush" or "stop"
+    timeout: float = 10.0  #: seconds the child may spend flushing
+
+
+@dataclass
+class ExportCounters:
+    """How the exporter process fared (reported on flush and stop)."""
+
+    built: int = 0  #: records turned into spans
+    build_errors: int = 0  #: records that failed to build
+    exported_spans: int = 0  #: spans the collector acknowledged directly
+    spooled_batches: int = 0  #: batches written to the spool
+    resent_batches: int = 0  #: spooled batches delivered later
+    dropped_spans: int = 0  #: spans lost (spool full or unavailable)
+    extra: dict[str, int] = field(default_factory=dict)  #: anything else worth reporting
+
+
+class ExporterProcess:
+    """The parent's handle on the exporter process; a ``RecordSink`` for ``Telemetry``.
+
+    ``handle``, ``flush`` and ``close`` are called from the telemetry thread only (``close`` after
+    that thread stopped), so the pipe has a single user.
+    """
+
+    def __init__(self, config: ExporterConfig):
+        self.config = config
+        self.dropped_records = 0  #: records lost because the exporter process was gone
+        self.restarts = 0  #: times the exporter process was restarted
+        self.counters = ExportCounters()  #: the child's last report
+        self._context = multiprocessing.get_context("spawn")
+        self._process: Any = None
+        self._conn: Any = None
+
+    def start(self) -> ExporterProcess:
+        """Spawn the process (it imports only the OpenTelemetry SDK and tokentrace, not mlx)."""
+        parent, child = self._context.Pipe(duplex=True)
+        self._process = self._context.Process(target=serve, args=(child, self.config), name="tokentrace-exporter",
+                                              daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the exporter process."""
+        return self._process.pid if self._process is not None else None
+
+    def handle(self, record: Any) -> None:
+        """Send one record (pickled on this thread)."""
+        if self._conn is None:
+            self.start()
+        try:
+            self._conn.send(record)
+        except (OSError, EOFError, ValueError):
+            self.dropped_records += 1
+            self._restart()
+
+    def flush(self, timeout: float) -> bool:
+        """Ask the child to export everything it has; True once it confirms."""
+        return self._ask(Control("flush", timeout), timeout)
+
+    def close(self, timeout: float) -> None:
+        """Stop the child after it flushed; keeps its final counters."""
+        if self._process is None:
+            return
+        self._ask(Control("stop", timeout), timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        self._conn.close()
+        self._process = self._conn = None
+
+    def _ask(self, control: Control, timeout: float) -> bool:
+        if self._conn is None:
+            return False
+        try:
+            self._conn.send(control)
+            if not self._conn.poll(timeout + 1):
+                return False
+            self.counters = self._conn.recv()
+            return True
+        except (OSError, EOFError, ValueError):
+            return False
+
+    def _restart(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return  # a transient error; the process is still there
+        if self.restarts >= MAX_RESTARTS:
+            if self.restarts == MAX_RESTARTS:
+                log.error("the exporter process died %d times; spans are dropped from now on", self.restarts + 1)
+                self.restarts += 1
+            return
+        self.restarts += 1
+        log.warning("the exporter process died; restarting it (%d of %d)", self.restarts, MAX_RESTARTS)
+        self.start()
+
+
+def serve(conn: Any, config: ExporterConfig) -> None:
+    """The exporter process: records in, spans out, until told to stop or the engine is gone."""
+    from tokentrace import __version__
+    from tokentrace.engine_shim.mlx.records import Clock
+    from tokentrace.engine_shim.mlx.spans import SpanBuilder
+    from tokentrace.engine_shim.mlx.telemetry import SCOPE
+
+    # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # When cores are scarce, generation goes first: spans can wait a little, tokens should not.
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The OTLP exporter logs every failed batch; the spool logs the outage once instead.
+    for name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.otlp.common"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    provider, exporter = build_tracer_provider(Resource.create(config.resource), config.endpoint,
+                                               config.spool_dir, config.spool_max_bytes, config.token)
+    builder = SpanBuilder(provider.get_tracer(SCOPE, __version__), Clock(config.clock_offset_ns))
+    counters = ExportCounters()
+
+    def report() -> ExportCounters:
+        counters.exported_spans = exporter.exported_spans
+        counters.spooled_batches = exporter.spooled_batches
+        counters.resent_batches = exporter.resent_batches
+        counters.dropped_spans = exporter.dropped_spans
+        return counters
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the engine is gone: export what we have and leave
+            message = Control("stop")
+        if isinstance(message, Control):
+            provider.force_flush(int(message.timeout * 1000))
+            if message.kind == "stop":
+                provider.shutdown()
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(report())
+            if message.kind == "stop":
+                return
+            continue
+        try:
+            builder.build(message)
+            counters.built += 1
+        except Exception:
+            counters.build_errors += 1
+            if counters.build_errors == 1:
+                log.exception("cannot build spans from a record (counted; logged once)")
+        time.sleep(0)  # let the spool and batch threads of this process run between records

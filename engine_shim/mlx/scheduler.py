@@ -1,0 +1,413 @@
+"""The generation thread: FIFO admission, continuous batching with chunked prefill, the prompt
+cache, and the numbers the telemetry needs.
+
+Built on mlx-lm's ``BatchGenerator`` through its public methods only (``insert``, ``next``,
+``remove``): one ``next()`` is one engine step — a decode step for every generating sequence plus
+one prefill chunk (``prefill_step_size`` tokens) for every prefilling one (notes §3). The scheduler
+owns the queue in front of it (so queue time is really queue time), admits at most ``max_batch``
+sequences, looks prompts up in its own ``PrefixCache`` and stores finished sequences there.
+
+Everything here runs on one thread. Other threads only call ``submit``, ``cancel``,
+``request_load`` and read the counters; they hand over through deques and an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from tokentrace.contract import MATCH_NONE
+from tokentrace.engine_shim.mlx.jobs import Job, SamplingObjects
+from tokentrace.engine_shim.mlx.loader import LoadOptions, Runtime, load_runtime, new_load_record
+from tokentrace.engine_shim.mlx.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
+from tokentrace.engine_shim.mlx.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
+from tokentrace.engine_shim.mlx.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+#: A window of engine.steps closes after this many steps or this long, whichever comes first.
+WINDOW_STEPS = 256
+WINDOW_NS = 1_000_000_000
+
+#: Delivery of one step's results: (job, token, finish_reason or None) per generating sequence.
+Deliver = Callable[[list[tuple[Job, int, "str | None"]]], None]
+#: Where finished records go (the telemetry thread's queue); must not block or raise.
+Submit = Callable[[Any], None]
+
+LOAD_IDLE, LOAD_RUNNING, LOAD_READY, LOAD_FAILED = "not_loaded", "loading", "ready", "failed"
+
+
+class Scheduler:
+    """Owns the model, the ``BatchGenerator`` and the prompt cache; run ``run()`` on its own thread."""
+
+    def __init__(self, settings: EngineSettings, deliver: Deliver, submit: Submit,
+                 on_load_done: Callable[[LoadRecord], None] = lambda record: None):
+        self.settings = settings
+        self.max_batch = settings.max_batch
+        self.prompt_concurrency = settings.prompt_concurrency or settings.max_batch
+        self.runtime: Runtime | None = None
+        self.cache: PrefixCache | None = None
+        self.load_state = LOAD_IDLE
+        self.load_record: LoadRecord | None = None
+        self.instrumentation_errors = 0
+        self._deliver = deliver
+        self._submit = submit
+        self._on_load_done = on_load_done
+        self._inbox: deque[Job] = deque()
+        self._cancels: deque[Job] = deque()
+        self._waiting: deque[Job] = deque()
+        self._running: dict[int, Job] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._load_lock = threading.Lock()
+        self._generator: Any = None
+        self._sampling: SamplingObjects | None = None
+        self._window = StepWindow()
+
+    # --- called from other threads -------------------------------------------------------------
+    def request_load(self, lazy: bool) -> LoadRecord:
+        """Start loading the model unless a load already started; returns that load's record.
+
+        The record is created here, on the caller's thread, so a request that triggers a lazy load
+        starts waiting inside the load's window.
+        """
+        with self._load_lock:
+            if self.load_record is None:
+                self.load_record = new_load_record(self.settings.model, lazy)
+                self.load_state = LOAD_RUNNING
+                self._wake.set()
+            return self.load_record
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (FIFO) and stamp its enqueue time, queue depth and running count."""
+        record = job.record
+        record.queue_depth = len(self._waiting) + len(self._inbox)
+        record.queue_running = len(self._running)
+        record.max_batch = self.max_batch
+        record.enqueue_ns = time.perf_counter_ns()
+        self._inbox.append(job)
+        self._wake.set()
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """Stop ``job`` wherever it is; it finishes with ``reason`` (cancelled, or stop for a stop string)."""
+        job.cancel_reason = reason
+        self._cancels.append(job)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the loop to finish (pending jobs are cancelled)."""
+        self._stopping = True
+        self._wake.set()
+
+    def heartbeat(self) -> HeartbeatRecord:
+        """The instance's state now (plain reads; safe from any thread)."""
+        import mlx.core as mx
+
+        runtime, cache = self.runtime, self.cache
+        return HeartbeatRecord(
+            at_ns=time.perf_counter_ns(),
+            queue_depth=len(self._waiting) + len(self._inbox),
+            running=len(self._running),
+            max_batch=self.max_batch,
+            cache_entries=len(cache) if cache is not None else 0,
+            cache_bytes=cache.nbytes if cache is not None else 0,
+            cache_max_entries=self.settings.cache_max_entries,
+            cache_max_bytes=self.settings.cache_max_bytes,
+            kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
+            memory_bytes=mx.get_active_memory(),
+        )
+
+    # --- the generation thread -----------------------------------------------------------------
+    def run(self) -> None:
+        """The loop: load when asked, then admit, step and deliver until ``stop()``."""
+        if not self.settings.lazy_load:
+            self.request_load(lazy=False)
+        while not self._stopping:
+            try:
+                self._iterate()
+            except Exception:
+                # Whatever broke (an mlx error in admission, a cache insert), the thread must live
+                # on: a dead generation thread means every later request hangs.
+                log.exception("generation step failed and no single request could be blamed; failing the "
+                              "running requests and serving on with a fresh batch")
+                self._fail_running()
+        self._shutdown()
+
+    def _iterate(self) -> None:
+        if self.load_state == LOAD_RUNNING:
+            self._load()
+            return
+        self._drain()
+        if self._running:
+            self._step()
+            return
+        self._flush_window()
+        self._wake.clear()
+        if not (self._inbox or self._cancels or self._stopping or self.load_state == LOAD_RUNNING):
+            self._wake.wait(1.0)
+
+    def _load(self) -> None:
+        record = self.load_record
+        try:
+            settings = self.settings
+            runtime = load_runtime(record, LoadOptions(
+                settings.adapter_path, settings.trust_remote_code, settings.chat_template,
+                settings.use_default_chat_template))
+        except Exception as exc:
+            log.error("model load failed: %s", exc)
+            self.load_state = LOAD_FAILED
+        else:
+            self._install(runtime)
+            self.load_state = LOAD_READY
+        self._emit(record)
+        if self.load_state == LOAD_READY:
+            self._emit(self.heartbeat())  # the first state report: limits and KV bytes per token
+        self._on_load_done(record)
+
+    def _install(self, runtime: Runtime) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.runtime = runtime
+        self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
+                                         runtime.tokenizer.encode("\n"))
+        if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
+            log.info("prompt cache off (--cache-max-entries/--cache-max-bytes 0); lookups still report fingerprints")
+        elif is_cacheable(make_prompt_cache(runtime.model)):
+            self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes)
+        else:
+            log.warning("prompt cache disabled: the model's caches are not plain KVCache layers")
+        self._new_generator()
+
+    def _new_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        runtime = self.runtime
+        # prefill_batch_size = completion_batch_size = max_batch: every admitted sequence starts
+        # prefilling at the next step, so no hidden second queue forms inside the generator.
+        self._generator = BatchGenerator(
+            runtime.model,
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.max_batch,
+            prefill_step_size=self.settings.prefill_step_size,
+        )
+
+    def _drain(self) -> None:
+        while self._inbox:
+            job = self._inbox.popleft()
+            if self.load_state != LOAD_READY:
+                self._reject(job)
+            else:
+                self._waiting.append(job)
+        while self._cancels:
+            self._cancel(self._cancels.popleft())
+        while self._waiting and len(self._running) < self.max_batch and self._prefilling() < self.prompt_concurrency:
+            self._admit(self._waiting.popleft())
+
+    def _prefilling(self) -> int:
+        """Admitted sequences without a first token yet (--prompt-concurrency bounds them, so the
+        wait for a prefill slot is queue time, not prefill time)."""
+        return sum(1 for job in self._running.values() if not job.record.token_ns)
+
+    def _admit(self, job: Job) -> None:
+        try:
+            self._start(job)
+        except Exception:  # this request cannot start (e.g. mlx refuses its prompt); others go on
+            log.exception("cannot start request %s", job.record.request_id)
+            job.record.error_type = "GenerationError"
+            self._reject(job)
+
+    def _reject(self, job: Job) -> None:
+        """Finish a job that never ran as an error and tell its consumer."""
+        self._finish(job, "error", time.perf_counter_ns())
+        self._deliver([(job, -1, "error")])
+
+    def _start(self, job: Job) -> None:
+        record = job.record
+        record.admit_ns = time.perf_counter_ns()
+        cache = self.cache
+        lookup = cache.lookup(job.tokens) if cache is not None else Lookup(None, 0, MATCH_NONE, None, 0, 0)
+        record.lookup_end_ns = time.perf_counter_ns()
+        record.lookup = lookup_record(lookup)
+        objects = self._sampling
+        job.sampler = objects.sampler(job.sampling)
+        job.uid = self._generator.insert(
+            [job.tokens[lookup.reused:]],
+            max_tokens=[job.max_tokens],
+            caches=[lookup.layers] if lookup.layers is not None else None,
+            all_tokens=[job.tokens[: lookup.reused]],
+            samplers=[job.sampler],
+            logits_processors=[objects.logits_processors(job)],
+            stop_sequences=[objects.stop_sequences(job.sampling)],
+        )[0]
+        self._running[job.uid] = job
+
+    def _cancel(self, job: Job) -> None:
+        now = time.perf_counter_ns()
+        layers = tokens = None
+        if job in self._waiting:
+            self._waiting.remove(job)
+        elif self._running.get(job.uid) is job:
+            keep_cache = job.cancel_reason == "stop" and self.cache is not None
+            removed = self._generator.remove([job.uid], return_prompt_caches=keep_cache)
+            del self._running[job.uid]
+            layers, tokens = removed.get(job.uid, (None, None))
+        else:
+            return  # already finished: its final delivery is on its way
+        self._finish(job, job.cancel_reason, now, layers, tokens)
+        self._deliver([(job, -1, job.cancel_reason)])
+
+    def _step(self) -> None:
+        start = time.perf_counter_ns()
+        # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
+        prompt_responses, generated = self._generator.next()
+        end = time.perf_counter_ns()
+        faulty = self._faulty()
+        try:
+            self._record_step(start, end, prompt_responses, generated)
+        except Exception:
+            self._count_instrumentation_error("recording a step")
+        deliveries = []
+        for response in generated:
+            job = self._running.get(response.uid)
+            if job is None or job in faulty:
+                continue
+            reason = response.finish_reason
+            if job.sampling.top_logprobs is not None:
+                job.logprobs.append(_logprobs(response, job.sampling.top_logprobs))
+            if reason is not None:
+                del self._running[response.uid]
+                self._finish(job, reason, end, response.prompt_cache, response.all_tokens)
+            deliveries.append((job, response.token, reason))
+        if faulty:
+            deliveries += self._remove_faulty(faulty, end)
+        if deliveries:
+            self._deliver(deliveries)
+
+    def _faulty(self) -> list[Job]:
+        """Sequences whose own sampler or logits processors failed during the last step."""
+        return [job for job in self._running.values()
+                if job.fault is not None or getattr(job.sampler, "error", None) is not None]
+
+    def _remove_faulty(self, faulty: list[Job], now: int) -> list[tuple[Job, int, str]]:
+        """Take the failed sequences out of the batch with an error; the others go on."""
+        self._generator.remove([job.uid for job in faulty])
+        for job in faulty:
+            self._running.pop(job.uid, None)
+            error = job.fault or job.sampler.error
+            log.error("request %s failed in generation (removed; the batch goes on): %s",
+                      job.record.request_id, error)
+            job.record.error_type = "GenerationError"
+            self._finish(job, "error", now)
+        return [(job, -1, "error") for job in faulty]
+
+    def _record_step(self, start: int, end: int, prompt_responses: list, generated: list) -> None:
+        window, running = self._window, self._running
+        members = window.members
+        batch = len(prompt_responses)
+        prefill_tokens = 0
+        for response in prompt_responses:
+            job = running[response.uid]
+            record = job.record
+            done = response.progress[0]
+            tokens = done - job.prefilled
+            record.chunk_start_ns.append(start)
+            record.chunk_end_ns.append(end)
+            record.chunk_offset.append(record.lookup.reused + job.prefilled)
+            record.chunk_tokens.append(tokens)
+            record.chunk_batch.append(batch)
+            job.prefilled = done
+            prefill_tokens += tokens
+            members.append(record.request_id)
+        for response in generated:
+            record = running[response.uid].record
+            record.token_ns.append(end)
+            members.append(record.request_id)
+        window.start_ns.append(start)
+        window.duration_ns.append(end - start)
+        window.prefill_seqs.append(batch)
+        window.decode_seqs.append(len(generated))
+        window.prefill_tokens.append(prefill_tokens)
+        window.decode_tokens.append(len(generated))
+        if len(window.start_ns) >= WINDOW_STEPS or end - window.start_ns[0] >= WINDOW_NS:
+            self._flush_window()
+
+    def _finish(self, job: Job, reason: str, now: int, layers: list | None = None,
+                tokens: list[int] | None = None) -> None:
+        record = job.record
+        record.finish_ns = now
+        record.finish_reason = reason
+        if layers and tokens and self.cache is not None and reason in ("stop", "length"):
+            try:
+                self._store(record, layers, tokens)
+            except Exception:  # the answer is complete; only its reuse is lost
+                log.exception("cannot store request %s in the prompt cache", record.request_id)
+
+    def _store(self, record: RequestRecord, layers: list, tokens: list[int]) -> None:
+        import mlx.core as mx
+
+        record.insert_start_ns = time.perf_counter_ns()
+        insertion = self.cache.insert(list(tokens), layers, record.request_id)
+        # Materialise the entry's slices now (without waiting), so it stops pinning the batch's
+        # whole KV arrays.
+        mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
+        record.insert_end_ns = time.perf_counter_ns()
+        record.insertion = insert_record(insertion)
+
+    def _fail_running(self) -> None:
+        now = time.perf_counter_ns()
+        failed = list(self._running.values())
+        self._running.clear()
+        for job in failed:
+            job.record.error_type = "GenerationError"
+            self._finish(job, "error", now)
+        if self.runtime is not None:
+            self._generator.close()
+            self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
+        if failed:
+            self._deliver([(job, -1, "error") for job in failed])
+
+    def _flush_window(self) -> None:
+        if self._window.start_ns:
+            window, self._window = self._window, StepWindow()
+            self._emit(window)
+
+    def _emit(self, record: Any) -> None:
+        try:
+            self._submit(record)
+        except Exception:
+            self._count_instrumentation_error("handing a record to telemetry")
+
+    def _count_instrumentation_error(self, what: str) -> None:
+        self.instrumentation_errors += 1
+        if self.instrumentation_errors == 1:
+            log.exception("telemetry error while %s (counted; logged once)", what)
+
+    def _shutdown(self) -> None:
+        now = time.perf_counter_ns()
+        pending = list(self._waiting) + list(self._inbox) + list(self._running.values())
+        for job in pending:
+            self._finish(job, "cancelled", now)
+        if pending:
+            self._deliver([(job, -1, "cancelled") for job in pending])
+        self._flush_window()
+        if self._generator is not None:
+            self._generator.close()
+
+
+def _logprobs(response: Any, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, its logprob, the ``top`` most likely tokens with theirs) from one generated response;
+    mlx-lm's logprobs are the log-softmax after logits processors, as mlx_lm.server reports them."""
+    import mlx.core as mx
+
+    logprobs = response.logprobs
+    chosen = logprobs[response.token].item()
+    if top <= 0:
+        return response.token, chosen, []
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[ids]
+    pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda pair: -pair[1])
+    return response.token, chosen, pairs

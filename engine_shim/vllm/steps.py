@@ -1,0 +1,154 @@
+"""Pure conversions from vLLM's stat objects to contract spans (no vLLM import).
+
+Inputs are the objects vLLM 0.30–0.32 hands a stat logger (``vllm/v1/metrics/stats.py``):
+``FinishedRequestStats`` per finished request, ``SchedulerIterationDetails`` per engine step (only
+with ``--enable-logging-iteration-details``) and ``SchedulerStats``. Clocks: vLLM's phase durations
+are differences of EngineCore monotonic timestamps, and ``IterationStats.iteration_timestamp`` is
+the API server's wall clock when it processed the step's outputs; spans are anchored there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tokentrace import contract as c
+from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord
+
+#: vLLM FinishReason strings (vllm/v1/engine/__init__.py::FINISH_REASON_STRINGS) -> contract values.
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error",
+                  "repetition": "stop"}
+
+#: engine.steps windows close after this many steps or this much time (DESIGN §3: N steps or <= 1 s).
+WINDOW_STEPS = 256
+WINDOW_NS = 1_000_000_000
+
+
+def request_record(
+    ts: float, finished: Any, request_id: Callable[[str], str], model: str, first: bool
+) -> SpanRecord:
+    """The ``llm.request`` span for one ``FinishedRequestStats`` seen at wall time ``ts`` (s).
+
+    The span ends at ``ts`` and starts ``e2e_latency`` earlier (vLLM's arrival time). TTFT is
+    e2e minus decode: vLLM passes no per-request first-token time to stat loggers, and the
+    engine-to-frontend delay is the same for the first and the last token.
+    """
+    end_ns = int(ts * 1e9)
+    e2e = max(float(finished.e2e_latency), 0.0)
+    decode = max(float(finished.decode_time), 0.0)
+    output_tokens = int(finished.num_generation_tokens)
+    reason = str(finished.finish_reason)
+    attrs: dict[str, Any] = {
+        c.REQUEST_ID: request_id(str(finished.request_id)),
+        c.INPUT_TOKENS: int(finished.num_prompt_tokens),
+        c.OUTPUT_TOKENS: output_tokens,
+        c.CACHED_TOKENS: int(finished.num_cached_tokens),
+        c.FINISH_REASONS: [FINISH_REASONS.get(reason, reason)],
+        c.PROVIDER_NAME: c.ENGINE_VLLM,
+        # vLLM's server starts listening only after the model is loaded and warmed up.
+        c.LOAD_WAIT_MS: 0.0,
+        c.QUEUE_MS: max(float(finished.queued_time), 0.0) * 1e3,
+        c.PREFILL_MS: max(float(finished.prefill_time), 0.0) * 1e3,
+        c.DECODE_MS: decode * 1e3,
+        c.TTFT_MS: max(e2e - decode, 0.0) * 1e3,
+    }
+    if model:
+        attrs[c.MODEL] = model
+    if finished.max_tokens_param is not None:
+        attrs[c.MAX_TOKENS] = int(finished.max_tokens_param)
+    if output_tokens > 1:
+        attrs[c.TPOT_MS] = decode * 1e3 / (output_tokens - 1)
+    events = [SpanEvent(c.EVENT_FIRST_RESPONSE, end_ns)] if first else []
+    return SpanRecord(c.SPAN_REQUEST, end_ns - int(e2e * 1e9), end_ns, attrs, events, server=True)
+
+
+class StepWindow:
+    """Collects per-step numbers and emits one ``engine.steps`` span per window.
+
+    ``add`` runs on vLLM's output loop and ``flush`` on the export thread; a lock held for a list
+    append or swap keeps them apart.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[int, int, int, int, int, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, ts: float, details: Any) -> None:
+        """One step that ended at wall time ``ts`` (s); ``details`` is SchedulerIterationDetails."""
+        duration = int(float(details.elapsed_ms) * 1e6)
+        step = (
+            int(ts * 1e9) - duration, duration, int(details.num_ctx_requests),
+            int(details.num_generation_requests), int(details.num_ctx_tokens),
+            int(details.num_generation_tokens),
+        )
+        with self._lock:
+            self._steps.append(step)
+
+    def flush(self, now_ns: int, force: bool = False) -> list[SpanRecord]:
+        """Windows that are complete at ``now_ns`` (all of them when ``force``)."""
+        with self._lock:
+            steps = self._steps
+            if not steps:
+                return []
+            if not force and len(steps) < WINDOW_STEPS and now_ns - steps[0][0] < WINDOW_NS:
+                return []
+            self._steps = []
+        steps.sort()
+        return [steps_record(steps[i : i + WINDOW_STEPS]) for i in range(0, len(steps), WINDOW_STEPS)]
+
+
+def steps_record(steps: list[tuple[int, int, int, int, int, int]]) -> SpanRecord:
+    """One ``engine.steps`` span over (start ns, duration ns, prefill seqs, decode seqs,
+    prefill tokens, decode tokens) tuples sorted by start. vLLM names no requests per step, so
+    ``tokentrace.steps.requests`` and ``.members`` are left out."""
+    start = steps[0][0]
+    end = max(s + d for s, d, *_ in steps)
+    columns = list(zip(*steps, strict=True))
+    attrs: dict[str, Any] = {
+        c.STEPS_COUNT: len(steps),
+        c.STEPS_START_OFFSETS: [s - start for s in columns[0]],
+        c.STEPS_DURATIONS: list(columns[1]),
+        c.STEPS_PREFILL_SEQS: list(columns[2]),
+        c.STEPS_DECODE_SEQS: list(columns[3]),
+        c.STEPS_PREFILL_TOKENS: list(columns[4]),
+        c.STEPS_DECODE_TOKENS: list(columns[5]),
+    }
+    return SpanRecord(c.SPAN_ENGINE_STEPS, start, end, attrs)
+
+
+def heartbeat_record(
+    now_ns: int,
+    stats: Any,
+    vllm_config: Any,
+    bytes_per_token: int | None,
+    cached_blocks: int | None,
+) -> SpanRecord:
+    """``instance.heartbeat`` from the latest ``SchedulerStats``; cache entries are vLLM blocks.
+
+    ``cached_blocks`` comes from the KV-event stream (None without it). Memory is the KV cache in use
+    by running requests (``kv_cache_usage`` x pool), the only memory figure a stat logger sees.
+    """
+    attrs: dict[str, Any] = {
+        c.QUEUE_DEPTH: int(stats.num_waiting_reqs) + int(getattr(stats, "num_skipped_waiting_reqs", 0)),
+        c.QUEUE_RUNNING: int(stats.num_running_reqs),
+    }
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(scheduler, "max_num_seqs", None):
+        attrs[c.MAX_BATCH] = int(scheduler.max_num_seqs)
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    block_size = getattr(cache, "block_size", None)
+    block_bytes = bytes_per_token * block_size if bytes_per_token and block_size else None
+    if bytes_per_token:
+        attrs[c.KV_BYTES_PER_TOKEN] = bytes_per_token
+    if blocks:
+        attrs[c.CACHE_MAX_ENTRIES] = int(blocks)
+        if block_bytes:
+            attrs[c.CACHE_MAX_BYTES] = int(blocks) * block_bytes
+            attrs[c.MEMORY_BYTES] = int(float(stats.kv_cache_usage) * int(blocks) * block_bytes)
+    if cached_blocks is not None:
+        attrs[c.CACHE_ENTRIES] = cached_blocks
+        if block_bytes:
+            attrs[c.CACHE_BYTES] = cached_blocks * block_bytes
+    return SpanRecord(c.SPAN_HEARTBEAT, now_ns, now_ns, attrs)
