@@ -16,7 +16,8 @@ Writer contract
         blocks.
     - Exactly once per span (collector/once.py): a span whose (trace id, span id) is stored already
       is left out, with every row it made, before anything is written: ``write`` removes them from
-      ``batch`` in place (it then holds what was stored) and sets ``batch.duplicates``. A batch written twice is stored once, whatever grouping or path it came by.
+      ``batch`` in place (it then holds what was stored) and sets ``batch.duplicates``. A batch
+      written twice is stored once, whatever grouping or path it came by.
         DuckDB: checked and written in one transaction.
         ClickHouse: exact for one collector per store (chdb, or one collector on a server); a
         server shared by several collectors checks what each collector wrote, and what the others
