@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 #: A claimed file older than this is assumed orphaned by a crashed sender and put back.
 STALE_CLAIM_S = 60.0
 
+#: Seconds a stopping exporter spends resending what it spooled.
+SHUTDOWN_RESEND_S = 5.0
+
 #: Outcomes of one POST: delivered; try again later (down, busy); refused for our credentials
 #: (kept for a sender with the right token); refused for good (malformed, too large).
 SENT, RETRY, UNAUTHORIZED, REJECTED = "sent", "retry", "unauthorized", "rejected"
@@ -163,11 +166,17 @@ class SpoolingSpanExporter(SpanExporter):
         return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        """Stop the resend thread."""
+        """Stop the resend thread; batches this exporter spooled get one last, bounded try (a
+        collector that was only slow for a moment must not lose the end of a run)."""
         self._stop.set()
         self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self.spooled_batches > self.resent_batches:
+                try:
+                    self._resend_all(deadline=time.monotonic() + SHUTDOWN_RESEND_S)
+                except Exception:  # shutting down: what stays spooled is resent by the next sender
+                    log.exception("resending spooled spans at shutdown failed")
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Nothing is buffered here beyond the spool, which is durable."""
@@ -206,10 +215,10 @@ class SpoolingSpanExporter(SpanExporter):
             except Exception:  # the resend thread must survive anything the disk or network does
                 log.exception("resending spooled spans failed")
 
-    def _resend_all(self) -> None:
+    def _resend_all(self, deadline: float | None = None) -> None:
         if not self.spool.files() or self._collector_ingests_spool() is not False:
             return
-        while not self._stop.is_set():
+        while time.monotonic() < deadline if deadline is not None else not self._stop.is_set():
             claimed = self.spool.claim()
             if claimed is None:
                 return
