@@ -248,8 +248,8 @@ out = io.StringIO()
 with contextlib.redirect_stdout(out):
     code = main(sys.argv[1:])
 print(json.dumps({"code": code, "out": out.getvalue(),
-                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in %r)}))
-""" % (HEAVY,)
+                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)}))
+""".replace("HEAVY", repr(HEAVY))
 
 
 @pytest.mark.parametrize("args", [("slow", "--request-id", "demo-queued"),
