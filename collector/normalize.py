@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
@@ -108,6 +109,8 @@ EXPANDED = frozenset({
 })
 
 DEFAULT_MAX_VALUE_LENGTH = 65_536
+#: The row lists of a Batch in a fixed order: ``Batch.marks`` has one column per entry.
+MARKED: tuple[str, ...] = (*(name for name in TABLES if name not in PACKED), *PACKED)
 #: Times are stored as signed 64-bit nanoseconds (until 2262); OTLP's are unsigned (fixed64), so a
 #: span whose times do not fit is refused (issue 11).
 MAX_TIME_NS = 2**63 - 1
@@ -135,9 +138,13 @@ class Batch:
     spans: int = 0  #: spans accepted
     rejected: int = 0  #: spans refused (invalid ids or times)
     truncated: int = 0  #: attribute values, span names and status messages cut to the length limit
+    duplicates: int = 0  #: spans the store already held, so left out (set by the store's write)
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
     rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
     left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
+    #: Row count of every list (``MARKED`` order) after each accepted span: the rows of span k are
+    #: those between marks[k-1] and marks[k], which lets a store keep only fresh spans (once.py).
+    marks: np.ndarray = field(default_factory=lambda: np.zeros((0, len(MARKED)), dtype=np.int64))
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
@@ -159,13 +166,20 @@ class Batch:
                 for rid, inst, t_ns, source, fingerprint, hashes in self.packed[table]
                 for index, value in enumerate(hashes)]
 
+    def lists(self) -> list[list]:
+        """Every row list, in ``MARKED`` order."""
+        return [self.packed[name] if name in PACKED else self.rows[name] for name in MARKED]
+
     def extend(self, other: Batch) -> None:
         """Append another batch's rows and counts (used to group writes)."""
+        offset = np.array([len(rows) for rows in self.lists()], dtype=np.int64)
+        self.marks = np.vstack([self.marks, other.marks + offset])
         for name, rows in other.rows.items():
             self.rows[name].extend(rows)
         for name, rows in other.packed.items():
             self.packed[name].extend(rows)
         self.spans += other.spans
+        self.duplicates += other.duplicates
         self.rejected += other.rejected
         self.truncated += other.truncated
         self.problems.extend(other.problems)
@@ -195,6 +209,7 @@ class _Scope:
 def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAULT_MAX_VALUE_LENGTH) -> Batch:
     """All rows for one OTLP export request."""
     batch = Batch()
+    lists, marks = batch.lists(), []
     for resource_spans in request.resource_spans:
         counter = [0]
         resource = {kv.key: _value(kv.value, max_value_length, counter) for kv in resource_spans.resource.attributes}
@@ -219,6 +234,7 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
                     continue
                 _normalize_span(scope, span, end_ns, events, (scope_name, scope_version), resource_json, counter)
                 batch.spans += 1
+                marks.append(tuple(map(len, lists)))
                 seen_ns = max(seen_ns, end_ns)
         batch.truncated += counter[0]
         if seen_ns:
@@ -227,6 +243,8 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
                 _str(resource.get(c.ENGINE)), _str(resource.get(c.ENGINE_VERSION)),
                 _str(resource.get(c.MODEL)), seen_ns, resource_json,
             ))
+            marks[-1] = tuple(map(len, lists))  # the resource row goes with its last span
+    batch.marks = np.array(marks, dtype=np.int64).reshape(len(marks), len(MARKED))
     return batch
 
 
