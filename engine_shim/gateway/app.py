@@ -237,7 +237,9 @@ class Gateway:
                        receive) -> None:
         blocks = (routing_blocks(exchange.route, exchange.body, self.settings.block_size)
                   if self.router.policy == c.POLICY_PREFIX else None)
-        tried: set[str] = set()
+        # A native route (an adapter's extra route) goes only to upstreams whose adapter declares it.
+        tried: set[str] = set() if exchange.route in (CHAT, COMPLETIONS) else {
+            u.name for u in self.upstreams if u.adapter is None or exchange.route not in u.adapter.extra_routes}
         while True:
             decision = self.router.choose(exchange.session_id, blocks, tried)
             if decision is None:
