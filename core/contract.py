@@ -29,6 +29,8 @@ OBSERVER = "tokentrace.observer"
 OBSERVER_MEASURES = "tokentrace.observer.measures"
 MODEL_REVISION = "tokentrace.model.revision"
 CHAT_TEMPLATE_HASH = "tokentrace.chat_template.hash"
+HOST_CHIP = "tokentrace.host.chip"
+HOST_MEMORY_BANDWIDTH_GBS = "tokentrace.host.memory_bandwidth_gbs"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -308,7 +310,7 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(DECODE_MS, "double", "ms", "first token -> last token"),
             _a(TTFT_MS, "double", "ms", "arrival -> first token"),
             _a(TPOT_MS, "double", "ms", "decode_ms / (output tokens - 1)"),
-            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first token with visible content (gateway)"),
+            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first response chunk carrying answer text"),
             _a(E2E_MS, "double", "ms", "arrival -> last byte, as the gateway measured it"),
             _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot (queueing)"),
             _a(UPSTREAM_EVIDENCE, "string", "", "engine-specific facts the upstream reported (JSON object)"),
@@ -473,6 +475,9 @@ RESOURCE: tuple[Attr, ...] = (
        "a part left out is unknown, never zero"),
     _a(MODEL_REVISION, "string", "", "identity of the weights and config served (hex digest)"),
     _a(CHAT_TEMPLATE_HASH, "string", "", "identity of the chat template in use (hex digest)"),
+    _a(HOST_CHIP, "string", "", "the chip the engine computes on ('Apple M2 Pro', a CUDA device name)"),
+    _a(HOST_MEMORY_BANDWIDTH_GBS, "double", "GB/s", "peak memory bandwidth declared by the operator "
+       "(--memory-bandwidth-gbs); overrides the chip's published figure"),
 )
 
 SPANS_BY_NAME: dict[str, SpanSpec] = {spec.name: spec for spec in SPANS}

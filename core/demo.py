@@ -152,7 +152,9 @@ def render_table(shown: list, verdicts: dict[str, dict]) -> str:
     rows: dict[str, list] = {}
     for item in shown:
         rows.setdefault(item.request_id, []).append(item)
-    lines = [f"{'':2}{'scenario':<36}{'request':<20}{'inst':<8}{'slow (abnormal?)':<24}{'cache':<26}evidence"]
+    labels = {request_id: " + ".join(item.label for item in items) for request_id, items in rows.items()}
+    width = max(36, *(len(label) + 2 for label in labels.values()))
+    lines = [f"{'':2}{'scenario':<{width}}{'request':<20}{'inst':<8}{'slow (abnormal?)':<24}{'cache':<26}evidence"]
     for request_id, items in rows.items():
         slow, cache = verdicts[request_id]["slow"], verdicts[request_id]["cache"]
         abnormal = {True: "yes", False: "no", None: "n/a"}[slow["abnormal"]]
@@ -161,9 +163,8 @@ def render_table(shown: list, verdicts: dict[str, dict]) -> str:
         ranked = sorted(pool, key=lambda e: KEY_EVIDENCE.index(e["kind"]) if e["kind"] in KEY_EVIDENCE else 99)
         key = ranked[0] if ranked else None
         mark = "✓" if all(verdict_holds(item, verdicts[request_id]) for item in items) else "✗"
-        label = " + ".join(item.label for item in items)
         evidence = textwrap.shorten((key or {}).get("text", ""), EVIDENCE_WIDTH, placeholder=" …")
-        lines.append(f"{mark} {label:<36}{request_id:<20}{INSTANCES[items[0].instance]:<8}"
+        lines.append(f"{mark} {labels[request_id]:<{width}}{request_id:<20}{INSTANCES[items[0].instance]:<8}"
                      f"{(slow['category'] or slow['outcome']) + ' (' + abnormal + ')':<24}{cache_text:<26}{evidence}")
     lines.append(LEGEND)
     return "\n".join(lines)

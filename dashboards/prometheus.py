@@ -13,6 +13,8 @@ the reset. docs/metrics.md lists every series, its labels and where it comes fro
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import logging
 import threading
 from collections import defaultdict, deque
@@ -126,17 +128,24 @@ class Histogram:
             self.total += float(values.sum())
 
 
+#: Columns of a queued request (tuples, in this order): the requests row and its category.
+_ROW = (*_REQUEST_COLUMNS, "category")
+_AT = {name: i for i, name in enumerate(_ROW)}
+
+
 class _History:
-    """Recent requests of one instance ordered by start: the slowness baseline's candidates."""
+    """Recent requests of one instance ordered by start (``_ROW`` tuples): the slowness baseline's
+    candidates."""
 
     def __init__(self, keep: int = 4 * BASELINE_LIMIT):
         self.starts: list[int] = []
-        self.rows: list[dict] = []
+        self.rows: list[tuple] = []
         self.keep = keep
 
-    def add(self, row: dict) -> None:
-        at = bisect.bisect_right(self.starts, row["start_ns"])
-        self.starts.insert(at, row["start_ns"])
+    def add(self, row: tuple) -> None:
+        start = row[_AT["start_ns"]]
+        at = bisect.bisect_right(self.starts, start)
+        self.starts.insert(at, start)
         self.rows.insert(at, row)
         if len(self.rows) > self.keep:
             del self.starts[0], self.rows[0]
@@ -145,9 +154,11 @@ class _History:
         """baseline.sql over what is held: same instance, the window before, successful, newest first."""
         lo = bisect.bisect_left(self.starts, row["start_ns"] - BASELINE_WINDOW_NS)
         hi = bisect.bisect_left(self.starts, row["start_ns"])
-        picked = [r for r in reversed(self.rows[lo:hi]) if r["request_id"] != row["request_id"]
-                  and (r["http_status"] is None or r["http_status"] < 400)][:BASELINE_LIMIT]
-        return pl.DataFrame(picked, infer_schema_length=None) if picked else pl.DataFrame()
+        rid, status = _AT["request_id"], _AT["http_status"]
+        picked = [r for r in reversed(self.rows[lo:hi]) if r[rid] != row["request_id"]
+                  and (r[status] is None or r[status] < 400)][:BASELINE_LIMIT]
+        return pl.DataFrame(picked, schema=list(_ROW), orient="row", infer_schema_length=None) if picked \
+            else pl.DataFrame()
 
 
 class MetricsState:
@@ -267,13 +278,32 @@ class MetricsState:
             for r in keyed.group_by("instance_id", "model").agg(pl.col(column).sum()).iter_rows(named=True):
                 labels = self._labels(r["instance_id"], r["model"])
                 c[("tokentrace_avoidable_prefill_tokens", labels)] += r[column] or 0
-        for (instance, model), group in keyed.group_by("instance_id", "model"):
-            labels = self._labels(instance, model)
-            for name, (col, bounds, _) in HISTOGRAMS.items():
-                values = group[col].drop_nulls().to_numpy() / 1000.0
-                if values.size:
-                    self.histograms.setdefault((name, labels), Histogram(bounds)).observe(values)
+        self._fold_histograms(keyed)
         self._queue_verdicts(keyed)
+
+    def _fold_histograms(self, frame: pl.DataFrame) -> None:
+        """Every latency histogram in one pass per column: bucket indexes for the whole column, then a
+        bincount per label set (no per-group frame)."""
+        if frame.height == 0:
+            return
+        pairs = list(zip(frame["instance_id"].to_list(), frame["model"].to_list(), strict=True))
+        keys = {pair: i for i, pair in enumerate(dict.fromkeys(pairs))}
+        key = np.fromiter((keys[pair] for pair in pairs), dtype=np.int64, count=len(pairs))
+        labels = [self._labels(instance, model) for instance, model in keys]
+        for name, (column, bounds, _) in HISTOGRAMS.items():
+            values = frame[column].cast(pl.Float64).to_numpy()
+            known = ~np.isnan(values)
+            if not known.any():
+                continue
+            seconds, owner = values[known] / 1000.0, key[known]
+            bucket = np.searchsorted(bounds, seconds, side="left")
+            counts = np.zeros((len(labels), len(bounds) + 1), dtype=np.int64)
+            np.add.at(counts, (owner, bucket), 1)
+            sums = np.bincount(owner, weights=seconds, minlength=len(labels))
+            for i in np.unique(owner):
+                histogram = self.histograms.setdefault((name, labels[i]), Histogram(bounds))
+                histogram.counts += counts[i]
+                histogram.total += float(sums[i])
 
     def _fold_slo(self, frame: pl.DataFrame) -> None:
         judged = judge(frame, self.slo)
@@ -285,11 +315,20 @@ class MetricsState:
                 self.counters[("tokentrace_slo_requests", labels)] += n
 
     def _fold_itl(self, packed: list[tuple]) -> None:
+        """Gaps between consecutive decode-step offsets, per instance: one flat array per instance,
+        differences taken across it, the differences that span two requests dropped."""
+        by_instance: dict[str, list[list[int]]] = defaultdict(list)
         for _rid, instance, _start, offsets in packed:
             if len(offsets) > 1:
-                gaps = np.diff(np.asarray(offsets, dtype=np.int64)) / 1e9
-                key = (ITL, self._labels(instance))
-                self.histograms.setdefault(key, Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps)
+                by_instance[instance].append(offsets)
+        for instance, rows in by_instance.items():
+            lengths = np.fromiter((len(o) for o in rows), dtype=np.int64, count=len(rows))
+            flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+            gaps = np.diff(flat)
+            keep = np.ones(gaps.size, dtype=bool)
+            keep[np.cumsum(lengths)[:-1] - 1] = False  # last offset of one request -> first of the next
+            key = (ITL, self._labels(instance))
+            self.histograms.setdefault(key, Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps[keep] / 1e9)
 
     def _fold_heartbeats(self, rows: list[tuple]) -> None:
         for row in rows:
@@ -314,8 +353,8 @@ class MetricsState:
         for instance, model, category in frame.select("instance_id", "model", "category").unique().iter_rows():
             # Present at 0 from the first request of a category on, as a client library's counter is.
             self.counters[("tokentrace_abnormal_requests", self._labels(instance, model, category=category))] += 0
-        for row in frame.select(*_REQUEST_COLUMNS, "category").iter_rows(named=True):
-            self._history[row["instance_id"]].add(row)
+        for row in frame.select(*_ROW).rows():
+            self._history[row[_AT["instance_id"]]].add(row)
             if len(self._verdicts) >= self._max_verdicts:
                 self.counters[("tokentrace_verdicts_skipped", ())] += 1
                 continue
@@ -330,8 +369,8 @@ class MetricsState:
                     self._wake.wait()
                 if self._stopping:
                     return
-                row = self._verdicts[0]
-                history = self._history[row["instance_id"]].before(row)
+                row = dict(zip(_ROW, self._verdicts[0], strict=True))
+                history = self._history[row["instance_id"]].before(row) if row["category"] in _COMPONENT else None
             try:
                 result, cause, abnormal = self._verdict(row, history)
             except Exception:  # one bad row must not stop the counting of the others
@@ -344,7 +383,7 @@ class MetricsState:
                 if abnormal:
                     self.counters[("tokentrace_abnormal_requests", (*labels, ("category", row["category"])))] += 1
 
-    def _verdict(self, row: dict, history: pl.DataFrame) -> tuple[str, str, bool | None]:
+    def _verdict(self, row: dict, history: pl.DataFrame | None) -> tuple[str, str, bool | None]:
         prompt, cached = row["prompt_tokens"], row["cached_tokens"]
         if prompt and cached is not None and cached >= prompt - 1:
             result, cause = "hit", NO_CAUSE  # the report's rule: a whole-prompt reuse has nothing to explain
@@ -352,7 +391,7 @@ class MetricsState:
             verdict = analyze_cache(self.reader, row["request_id"])
             result, cause = verdict.result or "no_lookup", verdict.cause or NO_CAUSE
         component = _COMPONENT.get(row["category"])
-        abnormal = _baseline(component, row, history)["abnormal"] if component else None
+        abnormal = _baseline(component, row, history)["abnormal"] if component and history is not None else None
         return result, cause, abnormal
 
     def drain_verdicts(self) -> int:
@@ -415,8 +454,13 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+@functools.lru_cache(maxsize=65_536)
+def _label_text(labels: tuple) -> str:
+    return ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels)
+
+
 def _sample(name: str, labels: tuple, value: float) -> str:
-    text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels)
+    text = _label_text(labels)
     number = int(value) if float(value).is_integer() and abs(value) < 2**53 else float(value)
     return f"{name}{{{text}}} {number}" if text else f"{name} {number}"
 

@@ -47,6 +47,7 @@ from tokentrace.engine_shim.vllm.kv_events import (
     subscriber_endpoint,
 )
 from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
+from tokentrace.hardware import vllm_resource
 from tokentrace.vllm_names import client_request_id
 
 # A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no
@@ -92,6 +93,7 @@ class _Runtime:
                 c.MODEL: self.model,
                 # vLLM's FinishedRequestStats time every part; load_wait is 0 by construction (docs/vllm.md).
                 c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
+                **vllm_resource(),
             }
             pump = SpanPump(self.collector, resource, spool_dir=self.spool_dir)
             pump.start()
