@@ -101,13 +101,8 @@ class Gateway:
     async def _detect(self, upstream: Upstream) -> None:
         forced = self.forced.get(upstream.name)
         if forced is not None:
-            from tokentrace.engine_shim.gateway.adapters.base import Probe
-
-            probe = Probe(kind=forced)
             cls = adapter_class(forced)
-            found = await cls.probe(self.client, upstream.base_url)
-            probe = found or Probe(kind=forced, reports_itself=cls is not None and forced in ("tokentrace",
-                                                                                              "vllm-plugin"))
+            probe = await cls.probe(self.client, upstream.base_url) or cls.forced_probe()
         else:
             probe = await detect(self.client, upstream.base_url)
             if probe is None:
