@@ -259,9 +259,10 @@ class MetricsState:
         keyed = keyed.filter(pl.col("outcome") == COMPLETED)
         sums = keyed.group_by("instance_id", "model").agg(
             pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
+            # Prefix-cache tokens over the rows that know both counts (report.reuse_known).
             pl.col("prompt_tokens").filter(pl.col("cached_tokens").is_not_null()).sum().alias("queried"),
-            pl.col("cached_tokens").sum().alias("hits"),
-            pl.col("cached_tokens").is_not_null().any().alias("knows_cache"),
+            pl.col("cached_tokens").filter(pl.col("prompt_tokens").is_not_null()).sum().alias("hits"),
+            (pl.col("cached_tokens").is_not_null() & pl.col("prompt_tokens").is_not_null()).any().alias("knows_cache"),
             pl.col("prompt_tokens").is_not_null().any().alias("knows_prompt"),
             pl.col("completion_tokens").is_not_null().any().alias("knows_completion"))
         for r in sums.iter_rows(named=True):
