@@ -98,6 +98,10 @@ def render_report(report: dict) -> str:
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
                      f"e2e {fmt_ms(row['e2e_ms'])} · ttft {fmt_ms(row['ttft_ms'])}")
+    for row in report.get("routing") or ():
+        lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
+                     f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
+                     f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
     lines.append("(latency, categories and cache figures count completed requests only)")
     return "\n".join(lines)
 
@@ -115,6 +119,8 @@ def render_slo(slo: dict | None) -> list[str]:
     goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"
     return [f"SLO {slo['spec']}: " + "; ".join(parts),
             f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
+
+
 def _gap(value: float | None) -> str:
     return "—" if value is None else fmt_ms(value)
 

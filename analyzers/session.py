@@ -92,10 +92,17 @@ def _turn(index: int, row: dict, previous: dict | None, reader: TraceReader) -> 
     }
 
 
+def once(requests: pl.DataFrame) -> pl.DataFrame:
+    """One row per request id (the latest, as ``reader.request`` picks it: a sender may have delivered
+    a batch twice), oldest first."""
+    return (requests.sort("end_ns").unique("request_id", keep="last", maintain_order=True)
+            .sort("start_ns", "request_id"))
+
+
 def follow_ups(requests: pl.DataFrame, block: int = c.DEFAULT_BLOCK_SIZE) -> list[dict[str, Any]]:
     """Every session's follow-up turns that ran on the instance of their previous turn: gap and warmth."""
     rows = []
-    sessions = requests.filter(pl.col("session_id").is_not_null()).sort("start_ns")
+    sessions = once(requests.filter(pl.col("session_id").is_not_null()))
     for (_,), turns in sessions.group_by(["session_id"], maintain_order=True):
         ordered = turns.to_dicts()
         for prev, row in itertools.pairwise(ordered):
@@ -122,7 +129,7 @@ def cold_threshold(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 def analyze_session(reader: TraceReader, session_id: str) -> SessionVerdict:
     """Load the session's turns and their verdicts; NotFound when no request carries ``session_id``."""
-    turns = reader.frame("session_requests", session_id=session_id)
+    turns = once(reader.frame("session_requests", session_id=session_id))
     if turns.height == 0:
         raise NotFound(f"no request with session id {session_id!r} in the store")
     truncated = turns.height > MAX_TURNS

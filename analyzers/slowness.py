@@ -32,6 +32,7 @@ import polars as pl
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
+from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
@@ -85,6 +86,7 @@ class SlowFacts:
     steps: pl.DataFrame  #: engine steps in which this request decoded
     cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
     measures: frozenset[str] | None = None  #: parts the instance's observer declares; None: undeclared
+    hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -113,7 +115,8 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
     prefill = category_of(request, measures) == "prefill"
     cache = analyze_cache(reader, request_id) if prefill else None
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures)
+    hardware = load_hardware(reader, instance, request["end_ns"]) if decode.height else None
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 
 def category_of(request: dict, measures: frozenset[str] | None = None,
@@ -159,6 +162,10 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         verdict = SlowVerdict(r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
                               category, None, {}, tokens)
         (_outcome if outcome != COMPLETED else _undecomposed)(verdict, facts)
+        if outcome == COMPLETED and (breakdown["queue"] or 0) > 0:
+            # The parts that are known still explain themselves: a gateway's queue is measured
+            # even where the engine's prefill is not (docs/gateway.md).
+            _queueing(verdict, facts)
         return verdict
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
@@ -328,6 +335,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
     ))
     context = (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
     verdict.evidence.append(Evidence("context", f"Context grew to {context} tokens.", {"context_tokens": context}))
+    bandwidth = memory_bandwidth(r, tpot, facts.steps, facts.hardware) if facts.hardware else None
+    if bandwidth is not None:
+        verdict.evidence.append(bandwidth)
     if facts.steps.height == 0:
         return
     steps = facts.steps

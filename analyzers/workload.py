@@ -18,6 +18,7 @@ from pathlib import Path
 
 import polars as pl
 
+from tokentrace.analyzers.session import once
 from tokentrace.analyzers.whatif import InstanceFacts, TraceRequest, Workload
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import ConfigError
@@ -63,9 +64,13 @@ def _prefill_rates(requests: pl.DataFrame) -> dict[str, float]:
     return {row["instance_id"]: row["tokens"] / row["ms"] * 1000 for row in sums.iter_rows(named=True)}
 
 
-def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | None = None) -> Workload:
-    """The requests that started in [since, until) with a prompt fingerprint, in arrival order."""
-    requests = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=LIMIT)
+def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | None = None,
+                  limit: int = LIMIT) -> Workload:
+    """The requests that started in [since, until) with a prompt fingerprint, in arrival order (the
+    latest ``limit`` of them)."""
+    requests = once(reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit))
+    if requests.height:  # the lookups of older requests are not needed
+        since_ns = max(since_ns or 0, requests["start_ns"].min())
     lookups = reader.bulk("lookups_in", since_ns=since_ns, until_ns=until_ns).unique("request_id", keep="last")
     blocks = (reader.bulk("lookup_blocks_in", since_ns=since_ns, until_ns=until_ns)
               .unique(["request_id", "block_index"], keep="last", maintain_order=True)

@@ -2,13 +2,15 @@
 
 Receiver status codes follow the OTLP/HTTP spec: 200 (with partial success when spans were refused
 or values truncated), 400 malformed, 413 too large, 415 unsupported media type or encoding, 503 +
-Retry-After when the write queue is full or the store is failing (both retryable). Error bodies are
+Retry-After when the byte budget (collector/budget.py) or the write queue is full, or the store is
+failing (all retryable). Error bodies are
 ``google.rpc.Status`` in the request's encoding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import html
 import json
@@ -24,14 +26,18 @@ from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tokentrace import __version__, wire
+from tokentrace.collector.budget import EXPANSION, Budget, Hold
 from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.otlp import JSON, Encoding, encode_response, encoding_for
+from tokentrace.collector.otlp import JSON, Encoding, decompress, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import (
+    ConfigError,
+    Overloaded,
     PayloadError,
     PayloadTooLarge,
     StoreError,
@@ -153,17 +159,64 @@ def _same_host(path: str, query: list[tuple[str, str]]) -> str:
     return location + (f"?{rest}" if rest else "")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, hold: Hold) -> bytes:
+    """The body, held against the byte budget (collector/budget.py): refused before reading when
+    Content-Length says it does not fit, or as soon as the chunks received pass the budget. The rest
+    of a refused body is read and dropped, never held, so that a sender still writing it reads the
+    503 (closing the connection instead resets it, and most clients then see no answer at all)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
+    if declared.isdigit() and not hold.take(EXPANSION * int(declared)):
+        await _discard(request, limit)
+        raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+        if not declared.isdigit() and not hold.take(EXPANSION * len(chunk)):
+            chunks.clear()
+            await _discard(request, limit - size)
+            raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _discard(request: Request, limit: int) -> None:
+    """Read and drop the rest of a refused body (at most ``limit`` bytes; past that the connection
+    closes after the answer)."""
+    size = 0
+    with contextlib.suppress(ClientDisconnect):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return
+
+
+_FULL = "the collector holds as many request bytes as --max-pending-bytes allows ({}); retry later"
+
+
+async def _inflate(body: bytes, content_encoding: str | None, limit: int, hold: Hold) -> bytes:
+    """A compressed body inflated here, held against the budget first: a guess of 32 times its size
+    (1 MiB at least), then the whole --max-body-bytes when it inflates past that. What it did not
+    need is given back."""
+    if (content_encoding or "identity").strip().lower() in ("", "identity"):
+        return body
+    guess = min(limit, max(1 << 20, 32 * len(body)))
+    for size in dict.fromkeys((guess, limit)):
+        if not hold.take(EXPANSION * size):
+            raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
+        try:
+            data = await run_in_threadpool(decompress, body, content_encoding, size)
+        except PayloadTooLarge:
+            hold.give(EXPANSION * size)
+            if size == limit:
+                raise
+            continue
+        hold.give(EXPANSION * (size - len(data)))
+        return data
+    raise AssertionError("unreachable: the last size is the limit")
 
 
 def _spool_record(request: Request, body: bytes) -> SpoolRecord | None:
@@ -192,6 +245,7 @@ class Collector:
         #: Read-side parts told of every committed batch (``observe(batch)``, ``close()``): /metrics.
         self.listeners: list = []
         self.stop_error: str | None = None  #: why stopping failed (a checkpoint on a full disk)
+        self.budget = Budget(config.max_pending_bytes)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
@@ -204,7 +258,7 @@ class Collector:
             self.spool.start()
 
     def _written(self, batch) -> None:
-        self.counters.accept(batch.spans)
+        self.counters.accept(batch.spans, batch.duplicates)  # the store left the duplicates out of it
         for listener in self.listeners:
             listener.observe(batch)
 
@@ -245,6 +299,7 @@ class Collector:
                       "last_write_error": self.queue.last_error if self.queue else None},
             "queue": {"depth": self.queue.depth() if self.queue else 0,
                       "capacity": self.config.max_queue},
+            "pending": self.budget.snapshot(),
             **self.counters.snapshot(),
             "spool": self.spool.snapshot() if self.spool else None,
         }
@@ -263,7 +318,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()))
-        return error_envelope(400, "bad_parameter", f"{where}: {first.get('msg', 'invalid value')}")
+        message = f"{where}: {first.get('msg', 'invalid value')}"
+        return error_envelope(ConfigError.http_status, ConfigError.code, message)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -290,13 +346,14 @@ def create_app(collector: Collector) -> FastAPI:
 
     @app.post("/v1/traces")
     async def receive_traces(request: Request) -> Response:
-        encoding = None
+        encoding, hold, limit = None, Hold(collector.budget), collector.config.max_body_bytes
         try:
             encoding = encoding_for(request.headers.get("content-type"))
-            body = await _read_body(request, collector.config.max_body_bytes)
+            body = await _read_body(request, limit, hold)
             spool = _spool_record(request, body)
+            payload = await _inflate(body, request.headers.get("content-encoding"), limit, hold)
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
-            batch = await collector.pipeline.batch_async(body, encoding, request.headers.get("content-encoding"))
+            batch = await collector.pipeline.batch_async(payload, encoding)
             await asyncio.wrap_future(collector.queue.submit(batch, spool))
         except TokentraceError as exc:
             # Status and retryability come from the error's class (core/errors.py): 503 + Retry-After
@@ -304,6 +361,8 @@ def create_app(collector: Collector) -> FastAPI:
             if not getattr(exc, "counted", False):
                 collector.counters.reject(exc.code)
             return _otlp_error(exc.http_status, str(exc), encoding, retry_headers(exc))
+        finally:
+            hold.release()
         return Response(encode_response(encoding, batch.rejected, batch.message()),
                         media_type=encoding.media_type)
 

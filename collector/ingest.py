@@ -32,6 +32,7 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.accepted_spans = 0
+        self.duplicate_spans = 0
         self.rejected: Counter[str] = Counter()
         self.invalid_spans: Counter[str] = Counter()
         self.values_left_out: Counter[str] = Counter()
@@ -47,16 +48,18 @@ class Counters:
             self.invalid_spans.update(batch.rejected_by)
             self.values_left_out.update(batch.left_out)
 
-    def accept(self, spans: int) -> None:
-        """Count spans stored."""
+    def accept(self, spans: int, duplicates: int = 0) -> None:
+        """Count spans stored, and spans left out because they were stored already."""
         with self._lock:
             self.accepted_spans += spans
+            self.duplicate_spans += duplicates
 
     def snapshot(self) -> dict:
         """A JSON-ready copy."""
         with self._lock:
-            return {"accepted_spans": self.accepted_spans, "rejected": dict(self.rejected),
-                    "invalid_spans": dict(self.invalid_spans), "values_left_out": dict(self.values_left_out)}
+            return {"accepted_spans": self.accepted_spans, "duplicate_spans": self.duplicate_spans,
+                    "rejected": dict(self.rejected), "invalid_spans": dict(self.invalid_spans),
+                    "values_left_out": dict(self.values_left_out)}
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,

@@ -11,7 +11,10 @@ from tokentrace.collector.stores import open_store as _open
 
 def open_store(config: CollectorConfig):
     """The store named by the settings: --store, or the DuckDB file --db."""
-    return _open(config.store, config.retention)
+    store = _open(config.store, config.retention)
+    if hasattr(store, "limit_memory"):
+        store.limit_memory(config.store_memory_bytes)
+    return store
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:

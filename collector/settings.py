@@ -107,6 +107,12 @@ SETTINGS: tuple[Setting, ...] = (
             "largest request body accepted, after decompression", _positive),
     Setting("max_queue", 256, "TOKENTRACE_MAX_QUEUE",
             "batches waiting for the writer before senders get 503 + Retry-After", _positive),
+    Setting("max_pending_bytes", 256 * 1024 * 1024, "TOKENTRACE_MAX_PENDING_BYTES",
+            "bytes that requests being read, parsed or written may hold (6 x each body) before senders "
+            "get 503 + Retry-After", _positive),
+    Setting("store_memory_bytes", 256 * 1024 * 1024, "TOKENTRACE_STORE_MEMORY_BYTES",
+            "DuckDB stores: memory DuckDB may use for its cache and queries before it evicts or spills to "
+            "disk", _positive),
     Setting("max_attribute_length", 65536, "TOKENTRACE_MAX_ATTRIBUTE_LENGTH",
             "longer attribute strings are truncated (and reported in partial success)", _positive),
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
@@ -132,6 +138,8 @@ class CollectorConfig:
     spool_dir: str | None
     max_body_bytes: int
     max_queue: int
+    max_pending_bytes: int
+    store_memory_bytes: int
     max_attribute_length: int
     parse_workers: int
     slo: Any  #: analyzers.slo.SloSpec, or None
@@ -176,6 +184,10 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     _check_store(values, given)
     _check_exposure(values)
+    if values["spool_dir"]:
+        from tokentrace.collector.spool import check_directory
+
+        check_directory(values["spool_dir"])
     return CollectorConfig(**values)
 
 

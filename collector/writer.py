@@ -84,7 +84,7 @@ class WriteQueue:
 
     def _write_group(self, group: list) -> None:
         plain = [item for item in group if item[1] is None]
-        if len(plain) > 1:
+        if len(plain) > 1 and getattr(self._writer, "group_writes", True):
             merged = Batch()
             for batch, _, _ in plain:
                 merged.extend(batch)
@@ -93,7 +93,8 @@ class WriteQueue:
             except Exception as exc:  # the store rolled back; find the batch that failed, alone
                 log.warning("group write failed, retrying batch by batch: %s", exc)
             else:
-                self._done(plain, True)
+                self._on_written(merged)
+                self._done(plain, True, count=False)
                 plain = []
         for item in plain + [item for item in group if item[1] is not None]:
             self._write_one(item)
@@ -114,9 +115,9 @@ class WriteQueue:
         else:
             self._done([item], result)
 
-    def _done(self, items: list, result: bool) -> None:
+    def _done(self, items: list, result: bool, count: bool = True) -> None:
         self.last_error = None
         for batch, _spool, future in items:
-            if result:
+            if result and count:
                 self._on_written(batch)
             future.set_result(result)

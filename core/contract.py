@@ -25,9 +25,12 @@ HOST_NAME = "host.name"
 ENGINE = "tokentrace.engine"
 ENGINE_VERSION = "tokentrace.engine.version"
 MODEL = "gen_ai.request.model"
+OBSERVER = "tokentrace.observer"
 OBSERVER_MEASURES = "tokentrace.observer.measures"
 MODEL_REVISION = "tokentrace.model.revision"
 CHAT_TEMPLATE_HASH = "tokentrace.chat_template.hash"
+HOST_CHIP = "tokentrace.host.chip"
+HOST_MEMORY_BANDWIDTH_GBS = "tokentrace.host.memory_bandwidth_gbs"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -47,6 +50,7 @@ SPAN_ENGINE_STEPS = "engine.steps"
 SPAN_HEARTBEAT = "instance.heartbeat"
 SPAN_LIFECYCLE = "instance.lifecycle"
 SPAN_CACHE_TRIM = "llm.cache.trim"
+SPAN_ROUTE = "gateway.route"
 
 # --- Event names ----------------------------------------------------------------------------------
 EVENT_CACHE_EVICT = "llm.cache.evict"
@@ -54,7 +58,8 @@ EVENT_STARTED = "instance.started"
 EVENT_READY = "instance.ready"
 EVENT_FIRST_RESPONSE = "instance.first_response"
 EVENT_STOPPED = "instance.stopped"
-LIFECYCLE_EVENTS = (EVENT_STARTED, EVENT_READY, EVENT_FIRST_RESPONSE, EVENT_STOPPED)
+EVENT_DOWN = "instance.down"
+LIFECYCLE_EVENTS = (EVENT_STARTED, EVENT_READY, EVENT_FIRST_RESPONSE, EVENT_STOPPED, EVENT_DOWN)
 
 # --- Attribute keys: request ----------------------------------------------------------------------
 REQUEST_ID = "tokentrace.request.id"
@@ -80,6 +85,21 @@ PREFILL_MS = "tokentrace.request.prefill_ms"
 DECODE_MS = "tokentrace.request.decode_ms"
 TTFT_MS = "tokentrace.request.ttft_ms"
 TPOT_MS = "tokentrace.request.tpot_ms"
+FIRST_CONTENT_MS = "tokentrace.request.first_content_ms"
+E2E_MS = "tokentrace.request.e2e_ms"
+UPSTREAM_EVIDENCE = "tokentrace.upstream.evidence"
+
+# --- Attribute keys: gateway routing (gateway.route) -----------------------------------------------
+GATEWAY_WAIT_MS = "tokentrace.gateway.wait_ms"
+ROUTE_POLICY = "tokentrace.route.policy"
+ROUTE_CANDIDATES = "tokentrace.route.candidates"
+ROUTE_SCORES = "tokentrace.route.scores"
+ROUTE_CHOICE = "tokentrace.route.choice"
+ROUTE_REASON = "tokentrace.route.reason"
+ROUTE_ATTEMPTS = "tokentrace.route.attempts"
+ROUTE_SKIPPED = "tokentrace.route.skipped"
+AVOIDABLE_PREFILL = "tokentrace.route.avoidable_prefill_tokens"
+AVOIDABLE_FROM = "tokentrace.route.avoidable_from"
 
 # --- Attribute keys: queue, load ------------------------------------------------------------------
 QUEUE_DEPTH = "tokentrace.queue.depth"
@@ -142,6 +162,8 @@ MEMORY_BYTES = "tokentrace.memory.bytes"
 # --- Enum values ----------------------------------------------------------------------------------
 ENGINE_MLX = "mlx-lm"
 ENGINE_VLLM = "vllm"
+ENGINE_MLX_LM_SERVER = "mlx_lm.server"
+ENGINE_OPENAI = "openai-compatible"
 MATCH_EXACT = "exact"
 MATCH_PREFIX = "prefix"
 MATCH_NONE = "none"
@@ -156,18 +178,28 @@ ROLE_ASSISTANT = "assistant"
 ROLE_TOOL = "tool"
 ROLE_TOOLS = "tools"
 ROLE_PROMPT = "prompt"
+OBSERVER_ENGINE = "engine"
+OBSERVER_PLUGIN = "plugin"
+OBSERVER_NATIVE = "native"
+OBSERVER_GATEWAY = "gateway"
+POLICY_ROUND_ROBIN = "round_robin"
+POLICY_LEAST_LOADED = "least_loaded"
+POLICY_SESSION = "session"
+POLICY_PREFIX = "prefix"
 
 #: Per-request parts an observer can declare it measures (``OBSERVER_MEASURES``): the phase
 #: summary of ``llm.request`` by name (``{part}_ms`` in the request row).
 OBSERVER_PARTS = ("load_wait", "queue", "prefill", "decode", "ttft", "tpot")
 
 ENUMS: dict[str, tuple[str, ...]] = {
-    ENGINE: (ENGINE_MLX, ENGINE_VLLM),
+    ENGINE: (ENGINE_MLX, ENGINE_VLLM, ENGINE_MLX_LM_SERVER, ENGINE_OPENAI),
     CACHE_MATCH: (MATCH_EXACT, MATCH_PREFIX, MATCH_NONE),
     EVICT_REASON: (
         EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM, EVICT_SUPERSEDED,
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
+    OBSERVER: (OBSERVER_ENGINE, OBSERVER_PLUGIN, OBSERVER_NATIVE, OBSERVER_GATEWAY),
+    ROUTE_POLICY: (POLICY_ROUND_ROBIN, POLICY_LEAST_LOADED, POLICY_SESSION, POLICY_PREFIX),
     OBSERVER_MEASURES: OBSERVER_PARTS,
     OPERATION_NAME: (OPERATION_CHAT, OPERATION_TEXT_COMPLETION),
 }
@@ -250,6 +282,7 @@ _LIFECYCLE = tuple(
         (EVENT_STOPPED, "the engine is shutting down"),
     )
 )
+_DOWN = EventSpec(EVENT_DOWN, "the gateway marked the upstream down (unreachable, slow to connect, or 5xx)")
 
 SPANS: tuple[SpanSpec, ...] = (
     SpanSpec(
@@ -277,8 +310,32 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(DECODE_MS, "double", "ms", "first token -> last token"),
             _a(TTFT_MS, "double", "ms", "arrival -> first token"),
             _a(TPOT_MS, "double", "ms", "decode_ms / (output tokens - 1)"),
+            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first response chunk carrying answer text"),
+            _a(E2E_MS, "double", "ms", "arrival -> last byte, as the gateway measured it"),
+            _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot (queueing)"),
+            _a(UPSTREAM_EVIDENCE, "string", "", "engine-specific facts the upstream reported (JSON object)"),
         ),
         _LIFECYCLE[2:3],
+    ),
+    SpanSpec(
+        SPAN_ROUTE, "INTERNAL", SPAN_REQUEST,
+        "the gateway's routing decision and hop; the root of the gateway's trace when the upstream "
+        "reports the request itself",
+        (
+            _RID,
+            _a(SESSION_ID, "string", "", "session the request belongs to"),
+            _a(ROUTE_POLICY, "string", "", "routing policy (enum)"),
+            _a(ROUTE_CANDIDATES, "string[]", "", "upstreams considered, in score order"),
+            _a(ROUTE_SCORES, "double[]", "", "score of each candidate (policy-specific; higher wins)"),
+            _a(ROUTE_CHOICE, "string", "", "upstream chosen (the instance id of the request)"),
+            _a(ROUTE_REASON, "string", "", "why it was chosen, in words"),
+            _a(ROUTE_ATTEMPTS, "int", "count", "upstreams tried (retries happen only before any token)"),
+            _a(ROUTE_SKIPPED, "string[]", "", "upstreams skipped as down or failed, as name:reason"),
+            _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot"),
+            _a(AVOIDABLE_PREFILL, "int", "tokens", "prompt tokens another upstream held that the chosen "
+               "one recomputed"),
+            _a(AVOIDABLE_FROM, "string", "", "the upstream that held them"),
+        ),
     ),
     SpanSpec(
         SPAN_QUEUE, "INTERNAL", SPAN_REQUEST, "enqueue -> admitted to a batch",
@@ -374,7 +431,7 @@ SPANS: tuple[SpanSpec, ...] = (
              (_a(LOAD_ID, "string", "", "id of the load"),)),
     SpanSpec(
         SPAN_LIFECYCLE, "INTERNAL", "", "carrier for lifecycle events outside a model.load",
-        (), _LIFECYCLE,
+        (), (*_LIFECYCLE, _DOWN),
     ),
     SpanSpec(
         SPAN_ENGINE_STEPS, "INTERNAL", "", "a window of engine steps (N steps or <= 1 s), columnar",
@@ -413,10 +470,14 @@ RESOURCE: tuple[Attr, ...] = (
     _a(ENGINE, "string", "", "engine family (enum)"),
     _a(ENGINE_VERSION, "string", "", "engine package version"),
     _a(MODEL, "string", "", "model served"),
+    _a(OBSERVER, "string", "", "who observed this resource's spans (enum); absent: engine"),
     _a(OBSERVER_MEASURES, "string[]", "", "request parts this observer measures (OBSERVER_PARTS); "
        "a part left out is unknown, never zero"),
     _a(MODEL_REVISION, "string", "", "identity of the weights and config served (hex digest)"),
     _a(CHAT_TEMPLATE_HASH, "string", "", "identity of the chat template in use (hex digest)"),
+    _a(HOST_CHIP, "string", "", "the chip the engine computes on ('Apple M2 Pro', a CUDA device name)"),
+    _a(HOST_MEMORY_BANDWIDTH_GBS, "double", "GB/s", "peak memory bandwidth declared by the operator "
+       "(--memory-bandwidth-gbs); overrides the chip's published figure"),
 )
 
 SPANS_BY_NAME: dict[str, SpanSpec] = {spec.name: spec for spec in SPANS}

@@ -1,15 +1,17 @@
 """``/cache``: the "global cache capacity" view the field reports say nobody has: per instance, the
 prefix cache's bytes and entries against its limits, and how many more sessions of the recent
-average context would fit; evictions over time by reason, token hit rate over time, miss causes.
+median session length would fit; evictions over time by reason, token hit rate over time, miss causes.
 
-Capacity estimate, per instance, from its latest heartbeat and the window's requests:
-    session bytes   = KV bytes per token x average context (prompt + output tokens) of its requests
+Capacity estimate, per instance, from its latest heartbeat and the window's requests (the KV budget):
+    session bytes   = KV bytes per token x the median session length (``session_length``: per
+                      session, its longest prompt + output tokens; a request without a session id
+                      is a session of its own)
     more sessions   = min(free bytes / session bytes, free entries)
     sessions in all = min(byte limit / session bytes, entry limit)
 Cluster totals add the instances up: caches are per instance, so one instance's room does not help
 a session pinned to another (the field report's "position boundary").
 
-Hit rate against capacity, per instance: the window's requests replayed where they were served
+Hit rate against capacity, per instance: the window's latest ``CURVE_REQUESTS`` requests replayed where they were served
 (``whatif``'s default block model, docs/whatif.md) at ``CURVE_POINTS`` capacities evenly spaced up
 to a little beyond the largest number of distinct prompt tokens one instance saw (where every
 capacity gives the unlimited ratio), and at each instance's own limit in tokens (byte limit / KV
@@ -37,16 +39,37 @@ from tokentrace.window import since_ns
 
 RECENT_EVICTIONS = 20
 CURVE_POINTS = 10
+#: The curve replays the window's latest requests only: the page refreshes every few seconds.
+CURVE_REQUESTS = 1000
+
+
+#: Curves computed lately, by the requests they replayed: a live page refreshes every 5 s and
+#: replaying is the costly part (about a second for 1,000 long prompts on a busy 2-core machine).
+_CURVES: dict[tuple, tuple[float, dict[str, Any]]] = {}
+CURVE_TTL_S = 60.0
 
 
 def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]:
     """Per instance, the token hit ratio the window's traffic gets at each capacity (module docstring)."""
-    workload = load_workload(reader, window_ns)
-    ids = workload.recorded_ids()
-    empty = {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
-             "empty": "no requests with a prompt fingerprint in this window"}
+    workload = load_workload(reader, window_ns, limit=CURVE_REQUESTS)
     if not workload.requests:
-        return {"chart": empty, "instances": []}
+        return {"chart": {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
+                          "empty": "no requests with a prompt fingerprint in this window"}, "instances": []}
+    key = (len(workload.requests), workload.requests[0].request_id, workload.requests[-1].request_id,
+           tuple(sorted((k, v.cache_max_bytes) for k, v in workload.instances.items())))
+    now = time.monotonic()
+    cached = _CURVES.get(key)
+    if cached is not None and now - cached[0] < CURVE_TTL_S:
+        return cached[1]
+    curve = _replay_curve(workload)
+    for stale in [k for k, (t, _) in _CURVES.items() if now - t >= CURVE_TTL_S]:
+        _CURVES.pop(stale, None)
+    _CURVES[key] = (now, curve)
+    return curve
+
+
+def _replay_curve(workload) -> dict[str, Any]:
+    ids = workload.recorded_ids()
     chosen = assign(workload, len(ids), "recorded")
     distinct = [set() for _ in ids]
     for r, k in zip(workload.requests, chosen, strict=True):
@@ -56,22 +79,23 @@ def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]
     x = [step * (i + 1) for i in range(CURVE_POINTS)]
     runs = [replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in x]
     unlimited = replay(workload, Capacity(), len(ids), "recorded", chosen)
+    own = {}
+    for name in ids:
+        facts = workload.instances[name]
+        if facts.cache_max_bytes and facts.kv_bytes_per_token:
+            own[name] = facts.cache_max_bytes // facts.kv_bytes_per_token
+    at_own = {c: replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in set(own.values())}
     rows = []
     for k, name in enumerate(ids):
-        facts = workload.instances[name]
-        own = None
-        if facts.cache_max_bytes and facts.kv_bytes_per_token:
-            own = facts.cache_max_bytes // facts.kv_bytes_per_token
-        at_own = None
-        if own:
-            at_own = replay(workload, Capacity(tokens=own), len(ids), "recorded", chosen)["per_instance"][k]
-        rows.append({"instance_id": name, "capacity_tokens": own,
-                     "token_hit_ratio_at_capacity": at_own["token_hit_ratio"] if at_own else None,
+        mine = at_own[own[name]]["per_instance"][k] if name in own else None
+        rows.append({"instance_id": name, "capacity_tokens": own.get(name),
+                     "token_hit_ratio_at_capacity": mine["token_hit_ratio"] if mine else None,
                      "token_hit_ratio_unlimited": unlimited["per_instance"][k]["token_hit_ratio"],
                      "requests": unlimited["per_instance"][k]["requests"]})
-    chart = {**empty, "x": x, "x_label": "capacity (tokens)",
+    chart = {"kind": "line", "x_type": "index", "unit": "pct", "x": x, "x_label": "capacity (tokens)",
              "series": [{"name": name, "y": [run["per_instance"][k]["token_hit_ratio"] for run in runs]}
-                        for k, name in enumerate(ids)]}
+                        for k, name in enumerate(ids)],
+             "empty": "no requests with a prompt fingerprint in this window"}
     return {"chart": chart, "instances": rows}
 
 
@@ -86,12 +110,22 @@ def _least(*values: int | None) -> int | None:
     return min(known) if known else None
 
 
+def session_length(requests: pl.DataFrame) -> float | None:
+    """The median session length in tokens: per session, its longest context (prompt + output tokens)
+    in the window, the latest turn's in a growing conversation; a request without a session id is a
+    session of its own. None without requests."""
+    if requests.height == 0:
+        return None
+    context = pl.col("prompt_tokens").fill_null(0) + pl.col("completion_tokens").fill_null(0)
+    key = pl.coalesce(pl.lit("s:") + pl.col("session_id"), pl.lit("r:") + pl.col("request_id"))
+    per_session = requests.group_by(key.alias("session")).agg(context.max().alias("tokens"))
+    return float(per_session["tokens"].median())
+
+
 def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     """One instance's cache use against its limits and the sessions that fit (module docstring)."""
     mine = requests.filter(pl.col("instance_id") == beat["instance_id"])
-    context = None
-    if mine.height:
-        context = float((mine["prompt_tokens"].fill_null(0) + mine["completion_tokens"].fill_null(0)).mean())
+    context = session_length(mine)
     per_token, used, limit = beat["kv_bytes_per_token"], beat["cache_bytes"], beat["cache_max_bytes"]
     entries, max_entries = beat["cache_entries"], beat["cache_max_entries"]
     session = per_token * context if per_token and context else None
@@ -104,7 +138,7 @@ def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
         "entries": entries, "max_entries": max_entries,
         "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
         "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
-        "requests": mine.height, "avg_context_tokens": None if context is None else round(context, 1),
+        "requests": mine.height, "median_session_tokens": None if context is None else round(context, 1),
         "session_bytes": None if session is None else round(session),
         "more_sessions": _least(_fit(free_bytes, session), free_entries),
         "sessions_in_all": _least(_fit(limit, session), max_entries),

@@ -77,7 +77,7 @@ def test_golden_numbers_on_every_twin(golden_collector):
     (row,) = cache["instances"]
     # KV 1024 B/token x context (40 + 5) = 46,080 B a session; 811,000 B free but no free entry (3 of 3).
     assert (row["bytes"], row["max_bytes"], row["entries"], row["max_entries"]) == (189_000, 1_000_000, 3, 3)
-    assert (row["avg_context_tokens"], row["session_bytes"]) == (45.0, 46_080)
+    assert (row["median_session_tokens"], row["session_bytes"]) == (45.0, 46_080)
     assert (row["more_sessions"], row["sessions_in_all"]) == (0, 3)
     assert cache["evictions"]["by_reason"] == {"max_entries": 1, "memory_pressure": 1}
 

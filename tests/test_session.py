@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from harness_collector import CollectorProcess
+from harness_collector import CollectorProcess, wait_for
 from harness_engine import EngineProcess
 
 from tokentrace.demo_workload import chat, reply
@@ -33,9 +33,12 @@ def _text(seed: int, words: int = 80) -> str:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory, tiny_model):
     workdir = tmp_path_factory.mktemp("session")
-    collector = CollectorProcess(workdir).start()
+    # A loaded machine can make an export time out: the engines then spool, and the collector
+    # ingests their spool, so every span arrives either way.
+    spool = workdir / "spool"
+    collector = CollectorProcess(workdir, "--spool-dir", str(spool)).start()
     engine = EngineProcess(workdir, tiny_model, "--cache-max-entries", "3", collector=collector,
-                           instance_id="agent-box")
+                           spool_dir=spool, instance_id="agent-box")
     try:
         engine.start()
         messages = [{"role": "system", "content": _text(0, 120)}]
@@ -48,6 +51,7 @@ def session(tmp_path_factory, tiny_model):
             messages.append(reply(answer))
     finally:
         assert engine.stop() == 0, engine.log_path.read_text()
+    wait_for(lambda: not list(spool.glob("*.pb*")), 120, "the collector to ingest the engine's spool")
     yield collector
     collector.stop()
 
@@ -85,6 +89,46 @@ def test_session_verdict_names_the_gap_the_evicting_insert_and_the_cold_turn(ses
     assert (instance["follow_ups"], instance["warm"], instance["cold"]) == (4, 3, 1)
     assert instance["cold_after_ms"] == pytest.approx(cold["gap_ms"], abs=0.01)
     assert instance["longest_warm_gap_ms"] == pytest.approx(max(turns[i]["gap_ms"] for i in (1, 2, 4)), abs=0.01)
+
+
+def test_cache_page_counts_sessions_of_the_median_length_that_fit_in_the_kv_budget(session):
+    turns = httpx.get(f"{session.url}/api/sessions/{SESSION}", timeout=120).json()["turns"]
+    lengths = [turns[-1]["prompt_tokens"] + turns[-1]["completion_tokens"]]  # a session: its longest context
+    for i in range(FILLERS):  # no session id: each its own session
+        row = httpx.get(f"{session.url}/requests/filler-{i}.json", timeout=60).json()["request"]
+        lengths.append(row["prompt_tokens"] + row["completion_tokens"])
+    median = sorted(lengths)[len(lengths) // 2]
+    rows = httpx.get(f"{session.url}/cache.json", params={"since": "all"}, timeout=60).json()["instances"]
+    row = next(row for row in rows if row["instance_id"] == "agent-box")
+    assert row["median_session_tokens"] == median
+    assert row["session_bytes"] == median * row["kv_bytes_per_token"]
+    free_bytes, free_entries = row["max_bytes"] - row["bytes"], row["max_entries"] - row["entries"]
+    assert row["more_sessions"] == min(free_bytes // row["session_bytes"], free_entries)
+    assert row["sessions_in_all"] == min(row["max_bytes"] // row["session_bytes"], row["max_entries"])
+
+
+@pytest.mark.browser
+def test_session_page_in_a_browser_shows_its_twins_numbers_and_is_reached_from_a_request(session, browser_page):
+    page = browser_page.page
+    browser_page.open(f"{session.url}/requests/{SESSION}-turn-3")
+    page.click("#session-id a")
+    page.wait_for_url(f"**/sessions/{SESSION}")
+    page.wait_for_load_state("networkidle")
+    browser_page.screenshot("session")
+    browser_page.assert_clean()
+    twin = page.request.get(f"{session.url}/sessions/{SESSION}.json").json()
+    shown = page.evaluate("""() => Array.from(document.querySelectorAll('[data-turn]')).map(row => ({
+        turn: row.dataset.turn,
+        gap: row.querySelector('[data-metric="gap_ms"]').dataset.value,
+        survived: row.querySelector('[data-metric="survived"]').dataset.value,
+        text: row.querySelector('[data-metric="survived"]').textContent.trim()}))""")
+    assert [row["turn"] for row in shown] == [str(t["turn"]) for t in twin["turns"]]
+    for row, turn in zip(shown, twin["turns"], strict=True):
+        assert row["gap"] == str(turn["gap_ms"])
+        assert row["survived"] == str(turn["survived"])
+    assert shown[3]["text"] == f"no: evicted by {twin['turns'][3]['taken_by']['evicted_by']}"
+    assert page.locator('[data-instance="agent-box"] [data-metric="cold_after_ms"]').get_attribute(
+        "data-value") == str(twin["instances"][0]["cold_after_ms"])
 
 
 def test_session_page_and_cli_agree_and_request_pages_link_to_it(session):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness_collector import CollectorProcess
+from harness_collector import CollectorProcess, wait_for
 from harness_engine import EngineProcess
 
 from tokentrace.analyzers.whatif import Capacity, TraceRequest, Workload, grid, replay
@@ -175,10 +175,14 @@ def _document(seed: int) -> str:
 def recorded(tmp_path_factory, tiny_model):
     """Two engines, each with room for about three documents' KV; documents 0-3 go to A, 4-7 to B."""
     workdir = tmp_path_factory.mktemp("whatif")
-    collector = CollectorProcess(workdir).start()
+    # A loaded machine can make an export time out: the engines then spool, and the collector
+    # ingests their spool, so every span arrives either way.
+    spool = workdir / "spool"
+    collector = CollectorProcess(workdir, "--spool-dir", str(spool)).start()
     # The tiny model's KV: 2 x 2 layers x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token.
     flags = [flag.format(bytes=512 * 1100) for flag in CACHE_FLAGS]
-    engines = {name: EngineProcess(workdir, tiny_model, *flags, collector=collector, instance_id=f"whatif-{name}")
+    engines = {name: EngineProcess(workdir, tiny_model, *flags, collector=collector, spool_dir=spool,
+                                   instance_id=f"whatif-{name}")
                for name in ("a", "b")}
     try:
         for engine in engines.values():
@@ -189,6 +193,7 @@ def recorded(tmp_path_factory, tiny_model):
     finally:
         for engine in engines.values():
             assert engine.stop() == 0, engine.log_path.read_text()
+    wait_for(lambda: not list(spool.glob("*.pb*")), 120, "the collector to ingest the engines' spool")
     yield collector
     collector.stop()
 

@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
+from tokentrace.hardware import chip_name
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,12 @@ MAX_EVENTS = 4096
 
 
 def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine",
-                    model_dir: str | None = None, chat_template: str | None = None) -> Resource:
+                    model_dir: str | None = None, chat_template: str | None = None,
+                    memory_bandwidth_gbs: float | None = None) -> Resource:
     """The contract's resource attributes for an mlx-lm engine instance: it measures every request
     part, and names the weights (``model_dir``) and chat template (``chat_template``, else the
-    model's own) it serves with, when it can read them."""
+    model's own) it serves with, when it can read them; the chip where macOS names it, and the
+    declared peak memory bandwidth (``memory_bandwidth_gbs``) when given."""
     try:
         from mlx_lm import __version__ as engine_version
     except ImportError:  # pragma: no cover - the engine needs mlx-lm anyway
@@ -68,6 +71,10 @@ def engine_resource(instance_id: str, model: str, service_name: str = "tokentrac
         c.MODEL: model,
         c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
     }
+    if chip := chip_name():
+        attributes[c.HOST_CHIP] = chip
+    if memory_bandwidth_gbs:
+        attributes[c.HOST_MEMORY_BANDWIDTH_GBS] = float(memory_bandwidth_gbs)
     if model_dir is not None:
         attributes.update(model_identity(Path(model_dir), chat_template))
     return Resource.create(attributes)

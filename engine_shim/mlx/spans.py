@@ -258,6 +258,8 @@ def _request_attributes(record: RequestRecord) -> dict[str, Any]:
         attributes[c.CACHED_TOKENS] = record.cached_tokens
     if record.finish_reason is not None:
         attributes[c.FINISH_REASONS] = [record.finish_reason]
+    if record.first_content_ns:
+        attributes[c.FIRST_CONTENT_MS] = (record.first_content_ns - record.arrival_ns) * _MS
     if record.enqueue_ns:
         attributes[c.LOAD_WAIT_MS] = (record.load_wait_end_ns - record.load_wait_start_ns) * _MS
         queue_end = record.admit_ns or record.finish_ns
