@@ -179,9 +179,12 @@ def test_ttft_and_e2e_agree_with_the_client_and_responses_pass_through(gateway, 
 
 def test_failover_when_an_upstream_is_killed_mid_run(workdir, tiny_model, gateway, collector, upstreams):  # noqa: F811
     doomed = MlxLmServer(workdir, tiny_model).start()
-    gw = gateway("--route", "round_robin", upstream_urls={"mini-1": upstreams["mini-1"].url, "doomed": doomed.url})
-    before = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2)]
-    doomed.kill()
+    try:
+        gw = gateway("--route", "round_robin", upstream_urls={"mini-1": upstreams["mini-1"].url,
+                                                               "doomed": doomed.url})
+        before = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2)]
+    finally:
+        doomed.kill()
     after = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2, 6)]
     state = {u["name"]: u for u in wait_for(lambda: gw.health()["upstreams"], 10, "gateway health")}
     gw.stop()

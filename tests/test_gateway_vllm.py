@@ -58,12 +58,20 @@ def model_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture
+def collector(tmp_path):
+    """A collector for one test, stopped however the test ends (stop is idempotent: tests stop it
+    early to read its file)."""
+    process = CollectorProcess(tmp_path).start()
+    yield process
+    process.stop()
+
+
 def conversation(seed: int) -> list[dict]:
     return [{"role": "system", "content": words(seed, 80)}, {"role": "user", "content": words(seed + 1, 30)}]
 
 
-def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway(model_dir, tmp_path):
-    collector = CollectorProcess(tmp_path).start()
+def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway(model_dir, tmp_path, collector):
     proc, url = start_vllm(model_dir, tmp_path, False, collector, "vllm-a")
     gateway = None
     try:
@@ -116,8 +124,7 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
     assert stored == block_hashes(tokens)[: len(tokens) // BLOCK_SIZE * BLOCK_SIZE // 16]
 
 
-def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(model_dir, tmp_path):
-    collector = CollectorProcess(tmp_path).start()
+def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(model_dir, tmp_path, collector):
     proc, url = start_vllm(model_dir, tmp_path, True, collector, "vllm-p")
     gateway = None
     try:
@@ -147,9 +154,8 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
     assert sorted(hops) == sorted((rid, "vllm-p") for rid in ids)
 
 
-def test_a_conversation_moved_between_two_vllm_instances_is_an_instance_change(model_dir, tmp_path):
+def test_a_conversation_moved_between_two_vllm_instances_is_an_instance_change(model_dir, tmp_path, collector):
     """Two vLLM processes at once: the only test of the suite that runs two."""
-    collector = CollectorProcess(tmp_path).start()
     procs, gateway = [], None
     try:
         for name in ("vllm-1", "vllm-2"):
