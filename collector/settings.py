@@ -7,7 +7,6 @@ value fails fast in one line naming the setting, what was expected and what arri
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 from tokentrace.collector import stores
 from tokentrace.errors import ConfigError
+from tokentrace.listen import is_loopback
 
 
 def _integer(text: str, expected: str, low: int, high: int | None = None) -> int:
@@ -189,16 +189,6 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
 
         check_directory(values["spool_dir"])
     return CollectorConfig(**values)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the collector on this machine."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name may resolve to any address
 
 
 def _check_exposure(values: dict) -> None:

@@ -7,9 +7,21 @@ of that.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from tokentrace.errors import ConfigError
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server on this machine (collector, engine and gateway refuse
+    anything else without a token or API key unless told so explicitly)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name may resolve to any address
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

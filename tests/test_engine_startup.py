@@ -67,4 +67,4 @@ def test_refused_mlx_lm_server_options_say_why_and_what_instead(tmp_path, tiny_m
 def test_a_bind_beyond_loopback_needs_an_api_key_or_the_insecure_flag(tmp_path, tiny_model):
     result = _run("engine", "--model", str(tiny_model), "--host", "0.0.0.0", "--otlp-endpoint", "", timeout=60)
     assert result.returncode == 2
-    assert "--api-key" in result.stderr and "--insecure-bind" in result.stderr
+    assert "--api-key" in result.stderr and "--insecure-no-api-key" in result.stderr

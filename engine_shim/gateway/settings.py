@@ -8,7 +8,6 @@ comma-separated lists.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from urllib.parse import urlparse
 from tokentrace import contract as c
 from tokentrace.engine_shim.emit.defaults import default_spool_dir
 from tokentrace.errors import ConfigError
+from tokentrace.listen import is_loopback
 
 POLICIES = (c.POLICY_ROUND_ROBIN, c.POLICY_LEAST_LOADED, c.POLICY_SESSION, c.POLICY_PREFIX)
 
@@ -156,16 +156,6 @@ def _check(settings: GatewaySettings) -> None:
     if not settings.api_key and not settings.insecure_no_api_key and not is_loopback(settings.host):
         raise ConfigError(f"--host {settings.host} is not a loopback address: set --api-key (or, knowingly, "
                           "--insecure-no-api-key)")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` binds only the local machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 _KINDS = {int: "an integer", float: "a number", str: "text"}

@@ -12,6 +12,7 @@ from typing import Any
 
 from tokentrace.engine_shim.emit.defaults import default_spool_dir
 from tokentrace.errors import ConfigError
+from tokentrace.listen import is_loopback
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("capture-content", bool, False, "attach bounded prompt snippets to spans (off: no text leaves)"),
     Setting("heartbeat-interval", float, 5.0, "seconds between instance.heartbeat spans", minimum=0.1),
     Setting("api-key", str, None, "clients must send 'Authorization: Bearer KEY' (vLLM's --api-key)"),
-    Setting("insecure-bind", bool, False, "allow a --host beyond loopback without --api-key"),
+    Setting("insecure-no-api-key", bool, False, "allow a --host beyond loopback without --api-key"),
     Setting("allowed-origins", str, "*", "CORS origins allowed, comma-separated ('*': any)"),
     Setting("max-request-bytes", int, 8 << 20, "largest request body accepted (413 beyond)", minimum=1),
     Setting("max-messages", int, 2048, "most chat messages in one request (400 beyond)", minimum=1),
@@ -107,7 +108,7 @@ class EngineSettings:
     capture_content: bool = False  #: prompt snippets in spans
     heartbeat_interval: float = 5.0  #: seconds between heartbeats
     api_key: str | None = None  #: bearer key clients must send
-    insecure_bind: bool = False  #: allow a non-loopback bind without an API key
+    insecure_no_api_key: bool = False  #: allow a non-loopback bind without an API key
     allowed_origins: str = "*"  #: CORS origins, comma-separated
     max_request_bytes: int = 8 << 20  #: request body limit
     max_messages: int = 2048  #: chat message limit
@@ -185,7 +186,6 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _check(values: dict[str, Any]) -> None:
@@ -203,9 +203,9 @@ def _check(values: dict[str, Any]) -> None:
         if not isinstance(decoded, dict):
             raise ConfigError(f"--chat-template-args must be a JSON object, received {values['chat_template_args']!r}")
     host = values["host"]
-    if host not in _LOOPBACK and not host.startswith("127.") and not values["api_key"] and not values["insecure_bind"]:
+    if not is_loopback(host) and not values["api_key"] and not values["insecure_no_api_key"]:
         raise ConfigError(f"--host {host} serves beyond this machine: give --api-key KEY (clients send "
-                          f"'Authorization: Bearer KEY'), or --insecure-bind to serve without one")
+                          f"'Authorization: Bearer KEY'), or --insecure-no-api-key to serve without one")
 
 
 _KINDS = {int: "an integer", float: "a number", str: "text"}
