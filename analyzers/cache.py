@@ -35,15 +35,13 @@ from typing import Any
 import polars as pl
 
 from tokentrace import contract as c
-from tokentrace.analyzers.evidence import Evidence
+from tokentrace.analyzers.evidence import NO_CAUSE, Evidence  # noqa: F401 - NO_CAUSE is re-exported
 from tokentrace.analyzers.outcome import COMPLETED, outcome_of
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
 CAUSES = ("capacity", "restart", "instance_change", "prefix_change", "model_change", "template_change",
           "too_short", "new_prefix", None, "unknown")
-#: The one word for "nothing to explain" (cause None) wherever a cause is counted or shown.
-NO_CAUSE = "none"
 #: The segment role a divergence names when no message differs, only what lies between them.
 TEMPLATE = "template"
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 
 from tokentrace.errors import ConfigError, TokentraceError, error_for_status
 
@@ -130,6 +128,9 @@ def collector_url(given: str | None) -> str:
 
 def fetch_json(args: argparse.Namespace, path: str) -> dict:
     """GET ``path`` from the collector of ``--url`` (with ``--token``); envelope errors become ours."""
+    import urllib.error  # here, not at the top: ``--db`` needs no HTTP client
+    import urllib.request
+
     base = collector_url(args.url)
     request = urllib.request.Request(base + path, headers={"Accept": "application/json"})
     token = args.token or os.environ.get("TOKENTRACE_TOKEN")
@@ -149,7 +150,7 @@ def fetch_json(args: argparse.Namespace, path: str) -> dict:
                               "collector's file with --db FILE") from None
 
 
-def _envelope_message(exc: urllib.error.HTTPError) -> str:
+def _envelope_message(exc) -> str:  # urllib.error.HTTPError
     try:
         return json.loads(exc.read())["error"]["message"]
     except (ValueError, KeyError, TypeError):

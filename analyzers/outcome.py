@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from tokentrace import contract as c
+
+if TYPE_CHECKING:  # polars only where frames are built: ``analyze --url`` never imports it (issue 17)
+    import polars as pl
 
 COMPLETED, REJECTED, FAILED, CANCELLED = "completed", "rejected", "failed", "cancelled"
 OUTCOMES = (COMPLETED, REJECTED, FAILED, CANCELLED)
@@ -49,6 +51,8 @@ def outcome_of(row: dict) -> str:
 
 def outcome_expr() -> pl.Expr:
     """``outcome_of`` over a requests frame, vectorized (same rule)."""
+    import polars as pl
+
     status, reason = pl.col("http_status"), pl.col("finish_reason")
     cancelled = (pl.col("client_disconnected").fill_null(False) | (status == 499).fill_null(False)
                  | reason.is_in(list(CANCEL_REASONS)).fill_null(False))
@@ -86,6 +90,8 @@ def known_parts(row: dict, measures: frozenset[str] | None) -> dict[str, float |
 def mask_unmeasured(frame: pl.DataFrame, declared: dict[str | None, frozenset[str] | None]) -> pl.DataFrame:
     """A requests frame with each ``{part}_ms`` nulled on rows whose instance declares it does not
     measure that part (instances that declare nothing keep their values)."""
+    import polars as pl
+
     columns = []
     for part in PARTS:
         blind = [instance for instance, parts in declared.items()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tokentrace.analyzers.cache import NO_CAUSE
-from tokentrace.analyzers.evidence import fmt_ms
+from tokentrace.analyzers.evidence import NO_CAUSE, fmt_ms
 
 _BAR = 24
 

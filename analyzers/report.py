@@ -122,13 +122,13 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
     frame = frame.filter(pl.col("outcome") == COMPLETED)
     categories = dict(frame.group_by("category").len().iter_rows())
     cached = frame["cached_tokens"].fill_null(0)
-    known = frame.filter(pl.col("cached_tokens").is_not_null())
+    known = reuse_known(frame)
     cache = {
         "token_hit_rate": token_hit_rate(frame),
         "requests_with_reuse": int((cached > 0).sum()),
         "requests_without_reuse": int((cached == 0).sum()),
-        # Over the requests whose engine reported cached tokens (vllm:prefix_cache_queries/_hits).
-        "prompt_tokens": int(known["prompt_tokens"].fill_null(0).sum()),
+        # Over the requests that know both counts (vllm:prefix_cache_queries/_hits on /metrics).
+        "prompt_tokens": int(known["prompt_tokens"].sum()),
         "cached_tokens": int(known["cached_tokens"].sum()),
     }
     span_s = max(1e-9, (whole["end_ns"].max() - whole["start_ns"].min()) / 1e9)

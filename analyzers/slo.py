@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import polars as pl
+from typing import TYPE_CHECKING, Any
 
 from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.errors import ConfigError
+
+if TYPE_CHECKING:  # polars only where frames are judged: ``analyze --url --slo`` never imports it (issue 17)
+    import polars as pl
 
 #: Objective name -> the requests-frame column (milliseconds) it is judged on.
 OBJECTIVES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
@@ -90,6 +91,8 @@ def parse_slo(text: str | None) -> SloSpec | None:
 
 def _threshold(spec: SloSpec, name: str) -> pl.Expr:
     """The objective (ms) per row: instance override, then model override, then the default."""
+    import polars as pl
+
     expr = pl.lit(spec.default.get(name), dtype=pl.Float64)
     for model, objectives in spec.model.items():
         if name in objectives:
@@ -108,6 +111,8 @@ def succeeded() -> pl.Expr:
 def judge(frame: pl.DataFrame, spec: SloSpec) -> pl.DataFrame:
     """Add ``slo_<name>`` (True met, False missed, null unknown or not set) per objective and
     ``slo_good`` to a requests frame that has ``e2e_ms`` (``report.with_categories``)."""
+    import polars as pl
+
     columns = []
     for name in spec.names():
         value, limit = pl.col(OBJECTIVES[name]), _threshold(spec, name)

@@ -36,6 +36,7 @@ from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import (
+    ConfigError,
     Overloaded,
     PayloadError,
     PayloadTooLarge,
@@ -317,7 +318,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()))
-        return error_envelope(400, "bad_parameter", f"{where}: {first.get('msg', 'invalid value')}")
+        message = f"{where}: {first.get('msg', 'invalid value')}"
+        return error_envelope(ConfigError.http_status, ConfigError.code, message)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

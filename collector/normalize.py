@@ -224,16 +224,18 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
             scope_name = scope_spans.scope.name or None
             scope_version = scope_spans.scope.version or None
             for s_index, span in enumerate(scope_spans.spans):
-                problem = _invalid(span)
+                # Each field is read once: a read of a protobuf field costs 0.1-0.5 µs, a span ~25 µs.
+                events, end_ns = span.events or None, span.end_time_unix_nano
+                problem = _invalid(span, end_ns, events)
                 if problem:
                     batch.rejected += 1
                     batch.rejected_by[problem[0]] += 1
                     batch.problems.append(f"scopeSpans[{r_index}].spans[{s_index}]: {problem[1]}")
                     continue
-                _normalize_span(scope, span, (scope_name, scope_version), resource_json, counter)
+                _normalize_span(scope, span, end_ns, events, (scope_name, scope_version), resource_json, counter)
                 batch.spans += 1
                 marks.append(tuple(map(len, lists)))
-                seen_ns = max(seen_ns, span.end_time_unix_nano)
+                seen_ns = max(seen_ns, end_ns)
         batch.truncated += counter[0]
         if seen_ns:
             batch.rows["resources"].append((
@@ -246,7 +248,7 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
     return batch
 
 
-def _invalid(span) -> tuple[str, str] | None:
+def _invalid(span, end_ns: int, events) -> tuple[str, str] | None:
     """(reason, message) when the span must be refused; None when it can be stored."""
     if len(span.trace_id) != 16:
         return "bad_id", f"trace_id must be 16 bytes, received {len(span.trace_id)}"
@@ -254,42 +256,44 @@ def _invalid(span) -> tuple[str, str] | None:
         return "bad_id", f"span_id must be 8 bytes, received {len(span.span_id)}"
     if span.parent_span_id and len(span.parent_span_id) != 8:
         return "bad_id", f"parent_span_id must be empty or 8 bytes, received {len(span.parent_span_id)}"
-    if span.end_time_unix_nano > MAX_TIME_NS:  # end >= start is checked next, so start fits too
-        return "time_out_of_range", (f"end_time_unix_nano must be below 2^63 (the year 2262), "
-                                     f"received {span.end_time_unix_nano}")
-    if span.end_time_unix_nano < span.start_time_unix_nano:
+    if end_ns > MAX_TIME_NS:  # end >= start is checked next, so start fits too
+        return "time_out_of_range", f"end_time_unix_nano must be below 2^63 (the year 2262), received {end_ns}"
+    if end_ns < span.start_time_unix_nano:
         return "end_before_start", "end_time_unix_nano is before start_time_unix_nano"
-    for event in span.events:
+    for event in events or ():
         if event.time_unix_nano > MAX_TIME_NS:
             return "time_out_of_range", (f"event {event.name[:80]!r}: time_unix_nano must be below 2^63 (the "
                                          f"year 2262), received {event.time_unix_nano}")
     return None
 
 
-def _normalize_span(scope: _Scope, span, scope_id: tuple, resource_json: str, counter: list) -> None:
+def _normalize_span(scope: _Scope, span, end_ns: int, span_events, scope_id: tuple, resource_json: str,
+                    counter: list) -> None:
     attrs = {kv.key: _value(kv.value, scope.max_len, counter) for kv in span.attributes}
     ids = (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex() or None)
-    builder = _BUILDERS.get(span.name)
+    name = span.name
+    builder = _BUILDERS.get(name)
     if builder is not None:
         try:
             builder(scope, span, attrs, ids)
         except _Untyped as exc:  # builders raise before they append any row
-            scope.batch.leave_out(exc.reason, f"span {span.name} {ids[1]} stored without its typed rows: {exc}")
+            scope.batch.leave_out(exc.reason, f"span {name[:80]} {ids[1]} stored without its typed rows: {exc}")
             builder = None  # and its columnar attributes stay in spans.attributes, as sent
     events = None
-    if span.events:
-        events = [_event(scope, span, event, attrs, counter) for event in span.events]
-    links = None
-    if span.links:
-        links = [_link(link, scope.max_len, counter) for link in span.links]
+    if span_events:
+        events = [_event(scope, span, event, attrs, counter) for event in span_events]
+    links = span.links or None
+    if links:
+        links = [_link(link, scope.max_len, counter) for link in links]
     stored = attrs if builder is None else {k: v for k, v in attrs.items() if k not in EXPANDED}
-    name, message = span.name, span.status.message
+    status = span.status
+    message = status.message
     if len(name) > scope.max_len or len(message) > scope.max_len:  # cut like attribute values
         counter[0] += (len(name) > scope.max_len) + (len(message) > scope.max_len)
         name, message = name[:scope.max_len], message[:scope.max_len]
     scope.batch.rows["spans"].append((
-        *ids, name, span.kind, span.start_time_unix_nano, span.end_time_unix_nano,
-        span.status.code, message or None, scope.service_name, scope.instance_id, scope_id[0],
+        *ids, name, span.kind, span.start_time_unix_nano, end_ns,
+        status.code, message or None, scope.service_name, scope.instance_id, scope_id[0],
         _str(attrs.get(c.REQUEST_ID)), _json(stored), _json(events), _json(links), resource_json,
         span.trace_state or None, scope_id[1], span.dropped_attributes_count or None,
         span.dropped_events_count or None, span.dropped_links_count or None,
@@ -581,8 +585,11 @@ def _array(values, max_len: int, counter: list) -> list:
         read = [x.double_value for x in values]
     else:
         return [_value(x, max_len, counter) for x in values]
-    if 0 in read and any(values[i].WhichOneof("value") != kind for i, x in enumerate(read) if x == 0):
-        return [_value(x, max_len, counter) for x in values]
+    at = -1
+    for _ in range(read.count(0)):  # list.count and list.index scan in C; only zeros cost a step
+        at = read.index(0, at + 1)
+        if values[at].WhichOneof("value") != kind:
+            return [_value(x, max_len, counter) for x in values]
     return read
 
 

@@ -1,7 +1,10 @@
 """The one CLI group, ``tokentrace``. Only ``main()`` exits.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-modules import their heavy dependencies inside ``run`` so that ``--help`` stays instant.
+modules import their heavy dependencies inside ``run`` so that ``--help`` stays instant. A command
+line that names a command imports only that command's module (``tokentrace analyze ... --url`` must
+not pay for the engine's or the collector's imports; issue 17); without one, every module is
+imported so that ``tokentrace --help`` and the docs checks see them all.
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser; every command and subcommand has ``--help``."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; every command and subcommand has ``--help``.
+
+    With ``only`` (a command name), the other commands get an empty parser (their name and help line
+    only, enough for ``tokentrace --help`` and for argparse's choice check) and their modules are
+    not imported.
+    """
     parser = argparse.ArgumentParser(
         prog="tokentrace",
         description="Why was this LLM request slow, and why did the prefix cache miss?",
@@ -36,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     for name, module_name, help_text in COMMANDS:
+        if only is not None and name != only:
+            commands.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         # Docstrings are written for Sphinx-like readers: drop the ``literal`` marks, keep their line
         # breaks (examples stay on their own lines).
@@ -46,9 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _named_command(argv: list[str]) -> str | None:
+    """The command the line names (its first word, when it is one of ours), else None."""
+    first = argv[0] if argv else None
+    return first if any(first == name for name, _, _ in COMMANDS) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the command, and map errors to their exit codes (core/errors.py)."""
-    parser = build_parser()
+    parser = build_parser(_named_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)

@@ -11,7 +11,8 @@
     ├── NotFound                     404    2    no    not_found          an unknown request id or other object
     ├── Unauthorized                 401    2    no    unauthorized       a missing or wrong bearer token
     └── EngineError                  500    1    no    engine_error       the engine cannot serve
-        └── RequestRefused           (its own status; 400 by default)     the engine refuses one request
+        └── RequestRefused           (own)  2    no    (own)              the engine refuses one request
+                                                                          (engine_shim.mlx BadRequest)
 
 The status, exit code, retryability and code live on the classes (``http_status``, ``exit_code``,
 ``retryable``, ``code``); every boundary reads them there: the CLI's ``main()`` (exit code), the
@@ -103,7 +104,9 @@ class EngineError(TokentraceError):
 
 
 class RequestRefused(EngineError):
-    """A request the engine refuses; ``http_status`` is per instance (400, 404, 413, ...)."""
+    """A request the engine refuses; ``http_status`` is per instance (400, 404, 413, ...). The MLX
+    engine's ``BadRequest`` (engine_shim/mlx/protocol.py) is one, whose ``code`` is the OpenAI
+    error code of its envelope."""
 
     exit_code = 2
 

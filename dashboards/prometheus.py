@@ -95,20 +95,12 @@ SERIES = {
     "tokentrace_ingest_queue_capacity": ("gauge", "Batches the write queue holds before senders get 503."),
     "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
 }
-#: requests column holding the gateway's avoidable prefill tokens; the series appears once a branch
-#: adds this column to the contract's requests table (hook: ``avoidable_prefill_column``).
-AVOIDABLE_PREFILL_COLUMN = "avoidable_prefill_tokens"
 MAX_PENDING_VERDICTS = 50_000
 FOLD_AT_ROWS = 50_000
 _REQUEST_COLUMNS = TABLES["requests"]
 #: The tables of a committed batch that a fold reads (with the packed decode steps).
-_FOLDED = ("requests", "resources", "heartbeats", "cache_evictions")
+_FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes")
 _COMPONENT = {label: name for name, label in CATEGORIES}
-
-
-def avoidable_prefill_column() -> str | None:
-    """The requests column with avoidable prefill tokens, when the contract has one."""
-    return AVOIDABLE_PREFILL_COLUMN if AVOIDABLE_PREFILL_COLUMN in _REQUEST_COLUMNS else None
 
 
 @dataclass
@@ -234,9 +226,19 @@ class MetricsState:
                                              infer_schema_length=None))
         self._fold_itl([row for b in batches for row in b.packed["decode_steps"]])
         self._fold_heartbeats(rows["heartbeats"])
+        self._fold_routes(rows["routes"])
         for row in rows["cache_evictions"]:
             r = dict(zip(TABLES["cache_evictions"], row, strict=True))
             self.counters[("tokentrace_cache_evictions", self._labels(r["instance_id"], reason=r["reason"]))] += 1
+
+    def _fold_routes(self, rows: list[tuple]) -> None:
+        """The gateway's routing decisions (``routes``): prompt tokens the chosen upstream prefilled
+        that another upstream held (``avoidable_from``); a decision that does not know is left out."""
+        for row in rows:
+            r = dict(zip(TABLES["routes"], row, strict=True))
+            if r["avoidable_prefill_tokens"] is not None:
+                labels = self._labels(r["instance_id"], held_by=r["avoidable_from"] or "")
+                self.counters[("tokentrace_avoidable_prefill_tokens", labels)] += r["avoidable_prefill_tokens"]
 
     def _labels(self, instance: str | None, model: str | None = None, **extra: Any) -> tuple:
         model = model or self._model_of.get(instance or "") or "unknown"
@@ -265,9 +267,10 @@ class MetricsState:
         keyed = keyed.filter(pl.col("outcome") == COMPLETED)
         sums = keyed.group_by("instance_id", "model").agg(
             pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
+            # Prefix-cache tokens over the rows that know both counts (report.reuse_known).
             pl.col("prompt_tokens").filter(pl.col("cached_tokens").is_not_null()).sum().alias("queried"),
-            pl.col("cached_tokens").sum().alias("hits"),
-            pl.col("cached_tokens").is_not_null().any().alias("knows_cache"),
+            pl.col("cached_tokens").filter(pl.col("prompt_tokens").is_not_null()).sum().alias("hits"),
+            (pl.col("cached_tokens").is_not_null() & pl.col("prompt_tokens").is_not_null()).any().alias("knows_cache"),
             pl.col("prompt_tokens").is_not_null().any().alias("knows_prompt"),
             pl.col("completion_tokens").is_not_null().any().alias("knows_completion"))
         for r in sums.iter_rows(named=True):
@@ -279,11 +282,6 @@ class MetricsState:
             if r["knows_cache"]:
                 c[("vllm:prefix_cache_queries", labels)] += r["queried"] or 0
                 c[("vllm:prefix_cache_hits", labels)] += r["hits"] or 0
-        column = avoidable_prefill_column()
-        if column:
-            for r in keyed.group_by("instance_id", "model").agg(pl.col(column).sum()).iter_rows(named=True):
-                labels = self._labels(r["instance_id"], r["model"])
-                c[("tokentrace_avoidable_prefill_tokens", labels)] += r[column] or 0
         self._fold_histograms(keyed)
         self._queue_verdicts(keyed)
 

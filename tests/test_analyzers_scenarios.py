@@ -239,6 +239,36 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+#: What ``analyze --url`` must never import: its whole start-up cost (issue 17, CLI verdicts under 300 ms).
+HEAVY = ("duckdb", "polars", "pyarrow", "numpy", "mlx", "fastapi", "opentelemetry")
+_IMPORTS = """
+import contextlib, io, json, sys
+from tokentrace.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(sys.argv[1:])
+print(json.dumps({"code": code, "out": out.getvalue(),
+                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)}))
+""".replace("HEAVY", repr(HEAVY))
+
+
+@pytest.mark.parametrize("args", [("slow", "--request-id", "demo-queued"),
+                                  ("slow", "--request-id", "demo-queued", "--slo", "ttft=2s", "--json"),
+                                  ("cache", "--request-id", "demo-evicted-2"),
+                                  ("report", "--since", "all")])
+def test_url_verdicts_import_no_store_or_frame_library(scenario, args):
+    """The --url path prints a real verdict without importing duckdb, polars, pyarrow (or the engine's libraries)."""
+    url = scenario["collector"].url
+    ran = subprocess.run([sys.executable, "-c", _IMPORTS, "analyze", *args, "--url", url], capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout.splitlines()[-1])
+    assert result["code"] == 0 and result["out"].strip()
+    if args[0] == "slow":
+        assert "queueing" in result["out"]
+    assert result["heavy"] == []
+
+
 def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
     collector = scenario["collector"]
     ids = ["demo-queued", "demo-evicted-2", "demo-sys-changed", "demo-contended-1"]

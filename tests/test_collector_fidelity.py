@@ -1,14 +1,19 @@
 """Issue 11 item 6: what OTLP sends is stored as sent. Links with their attributes and trace state,
 the span's trace state, the scope version and the dropped counts, from the real OpenTelemetry SDK;
 mixed arrays and NaN/Infinity from hand-written OTLP JSON; names and status messages cut to the
-attribute length limit."""
+attribute length limit; and links with attributes and trace states from the real OpenTelemetry JS
+SDK under Node.js (tests/node), as the trial's Node.js sender sent them."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -93,3 +98,38 @@ def test_hand_written_json_keeps_mixed_arrays_non_finite_doubles_and_dropped_cou
                                   "trace_state": "k=v", "attributes": {"why": "retry-of"},
                                   "dropped_attributes_count": 6}]
     assert (trace_state, scope_version, dropped) == ("rojo=00f067aa0ba902b7", "0.9", [3, 4, 5])
+
+
+NODE_DIR = Path(__file__).parent / "node"
+
+
+def _node_sdk() -> Path:
+    """tests/node with its OpenTelemetry JS packages installed (npm, once; package-lock.json pins
+    them); skips when Node.js or the npm registry is not available here."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("Node.js is not installed")
+    if not (NODE_DIR / "node_modules" / "@opentelemetry" / "sdk-trace-base").is_dir():
+        result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"npm could not install the OpenTelemetry JS SDK: {result.stderr[-300:]}")
+    return NODE_DIR
+
+
+def test_the_node_sdk_s_links_and_trace_states_are_kept(collector_factory):
+    """The trial's Node.js sender lost every link attribute; the real JS SDK sends them here."""
+    node_dir = _node_sdk()
+    collector = collector_factory().start()
+    result = subprocess.run(["node", "otlp_sender.mjs", collector.url + "/v1/traces", "4"], cwd=node_dir,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    linked = json.loads(result.stdout)
+    assert collector.stop() == 0
+    rows = collector.sql("SELECT name, attributes, links, trace_state, scope_version FROM spans ORDER BY name")
+    assert [row[0] for row in rows] == [f"node-span-{i}" for i in range(4)]
+    for i, (_, attributes, links, trace_state, scope_version) in enumerate(rows):
+        assert json.loads(attributes) == {"node.index": i, "node.nan": "NaN"}
+        assert (trace_state, scope_version) == ("congo=t61rcWkgMzE", "2.7.1")
+        assert json.loads(links) == [{"trace_id": linked[i]["traceId"], "span_id": linked[i]["spanId"],
+                                      "trace_state": f"vendor=v{i}",
+                                      "attributes": {"link.kind": "follows", "link.index": i}}]

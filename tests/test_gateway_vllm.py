@@ -145,3 +145,27 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
     assert sorted(rows) == sorted((rid, "plugin", "vllm-p") for rid in ids), "one row per request: the plugin's"
     hops = collector.sql("SELECT r.request_id, r.instance_id FROM routes r JOIN requests q USING (request_id)")
     assert sorted(hops) == sorted((rid, "vllm-p") for rid in ids)
+
+
+def test_a_conversation_moved_between_two_vllm_instances_is_an_instance_change(model_dir, tmp_path):
+    """Two vLLM processes at once: the only test of the suite that runs two."""
+    collector = CollectorProcess(tmp_path).start()
+    procs, gateway = [], None
+    try:
+        for name in ("vllm-1", "vllm-2"):
+            procs.append((name, *start_vllm(model_dir, tmp_path, False, collector, name)))
+        gateway = GatewayProcess(tmp_path, {name: url for name, _, url in procs}, "--route", "round_robin",
+                                 collector=collector).start()
+        first = conversation(70)
+        second = [*first, {"role": "assistant", "content": words(72, 20)}, {"role": "user", "content": words(73, 10)}]
+        answers = [gateway.chat(first, "ic-0", model=MODEL), gateway.chat(second, "ic-1", model=MODEL)]
+        assert [a["status"] for a in answers] == [200, 200]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for _, proc, _ in procs:
+            stop(proc)
+    moved = verdict(collector, "ic-1")["cache"]
+    collector.stop()
+    assert moved["cause"] == "instance_change", moved
+    assert {moved["instance_id"], moved["cached_on"]} == {"vllm-1", "vllm-2"}

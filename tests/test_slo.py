@@ -141,3 +141,24 @@ def test_rows_that_know_little_are_counted_without_inventing_values(tmp_path):
                    "vllm:prompt_tokens_total", 'slo="ttft"'):
         assert absent not in text, absent
     assert f'tokentrace_slo_requests_total{{{gw},slo="e2e",met="true"}} 1' in text
+
+
+def test_avoidable_prefill_comes_from_the_gateways_routing_decisions(tmp_path):
+    def route(rid: str, tokens: int | None, held_by: str | None) -> tuple:
+        row = dict.fromkeys(TABLES["routes"])
+        row.update(request_id=rid, trace_id="t", span_id="s", instance_id="up-b", start_ns=0, end_ns=1,
+                   avoidable_prefill_tokens=tokens, avoidable_from=held_by)
+        return tuple(row[name] for name in TABLES["routes"])
+
+    store = DuckDBStore(tmp_path / "r.duckdb")
+    state = MetricsState(store, None)
+    try:
+        batch = Batch()
+        batch.rows["routes"] += [route("1", 96, "up-a"), route("2", 32, "up-a"), route("3", None, None)]
+        state.observe(batch)
+        text = state.render({"accepted_spans": 0, "rejected": {}})
+    finally:
+        state.close()
+        store.close()
+    labels = 'model_name="unknown",engine="0",instance_id="up-b",held_by="up-a"'
+    assert f"tokentrace_avoidable_prefill_tokens_total{{{labels}}} 128" in text.splitlines()

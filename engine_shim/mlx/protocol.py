@@ -11,13 +11,15 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from tokentrace.errors import RequestRefused
 
-class BadRequest(Exception):
-    """A request the engine refuses, with the HTTP status and OpenAI error fields."""
+
+class BadRequest(RequestRefused):
+    """A request the engine refuses, with the HTTP status and OpenAI error fields (core/errors.py)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  error_type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
+        super().__init__(message, status)
         self.message, self.param, self.status, self.error_type, self.code = message, param, status, error_type, code
 
     def body(self) -> dict[str, Any]:
