@@ -48,11 +48,11 @@ def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 8)
         store = DuckDBStore(Path(tmp) / "raw.duckdb")
         spans, start = 0, time.perf_counter()
         index = 0
-        while time.perf_counter() - start < seconds:
+        while time.perf_counter() - start < seconds and index + group <= len(bodies):
             merged = Batch()
             for body, _ in bodies[index:index + group]:
                 merged.extend(normalize(ExportTraceServiceRequest.FromString(body)))
-            index = (index + group) % max(1, len(bodies) - group)
+            index += group  # never wraps: a batch written again would be a resend, stored once
             store.write(merged)
             spans += merged.spans
         elapsed = time.perf_counter() - start
@@ -63,7 +63,7 @@ def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 8)
 def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: float, max_requests: int):
     """Post bodies from ``senders`` threads; returns (acked spans, elapsed, latencies, errors)."""
     latencies: list[float] = []
-    acked, errors = [0], [0]
+    acked, errors, exhausted = [0], [0], [False]
     lock = threading.Lock()
     deadline = time.perf_counter() + seconds
     sent = [0]
@@ -76,7 +76,10 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
                 if sent[0] >= max_requests:
                     break
                 sent[0] += 1
-            body, spans = bodies[index % len(bodies)]
+            if index >= len(bodies):  # a repeat would be a resend, stored once (collector/once.py)
+                exhausted[0] = True
+                break
+            body, spans = bodies[index]
             index += senders
             began = time.perf_counter()
             conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
@@ -97,6 +100,9 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
         thread.start()
     for thread in threads:
         thread.join()
+    if exhausted[0]:
+        print("  note: every distinct batch was sent before the time was up (a repeat would be a resend, "
+              "stored once); raise --distinct-batches for a longer run")
     return acked[0], time.perf_counter() - start, latencies, errors[0]
 
 

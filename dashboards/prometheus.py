@@ -98,6 +98,8 @@ SERIES = {
 MAX_PENDING_VERDICTS = 50_000
 FOLD_AT_ROWS = 50_000
 _REQUEST_COLUMNS = TABLES["requests"]
+#: The tables of a committed batch that a fold reads (with the packed decode steps).
+_FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes")
 _COMPONENT = {label: name for name, label in CATEGORIES}
 
 
@@ -180,9 +182,14 @@ class MetricsState:
     # -- writer side ---------------------------------------------------------------------------
     def observe(self, batch: Batch) -> None:
         """Called by the writer thread after ``batch`` is committed: keep it for the next fold."""
+        # Only what a fold reads is kept: the spans rows (attributes, events) are most of a batch's
+        # memory, and a batch of foreign spans (no request, no decode step) was kept whole until the
+        # next scrape, outside the receiver's byte budget (issue 11 item 3).
+        kept = Batch(rows={name: batch.rows[name] for name in _FOLDED},
+                     packed={"decode_steps": batch.packed["decode_steps"]})
         with self._lock:
-            self._pending.append(batch)
-            self._pending_rows += len(batch.rows["requests"]) + len(batch.packed["decode_steps"])
+            self._pending.append(kept)
+            self._pending_rows += batch.spans + len(batch.rows["requests"]) + len(batch.packed["decode_steps"])
             if self._pending_rows >= FOLD_AT_ROWS:  # nobody scraping: keep memory bounded
                 self._fold()
 
@@ -205,8 +212,7 @@ class MetricsState:
             self.counters[("tokentrace_metrics_fold_errors", ())] += 1
 
     def _fold_batches(self, batches: list[Batch]) -> None:
-        rows = {name: [row for b in batches for row in b.rows[name]]
-                for name in ("requests", "resources", "heartbeats", "cache_evictions", "routes")}
+        rows = {name: [row for b in batches for row in b.rows[name]] for name in _FOLDED}
         for row in rows["resources"]:
             r = dict(zip(TABLES["resources"], row, strict=True))
             if r["instance_id"]:
