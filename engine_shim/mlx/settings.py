@@ -11,30 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tokentrace.engine_shim.emit.defaults import default_spool_dir
+from tokentrace.engine_shim.emit.settings_table import Setting, add_arguments, read_values
 from tokentrace.errors import ConfigError
 from tokentrace.listen import is_loopback
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One engine setting."""
-
-    option: str  #: CLI option without the leading dashes
-    type: type  #: str, int, float or bool (bool: a flag)
-    default: Any  #: value when neither the option nor the environment variable is given
-    help: str  #: one line for --help and docs
-    minimum: float | None = None  #: smallest accepted value for numbers
-
-    @property
-    def env(self) -> str:
-        """Environment variable that sets the default, e.g. TOKENTRACE_ENGINE_MAX_BATCH."""
-        return "TOKENTRACE_ENGINE_" + self.option.upper().replace("-", "_")
-
-    @property
-    def attr(self) -> str:
-        """Attribute name on EngineSettings."""
-        return self.option.replace("-", "_")
-
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("model", str, None, "model directory in mlx-lm format (or a hub id) to serve; required"),
@@ -154,30 +133,12 @@ class EngineSettings:
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per setting (plus mlx_lm.server's name for it); environment variables provide
     the defaults."""
-    aliases: dict[str, list[str]] = {}
-    for theirs, ours in ALIASES.items():
-        aliases.setdefault(ours, []).append(f"--{theirs}")
-    for setting in SETTINGS:
-        help_text = f"{setting.help} [env {setting.env}]"
-        names = [f"--{setting.option}", *aliases.get(setting.option, [])]
-        if setting.type is bool:
-            parser.add_argument(*names, dest=setting.attr, action="store_true", default=None, help=help_text)
-        else:
-            shown = "" if setting.default is None else f" (default: {setting.default})"
-            parser.add_argument(*names, dest=setting.attr, default=None,
-                                metavar=setting.option.upper().replace("-", "_"), help=help_text + shown)
+    add_arguments(parser, SETTINGS, ALIASES)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> EngineSettings:
     """Option, else environment variable, else default; each value checked. Raises ConfigError."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for setting in SETTINGS:
-        raw = getattr(args, setting.attr, None)
-        source = f"--{setting.option}"
-        if raw is None and setting.env in environ:
-            raw, source = environ[setting.env], setting.env
-        values[setting.attr] = setting.default if raw is None else _parse(setting, raw, source)
+    values = read_values(args, SETTINGS, os.environ if environ is None else environ, _convert)
     if not values["model"]:
         raise ConfigError("--model is required (a model directory; `tokentrace make-model DIR` writes one)")
     _check(values)
@@ -208,7 +169,6 @@ def _check(values: dict[str, Any]) -> None:
                           f"'Authorization: Bearer KEY'), or --insecure-no-api-key to serve without one")
 
 
-_KINDS = {int: "an integer", float: "a number", str: "text"}
 _SIZES = {"": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 10**6, "MB": 10**6, "MIB": 1 << 20,
           "G": 10**9, "GB": 10**9, "GIB": 1 << 30}
 
@@ -226,20 +186,6 @@ def parse_size(raw: Any) -> int:
     return int(float(digits) * _SIZES[unit])
 
 
-def _parse(setting: Setting, raw: Any, source: str) -> Any:
-    if setting.type is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{source} must be true or false, received {raw!r}")
-    try:
-        value = parse_size(raw) if setting.option.endswith("-bytes") else setting.type(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source} must be {_KINDS[setting.type]}, received {raw!r}") from None
-    if setting.minimum is not None and value < setting.minimum:
-        raise ConfigError(f"{source} must be {_KINDS[setting.type]} >= {setting.minimum:g}, received {raw!r}")
-    return value
+def _convert(setting: Setting, raw: Any, source: str) -> Any:
+    """Byte counts take units as mlx_lm.server's do; everything else its type."""
+    return parse_size(raw) if setting.option.endswith("-bytes") else setting.type(raw)
