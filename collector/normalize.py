@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
-from tokentrace import vllm_names as v
+from tokentrace.engine_shim import translations
 
 TABLES: dict[str, tuple[str, ...]] = {
     "spans": (
@@ -55,7 +55,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "cache_lookups": (
         "request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "matched_tokens", "match",
-        "matched_entry", "cache_entries", "cache_bytes", "block_size",
+        "matched_entry", "cache_entries", "cache_bytes", "block_size", "cache_unit",
     ),
     "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "block_index", "hash", "fingerprint"),
     "segments": (
@@ -78,7 +78,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "heartbeats": (
         "instance_id", "t_ns", "queue_depth", "running", "max_batch", "cache_entries", "cache_bytes",
-        "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes",
+        "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes", "cache_unit",
     ),
 }
 
@@ -204,7 +204,7 @@ def _invalid(span) -> str:
 def _normalize_span(scope: _Scope, span, scope_name: str | None, resource_json: str, counter: list) -> None:
     attrs = {kv.key: _value(kv.value, scope.max_len, counter) for kv in span.attributes}
     ids = (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex() or None)
-    builder = _BUILDERS.get(span.name)
+    builder = _BUILDERS.get(span.name) or translations.builder(span.name)
     if builder is not None:
         builder(scope, span, attrs, ids)
     events = None
@@ -291,6 +291,7 @@ def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
         rid, scope.instance_id, t_ns, span.end_time_unix_nano, _int(a.get(c.CACHE_PROMPT_TOKENS)),
         _int(a.get(c.CACHE_MATCHED_TOKENS)), _str(a.get(c.CACHE_MATCH)), _int(a.get(c.CACHE_MATCHED_ENTRY)),
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_BLOCK_SIZE)),
+        _str(a.get(c.CACHE_UNIT)),
     ))
     _blocks(scope, rid, t_ns, "lookup", a, None)
     roles, starts, ends = _list(a.get(c.SEGMENT_ROLES)), _ints(a.get(c.SEGMENT_STARTS)), _ints(a.get(c.SEGMENT_ENDS))
@@ -349,46 +350,7 @@ def _heartbeat(scope: _Scope, span, a: dict, ids: tuple) -> None:
         scope.instance_id, span.end_time_unix_nano, _int(a.get(c.QUEUE_DEPTH)), _int(a.get(c.QUEUE_RUNNING)),
         _int(a.get(c.MAX_BATCH)), _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)),
         _int(a.get(c.CACHE_MAX_ENTRIES)), _int(a.get(c.CACHE_MAX_BYTES)), _int(a.get(c.KV_BYTES_PER_TOKEN)),
-        _int(a.get(c.MEMORY_BYTES)),
-    ))
-
-
-# --- vLLM's native spans (docs/vllm.md) --------------------------------------------------------------
-def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
-    """vLLM's ``llm_request`` span (``--otlp-traces-endpoint``) as a request row.
-
-    Latencies arrive in seconds. A resource naming ``tokentrace.engine`` comes from a vLLM running
-    the tokentrace plugin, whose own ``llm.request`` (with cached tokens) is the row; this span then
-    stays in ``spans`` only, so that a request is never counted twice.
-    """
-    if scope.engine is not None:
-        return
-    ms = {key: _num(a.get(name)) for name, key in v.LATENCY_TO_CONTRACT_MS.items()}
-    ms = {key: None if value is None else value * 1e3 for key, value in ms.items()}
-    outputs = _int(a.get(v.USAGE_COMPLETION_TOKENS))
-    decode = ms[c.DECODE_MS]
-    tpot = decode / (outputs - 1) if decode is not None and outputs is not None and outputs > 1 else None
-    raw_id = _str(a.get(v.REQUEST_ID))
-    scope.batch.rows["requests"].append((
-        v.client_request_id(raw_id) if raw_id else ids[1], ids[0], ids[1], scope.instance_id,
-        scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
-        span.start_time_unix_nano, span.end_time_unix_nano,
-        ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
-        _int(a.get(v.USAGE_PROMPT_TOKENS)), None, outputs, _int(a.get(v.REQUEST_MAX_TOKENS)),
-        None, None, None, None, None,
-    ))
-
-
-def _vllm_load_stage(scope: _Scope, span, a: dict, ids: tuple) -> None:
-    """One of vLLM's loading spans as a stage of the ``model.load`` its trace belongs to.
-
-    The vLLM plugin starts that trace for ``model.load`` and uses the trace id as the load id, so
-    the stage needs no join; the row is named by the contract stage, the vLLM name stays in
-    ``spans``.
-    """
-    scope.batch.rows["load_stages"].append((
-        ids[0], scope.instance_id, *ids, v.LOAD_STAGE_BY_SPAN[span.name], span.start_time_unix_nano,
-        span.end_time_unix_nano, None,
+        _int(a.get(c.MEMORY_BYTES)), _str(a.get(c.CACHE_UNIT)),
     ))
 
 
@@ -409,8 +371,6 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_LOAD_WARMUP: _load_stage,
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
-    v.SPAN_LLM_REQUEST: _vllm_request,
-    **dict.fromkeys(v.LOAD_STAGE_BY_SPAN, _vllm_load_stage),
 }
 
 
@@ -492,3 +452,9 @@ def _ints(value) -> list[int]:
 
 def _at(values: list, index: int):
     return values[index] if index < len(values) else None
+
+
+# --- for engine translations (tokentrace.engine_shim.translations) ---------------------------------
+#: A translation's builder gets the same scope and reads values with the normalizer's own rules.
+Scope = _Scope
+as_str, as_int, as_num = _str, _int, _num
