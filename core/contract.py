@@ -88,6 +88,7 @@ CACHE_MATCHED_TOKENS = "tokentrace.cache.matched_tokens"
 CACHE_MATCH = "tokentrace.cache.match"
 CACHE_MATCHED_ENTRY = "tokentrace.cache.matched_entry"
 CACHE_ENTRIES = "tokentrace.cache.entries"
+CACHE_UNIT = "tokentrace.cache.unit"
 CACHE_BYTES = "tokentrace.cache.bytes"
 CACHE_MAX_ENTRIES = "tokentrace.cache.max_entries"
 CACHE_MAX_BYTES = "tokentrace.cache.max_bytes"
@@ -148,6 +149,12 @@ ROLE_ASSISTANT = "assistant"
 ROLE_TOOL = "tool"
 ROLE_TOOLS = "tools"
 ROLE_PROMPT = "prompt"
+#: What one of ``tokentrace.cache.entries`` is: a prompt entry (MLX prefix cache), a KV block (vLLM
+#: paged cache), a slot (llama.cpp, one cached sequence per slot) or a token.
+UNIT_ENTRY = "entry"
+UNIT_BLOCK = "block"
+UNIT_SLOT = "slot"
+UNIT_TOKEN = "token"
 
 ENUMS: dict[str, tuple[str, ...]] = {
     ENGINE: (ENGINE_MLX, ENGINE_VLLM),
@@ -156,6 +163,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
         EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM, EVICT_SUPERSEDED,
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
+    CACHE_UNIT: (UNIT_ENTRY, UNIT_BLOCK, UNIT_SLOT, UNIT_TOKEN),
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
@@ -206,6 +214,7 @@ def _a(key: str, type_: str, unit: str, doc: str) -> Attr:
 _RID = _a(REQUEST_ID, "string", "", "request id (X-Request-Id or generated); on every span of the trace")
 _CACHE_STATE = (
     _a(CACHE_ENTRIES, "int", "count", "entries in the prompt cache (at lookup; after insert/evict)"),
+    _a(CACHE_UNIT, "string", "", "what one of those entries (and the entry limit) counts (enum)"),
     _a(CACHE_BYTES, "int", "bytes", "bytes held by the prompt cache (same moment)"),
 )
 _SEGMENTS = (

@@ -6,8 +6,10 @@ Capacity estimate, per instance, from its latest heartbeat and the window's requ
     session bytes   = KV bytes per token x average context (prompt + output tokens) of its requests
     more sessions   = min(free bytes / session bytes, free entries)
     sessions in all = min(byte limit / session bytes, entry limit)
-Cluster totals add the instances up: caches are per instance, so one instance's room does not help
-a session pinned to another (the field report's "position boundary").
+Entries bound sessions only where one entry holds one sequence (unit ``entry`` or ``slot``); a
+vLLM entry is a KV block (unit ``block``), which the byte figures already cover. Cluster totals add
+the instances up: caches are per instance, so one instance's room does not help a session pinned to
+another (the field report's "position boundary"); entries are totalled per unit, never across units.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
+from tokentrace import contract as c
 from tokentrace.analyzers.report import token_hit_rate
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -27,6 +30,9 @@ from tokentrace.dashboards.web import page
 from tokentrace.window import since_ns
 
 RECENT_EVICTIONS = 20
+
+#: Cache units whose entries each hold one sequence, so that free entries bound the sessions that fit.
+SEQUENCE_UNITS = (c.UNIT_ENTRY, c.UNIT_SLOT)
 
 
 def _fit(free: float | None, per_session: float | None) -> int | None:
@@ -51,23 +57,36 @@ def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     session = per_token * context if per_token and context else None
     free_bytes = max(0, limit - used) if limit is not None and used is not None else None
     free_entries = max(0, max_entries - entries) if max_entries is not None and entries is not None else None
+    unit = beat["cache_unit"]
+    per_sequence = unit in SEQUENCE_UNITS
     return {
         "instance_id": beat["instance_id"], "heartbeat_ns": beat["t_ns"],
         "bytes": used, "max_bytes": limit,
         "bytes_share": round(used / limit, 4) if limit and used is not None else None,
-        "entries": entries, "max_entries": max_entries,
+        "entries": entries, "max_entries": max_entries, "unit": unit,
         "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
         "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
         "requests": mine.height, "avg_context_tokens": None if context is None else round(context, 1),
         "session_bytes": None if session is None else round(session),
-        "more_sessions": _least(_fit(free_bytes, session), free_entries),
-        "sessions_in_all": _least(_fit(limit, session), max_entries),
+        "more_sessions": _least(_fit(free_bytes, session), free_entries if per_sequence else None),
+        "sessions_in_all": _least(_fit(limit, session), max_entries if per_sequence else None),
     }
 
 
 def _total(rows: list[dict], key: str) -> int | None:
     values = [row[key] for row in rows if row[key] is not None]
     return sum(values) if values else None
+
+
+def entries_by_unit(rows: list[dict]) -> list[dict[str, Any]]:
+    """Cache entries and limits added up per unit (an MLX entry and a vLLM block never add up);
+    instances that sent no unit (older engines) form their own group, ``unit`` None."""
+    groups: dict[str | None, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["unit"], []).append(row)
+    return [{"unit": unit, "entries": _total(group, "entries"), "max_entries": _total(group, "max_entries"),
+             "instances": len(group)}
+            for unit, group in sorted(groups.items(), key=lambda item: item[0] or "")]
 
 
 def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
@@ -94,7 +113,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "instances": rows,
         "cluster": {"bytes": used, "max_bytes": limit,
                     "bytes_share": round(used / limit, 4) if used is not None and limit else None,
-                    "entries": _total(rows, "entries"), "max_entries": _total(rows, "max_entries"),
+                    "entries": entries_by_unit(rows),
                     "more_sessions": _total(rows, "more_sessions"), "sessions_in_all": _total(rows, "sessions_in_all")},
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
