@@ -115,6 +115,8 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     eviction = None
     if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
+        if eviction is None:
+            eviction = _block_eviction(reader, request["instance_id"], hashes, t, cached, block)
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.frame("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                         before_ns=t) if others else pl.DataFrame()
@@ -178,6 +180,22 @@ def _find_eviction(reader: TraceReader, instance_id: str | None, deepest: int, h
             if index < len(hashes) and held.get(index) == hashes[index]:
                 return {**candidate, "held_block": index}
     return None
+
+
+def _block_eviction(reader: TraceReader, instance_id: str | None, hashes: list[int], t: int, cached: int,
+                    block: int) -> dict | None:
+    """The latest capacity eviction on this instance, before the lookup, of a single cache *block* of
+    this prompt beyond what was reused: vLLM's KV events (through the plugin) evict blocks, each
+    fingerprinted by the chained hash of the prefix it ends, with no entry or insert behind it."""
+    beyond = hashes[cached // block:]
+    if not beyond:
+        return None
+    rows = [row for row in reader.frame("evictions_of", fingerprints=beyond, before_ns=t).iter_rows(named=True)
+            if row["instance_id"] == instance_id and row["reason"] in c.CAPACITY_EVICT_REASONS]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: r["t_ns"])
+    return {**row, "held_block": hashes.index(row["fingerprint"]), "inserted_ns": None}
 
 
 #: Earlier requests sharing a segment whose divergence point is computed (most recent first).
@@ -261,6 +279,18 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
         return False
     verdict.cause = "capacity"
     eviction = facts.eviction
+    if eviction is None and facts.request.get("observer") == c.OBSERVER_GATEWAY:
+        # Seen from a gateway: the upstream served this prefix before and now reused less of it.
+        # The engine reports no evictions, so that it was evicted is inferred, not measured.
+        verdict.evidence.append(Evidence(
+            "no_longer_cached", f"{here['covered']} tokens of this prompt were served on {verdict.instance_id} "
+                                f"by request {here['request_id']}, and this time it reused only "
+                                f"{verdict.cached_tokens}: evicted in between (inferred; the engine reports "
+                                "no evictions).",
+            {"entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
+             "lost_tokens": here["covered"] - verdict.cached_tokens}, basis="inferred",
+        ))
+        return True
     if eviction is None:
         # A longer prefix was stored here before the lookup and the lookup did not find it: it was
         # gone, but its eviction is not among the latest ones examined on this instance.
@@ -276,10 +306,12 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
     lost = here["covered"] if eviction["held_block"] == here["last_block"] else min(
         verdict.prompt_tokens, (eviction["held_block"] + 1) * verdict.block_size)
     by = f"by request {verdict.evicted_by}'s insert" if verdict.evicted_by else "outside any insert"
+    entry = (f"entry of request {eviction['entry_request_id']}" if eviction["entry_request_id"]
+             else "a cache block ending at that token")
     verdict.evidence.append(Evidence(
-        "eviction", f"{lost} tokens of this prompt were cached on {verdict.instance_id} (entry of request "
-                    f"{eviction['entry_request_id']}) and evicted ({eviction['reason']}) {by} before this "
-                    f"lookup; {lost - verdict.cached_tokens} tokens were lost.",
+        "eviction", f"{lost} tokens of this prompt were cached on {verdict.instance_id} ({entry}) and evicted "
+                    f"({eviction['reason']}) {by} before this lookup; {lost - verdict.cached_tokens} tokens were "
+                    "lost.",
         {"evicted_at_ns": eviction["t_ns"], "reason": eviction["reason"], "evicted_by": verdict.evicted_by,
          "entry_request_id": eviction["entry_request_id"], "fingerprint": eviction["fingerprint"],
          "inserted_at_ns": eviction["inserted_ns"], "lost_tokens": lost - verdict.cached_tokens,
@@ -302,6 +334,8 @@ def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict
                             f"on {verdict.instance_id}: the conversation moved instances.",
         {"instance_id": entry["instance_id"], "entry_request_id": entry["request_id"], "alive": entry["alive"],
          "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"], "covered_tokens": entry["covered"]},
+        # Behind a gateway the other upstream's cache is known only from what it served there.
+        basis="inferred" if facts.request.get("observer") == c.OBSERVER_GATEWAY else "measured",
     ))
     return True
 

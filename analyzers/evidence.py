@@ -11,16 +11,19 @@ class Evidence:
     """One fact supporting a verdict.
 
     ``kind`` is a stable snake_case name tests and dashboards key on (e.g. ``blocker``,
-    ``eviction``); ``text`` is one sentence for humans; ``data`` holds the numbers and ids.
+    ``eviction``); ``text`` is one sentence for humans; ``data`` holds the numbers and ids;
+    ``basis`` says whether an observer measured the fact or the analyzer inferred it (e.g. a
+    capacity miss behind a gateway, where the engine reports no evictions).
     """
 
     kind: str  #: stable name of the fact
     text: str  #: one human sentence
     data: dict[str, Any] = field(default_factory=dict)  #: ids and numbers behind the sentence
+    basis: str = "measured"  #: "measured" | "inferred"
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: {kind, text, **data}."""
-        return {"kind": self.kind, "text": self.text, **self.data}
+        """JSON-ready: {kind, text, basis, **data}."""
+        return {"kind": self.kind, "text": self.text, "basis": self.basis, **self.data}
 
 
 def ms(ns: int | float | None) -> float | None:

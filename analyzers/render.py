@@ -78,4 +78,8 @@ def render_report(report: dict) -> str:
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
                      f"e2e {fmt_ms(row['e2e_ms'])} · ttft {fmt_ms(row['ttft_ms'])}")
+    for row in report.get("routing") or ():
+        lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
+                     f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
+                     f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
     return "\n".join(lines)

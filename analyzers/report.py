@@ -34,6 +34,9 @@ class Report:
     cache: dict[str, Any]  #: token hit rate, requests with any reuse / none
     instances: list[dict[str, Any]]  #: per instance: count, ttft/tpot/e2e p50 p95 p99, tokens/s
     slowest: list[dict[str, Any]] = field(default_factory=list)  #: top requests by e2e
+    routing: list[dict[str, Any]] = field(default_factory=list)
+    """Per gateway routing policy: decisions, avoidable prefill tokens summed, decisions with any,
+    decisions measured, mean gateway wait (docs/gateway.md); empty without a gateway."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -113,4 +116,15 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
             cause = verdict.cause or "null"
             causes[cause] = causes.get(cause, 0) + 1
     return Report(since_ns, until_ns, frame.height, categories, causes, sample.height, cache,
-                  sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows)
+                  sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows,
+                  routing_by_policy(reader, since_ns, until_ns))
+
+
+def routing_by_policy(reader: TraceReader, since_ns: int | None, until_ns: int | None) -> list[dict[str, Any]]:
+    """The gateway's routing decisions per policy in the window (``Report.routing``)."""
+    rows = reader.frame("routing_by_policy", since_ns=since_ns, until_ns=until_ns).to_dicts()
+    for row in rows:
+        wait = row["mean_gateway_wait_ms"]
+        row["mean_gateway_wait_ms"] = None if wait is None else round(float(wait), 3)
+        row["avoidable_prefill_tokens"] = int(row["avoidable_prefill_tokens"] or 0)
+    return rows

@@ -40,6 +40,12 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
+        "observer",
+    ),
+    "routes": (
+        "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
+        "reason", "candidates", "scores", "attempts", "skipped", "gateway_wait_ms", "avoidable_prefill_tokens",
+        "avoidable_from",
     ),
     "phases": (
         "request_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
@@ -154,6 +160,7 @@ class _Scope:
     engine: str | None
     model: str | None
     max_len: int
+    observer: str | None = None  #: resource tokentrace.observer, when the sender says
 
 
 def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAULT_MAX_VALUE_LENGTH) -> Batch:
@@ -165,6 +172,7 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
         scope = _Scope(
             batch, _str(resource.get(c.SERVICE_INSTANCE_ID)), _str(resource.get(c.SERVICE_NAME)),
             _str(resource.get(c.ENGINE)), _str(resource.get(c.MODEL)), max_value_length,
+            _str(resource.get(c.OBSERVER)),
         )
         resource_json = _json(resource)
         seen_ns = 0
@@ -251,7 +259,26 @@ def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _num(a.get(c.DECODE_MS)), _num(a.get(c.TTFT_MS)), _num(a.get(c.TPOT_MS)),
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
-        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)),
+        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _observer(scope),
+    ))
+
+
+def _observer(scope: _Scope) -> str:
+    """Who observed a contract ``llm.request``: the resource says so (the gateway does); otherwise
+    the vLLM plugin for a vLLM resource, a tokentrace engine for anything else."""
+    if scope.observer:
+        return scope.observer
+    return c.OBSERVER_PLUGIN if scope.engine == c.ENGINE_VLLM else c.OBSERVER_ENGINE
+
+
+def _route(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    scope.batch.rows["routes"].append((
+        _str(a.get(c.REQUEST_ID)), ids[0], ids[1], scope.instance_id or _str(a.get(c.ROUTE_CHOICE)),
+        _str(a.get(c.SESSION_ID)), span.start_time_unix_nano, span.end_time_unix_nano,
+        _str(a.get(c.ROUTE_POLICY)), _str(a.get(c.ROUTE_REASON)), [_str(x) for x in _list(a.get(c.ROUTE_CANDIDATES))],
+        [float(x) for x in _list(a.get(c.ROUTE_SCORES)) if isinstance(x, (int, float)) and not isinstance(x, bool)],
+        _int(a.get(c.ROUTE_ATTEMPTS)), [_str(x) for x in _list(a.get(c.ROUTE_SKIPPED))],
+        _num(a.get(c.GATEWAY_WAIT_MS)), _int(a.get(c.AVOIDABLE_PREFILL)), _str(a.get(c.AVOIDABLE_FROM)),
     ))
 
 
@@ -371,6 +398,7 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_LOAD_WARMUP: _load_stage,
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
+    c.SPAN_ROUTE: _route,
 }
 
 

@@ -31,6 +31,7 @@ _ARROW_TYPES = {
     "DOUBLE": pa.float64(),
     "BOOLEAN": pa.bool_(),
     "VARCHAR[]": pa.list_(pa.string()),
+    "DOUBLE[]": pa.list_(pa.float64()),
 }
 
 

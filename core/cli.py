@@ -20,6 +20,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Chrome trace-event JSON for Perfetto"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
     ("engine", "tokentrace.engine_shim.mlx.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
+    ("gateway", "tokentrace.engine_shim.gateway.cli", "route to OpenAI-compatible engines, observed from outside"),
     ("make-model", "tokentrace.engine_shim.mlx.make_model", "write a random-weight model to test and demo with"),
 )
 

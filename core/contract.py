@@ -25,6 +25,7 @@ HOST_NAME = "host.name"
 ENGINE = "tokentrace.engine"
 ENGINE_VERSION = "tokentrace.engine.version"
 MODEL = "gen_ai.request.model"
+OBSERVER = "tokentrace.observer"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -44,6 +45,7 @@ SPAN_ENGINE_STEPS = "engine.steps"
 SPAN_HEARTBEAT = "instance.heartbeat"
 SPAN_LIFECYCLE = "instance.lifecycle"
 SPAN_CACHE_TRIM = "llm.cache.trim"
+SPAN_ROUTE = "gateway.route"
 
 # --- Event names ----------------------------------------------------------------------------------
 EVENT_CACHE_EVICT = "llm.cache.evict"
@@ -51,7 +53,8 @@ EVENT_STARTED = "instance.started"
 EVENT_READY = "instance.ready"
 EVENT_FIRST_RESPONSE = "instance.first_response"
 EVENT_STOPPED = "instance.stopped"
-LIFECYCLE_EVENTS = (EVENT_STARTED, EVENT_READY, EVENT_FIRST_RESPONSE, EVENT_STOPPED)
+EVENT_DOWN = "instance.down"
+LIFECYCLE_EVENTS = (EVENT_STARTED, EVENT_READY, EVENT_FIRST_RESPONSE, EVENT_STOPPED, EVENT_DOWN)
 
 # --- Attribute keys: request ----------------------------------------------------------------------
 REQUEST_ID = "tokentrace.request.id"
@@ -72,6 +75,21 @@ PREFILL_MS = "tokentrace.request.prefill_ms"
 DECODE_MS = "tokentrace.request.decode_ms"
 TTFT_MS = "tokentrace.request.ttft_ms"
 TPOT_MS = "tokentrace.request.tpot_ms"
+FIRST_CONTENT_MS = "tokentrace.request.first_content_ms"
+E2E_MS = "tokentrace.request.e2e_ms"
+UPSTREAM_EVIDENCE = "tokentrace.upstream.evidence"
+
+# --- Attribute keys: gateway routing (gateway.route) -----------------------------------------------
+GATEWAY_WAIT_MS = "tokentrace.gateway.wait_ms"
+ROUTE_POLICY = "tokentrace.route.policy"
+ROUTE_CANDIDATES = "tokentrace.route.candidates"
+ROUTE_SCORES = "tokentrace.route.scores"
+ROUTE_CHOICE = "tokentrace.route.choice"
+ROUTE_REASON = "tokentrace.route.reason"
+ROUTE_ATTEMPTS = "tokentrace.route.attempts"
+ROUTE_SKIPPED = "tokentrace.route.skipped"
+AVOIDABLE_PREFILL = "tokentrace.route.avoidable_prefill_tokens"
+AVOIDABLE_FROM = "tokentrace.route.avoidable_from"
 
 # --- Attribute keys: queue, load ------------------------------------------------------------------
 QUEUE_DEPTH = "tokentrace.queue.depth"
@@ -135,6 +153,8 @@ MEMORY_BYTES = "tokentrace.memory.bytes"
 # --- Enum values ----------------------------------------------------------------------------------
 ENGINE_MLX = "mlx-lm"
 ENGINE_VLLM = "vllm"
+ENGINE_MLX_LM_SERVER = "mlx_lm.server"
+ENGINE_OPENAI = "openai-compatible"
 MATCH_EXACT = "exact"
 MATCH_PREFIX = "prefix"
 MATCH_NONE = "none"
@@ -155,15 +175,25 @@ UNIT_ENTRY = "entry"
 UNIT_BLOCK = "block"
 UNIT_SLOT = "slot"
 UNIT_TOKEN = "token"
+OBSERVER_ENGINE = "engine"
+OBSERVER_PLUGIN = "plugin"
+OBSERVER_NATIVE = "native"
+OBSERVER_GATEWAY = "gateway"
+POLICY_ROUND_ROBIN = "round_robin"
+POLICY_LEAST_LOADED = "least_loaded"
+POLICY_SESSION = "session"
+POLICY_PREFIX = "prefix"
 
 ENUMS: dict[str, tuple[str, ...]] = {
-    ENGINE: (ENGINE_MLX, ENGINE_VLLM),
+    ENGINE: (ENGINE_MLX, ENGINE_VLLM, ENGINE_MLX_LM_SERVER, ENGINE_OPENAI),
     CACHE_MATCH: (MATCH_EXACT, MATCH_PREFIX, MATCH_NONE),
     EVICT_REASON: (
         EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM, EVICT_SUPERSEDED,
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
     CACHE_UNIT: (UNIT_ENTRY, UNIT_BLOCK, UNIT_SLOT, UNIT_TOKEN),
+    OBSERVER: (OBSERVER_ENGINE, OBSERVER_PLUGIN, OBSERVER_NATIVE, OBSERVER_GATEWAY),
+    ROUTE_POLICY: (POLICY_ROUND_ROBIN, POLICY_LEAST_LOADED, POLICY_SESSION, POLICY_PREFIX),
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
@@ -245,6 +275,7 @@ _LIFECYCLE = tuple(
         (EVENT_STOPPED, "the engine is shutting down"),
     )
 )
+_DOWN = EventSpec(EVENT_DOWN, "the gateway marked the upstream down (unreachable, slow to connect, or 5xx)")
 
 SPANS: tuple[SpanSpec, ...] = (
     SpanSpec(
@@ -269,8 +300,32 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(DECODE_MS, "double", "ms", "first token -> last token"),
             _a(TTFT_MS, "double", "ms", "arrival -> first token"),
             _a(TPOT_MS, "double", "ms", "decode_ms / (output tokens - 1)"),
+            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first token with visible content (gateway)"),
+            _a(E2E_MS, "double", "ms", "arrival -> last byte, as the gateway measured it"),
+            _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot (queueing)"),
+            _a(UPSTREAM_EVIDENCE, "string", "", "engine-specific facts the upstream reported (JSON object)"),
         ),
         _LIFECYCLE[2:3],
+    ),
+    SpanSpec(
+        SPAN_ROUTE, "INTERNAL", SPAN_REQUEST,
+        "the gateway's routing decision and hop; the root of the gateway's trace when the upstream "
+        "reports the request itself",
+        (
+            _RID,
+            _a(SESSION_ID, "string", "", "session the request belongs to"),
+            _a(ROUTE_POLICY, "string", "", "routing policy (enum)"),
+            _a(ROUTE_CANDIDATES, "string[]", "", "upstreams considered, in score order"),
+            _a(ROUTE_SCORES, "double[]", "", "score of each candidate (policy-specific; higher wins)"),
+            _a(ROUTE_CHOICE, "string", "", "upstream chosen (the instance id of the request)"),
+            _a(ROUTE_REASON, "string", "", "why it was chosen, in words"),
+            _a(ROUTE_ATTEMPTS, "int", "count", "upstreams tried (retries happen only before any token)"),
+            _a(ROUTE_SKIPPED, "string[]", "", "upstreams skipped as down or failed, as name:reason"),
+            _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot"),
+            _a(AVOIDABLE_PREFILL, "int", "tokens", "prompt tokens another upstream held that the chosen "
+               "one recomputed"),
+            _a(AVOIDABLE_FROM, "string", "", "the upstream that held them"),
+        ),
     ),
     SpanSpec(
         SPAN_QUEUE, "INTERNAL", SPAN_REQUEST, "enqueue -> admitted to a batch",
@@ -366,7 +421,7 @@ SPANS: tuple[SpanSpec, ...] = (
              (_a(LOAD_ID, "string", "", "id of the load"),)),
     SpanSpec(
         SPAN_LIFECYCLE, "INTERNAL", "", "carrier for lifecycle events outside a model.load",
-        (), _LIFECYCLE,
+        (), (*_LIFECYCLE, _DOWN),
     ),
     SpanSpec(
         SPAN_ENGINE_STEPS, "INTERNAL", "", "a window of engine steps (N steps or <= 1 s), columnar",
@@ -405,6 +460,7 @@ RESOURCE: tuple[Attr, ...] = (
     _a(ENGINE, "string", "", "engine family (enum)"),
     _a(ENGINE_VERSION, "string", "", "engine package version"),
     _a(MODEL, "string", "", "model served"),
+    _a(OBSERVER, "string", "", "who observed this resource's spans (enum); absent: engine"),
 )
 
 SPANS_BY_NAME: dict[str, SpanSpec] = {spec.name: spec for spec in SPANS}

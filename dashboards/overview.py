@@ -82,7 +82,7 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
-        "slowest": report["slowest"], "queue": queue,
+        "slowest": report["slowest"], "queue": queue, "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}

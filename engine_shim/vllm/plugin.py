@@ -74,6 +74,7 @@ class _Runtime:
         self.load_reported = False
         self.first_response = threading.Event()
         atexit.register(self.close)
+        _announce(self.instance)
 
     def close(self) -> None:
         """Flush every pump; runs at interpreter exit (vLLM's API server exits normally on SIGTERM)."""
@@ -154,6 +155,23 @@ def _kv_bytes_per_token(vllm_config: Any) -> int | None:
             model.get_head_size() * itemsize
     except Exception:
         return None
+
+
+#: The line on vLLM's /metrics that tells a tokentrace gateway in front of this vLLM that the plugin
+#: reports its requests itself (engine_shim/gateway/adapters/vllm.py reads it; docs/gateway.md).
+PLUGIN_METRIC = "tokentrace_plugin_info"
+
+
+def _announce(instance: str) -> None:
+    """Register ``tokentrace_plugin_info{instance=...} 1`` in this process's Prometheus registry
+    (the one vLLM's /metrics serves with a single API server)."""
+    try:
+        from prometheus_client import Gauge
+
+        Gauge(PLUGIN_METRIC, "the tokentrace plugin reports this vLLM's requests",
+              ["instance"]).labels(instance).set(1)
+    except Exception:  # a second registration, or no prometheus_client: only detection is lost
+        log.debug("tokentrace: %s not registered", PLUGIN_METRIC, exc_info=True)
 
 
 class TokentraceStatLogger(StatLoggerBase):

@@ -17,3 +17,4 @@ ALTER TABLE instance_events MODIFY TTL toDateTime(intDiv(t_ns, 1000000000)) + to
 ALTER TABLE model_loads MODIFY TTL toDateTime(intDiv(start_ns, 1000000000)) + toIntervalDay({days:UInt32});
 ALTER TABLE load_stages MODIFY TTL toDateTime(intDiv(start_ns, 1000000000)) + toIntervalDay({days:UInt32});
 ALTER TABLE heartbeats MODIFY TTL toDateTime(intDiv(t_ns, 1000000000)) + toIntervalDay({days:UInt32});
+ALTER TABLE routes MODIFY TTL toDateTime(intDiv(start_ns, 1000000000)) + toIntervalDay({days:UInt32});

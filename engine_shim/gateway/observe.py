@@ -1,0 +1,377 @@
+"""Off the request path: finished exchanges become records, records become spans.
+
+The event loop hands each finished ``Exchange`` to ``Observer.submit``. A task on the loop gets the
+prompt's token ids (the upstream's ``/tokenize`` is I/O), then a worker thread measures the stream
+(``measure.py``), computes the avoidable prefill, and builds the spans with explicit timestamps, on
+one tracer provider per upstream (its resource names the upstream as the instance, its adapter's
+engine kind, and ``tokentrace.observer = gateway``).
+
+Spans per request (docs/gateway.md):
+- upstream observed from outside: ``llm.request`` (root) with ``gateway.route``, ``llm.queue`` (when
+  it waited at the gateway), ``llm.cache.lookup`` (fingerprint, segments, the engine's cached
+  tokens), ``llm.decode`` (token event times) and ``llm.cache.insert`` **inferred**: the gateway
+  assumes the upstream now caches the prompt it just served (no eviction is ever reported, so a
+  later shortfall on the same upstream reads as capacity, inferred);
+- upstream that reports itself (tokentrace engine, vLLM plugin): ``gateway.route`` only, as the
+  root of the gateway's trace; the engine's ``llm.request`` is the request's row (same request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+from tokentrace import __version__
+from tokentrace import contract as c
+from tokentrace.engine_shim.gateway.adapters.base import OBSERVER_GATEWAY, Adapter
+from tokentrace.engine_shim.gateway.measure import Measured, gaps_ms, measure, quantile
+from tokentrace.engine_shim.gateway.prompt import (
+    UNIT_BYTES,
+    LocalTokenizer,
+    PromptPrint,
+    fingerprint,
+    fingerprint_local,
+)
+from tokentrace.engine_shim.gateway.records import Clock, Exchange
+
+log = logging.getLogger(__name__)
+
+SCOPE = "tokentrace.engine_shim.gateway"
+SERVICE_NAME = "tokentrace-gateway"
+#: Block hashes remembered per upstream for the avoidable-prefill estimate (oldest forgotten first).
+MAX_HELD_BLOCKS = 200_000
+_STOP = object()
+
+
+class Observer:
+    """Turns finished exchanges into spans on its own thread; never raises into the gateway."""
+
+    def __init__(self, exporter_factory, block_size: int, tokenizer: LocalTokenizer | None = None,
+                 capture_content: bool = False, schedule_delay_ms: int = 200):
+        self.exporter_factory = exporter_factory  #: name -> SpanExporter (one per upstream)
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.capture = capture_content
+        self.schedule_delay_ms = schedule_delay_ms
+        self.clock = Clock()
+        self.handled = 0  #: exchanges turned into spans
+        self.errors = 0  #: exchanges lost to an exception (logged once)
+        self._providers: dict[str, TracerProvider] = {}
+        self._held: dict[str, collections.OrderedDict[int, None]] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._tasks: set[asyncio.Task] = set()
+        self._thread = threading.Thread(target=self._run, name="tokentrace-gateway-observer", daemon=True)
+        self._thread.start()
+
+    # --- event loop side -------------------------------------------------------------------------
+    def submit(self, exchange: Exchange, adapter: Adapter | None) -> None:
+        """Hand over a finished exchange (never blocks the request path)."""
+        task = asyncio.get_running_loop().create_task(self._fingerprint(exchange, adapter))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fingerprint(self, exchange: Exchange, adapter: Adapter | None) -> None:
+        printed = None
+        try:
+            if adapter is not None and "tokenize" in adapter.measures:
+                printed = await fingerprint(adapter, exchange.route, exchange.body, self.block_size, None,
+                                            self.capture)
+        except Exception:
+            self._count_error()
+        self._queue.put(("exchange", exchange, adapter, printed))
+
+    def lifecycle(self, name: str, adapter: Adapter | None, event: str, detail: str) -> None:
+        """Record a lifecycle event of an upstream (instance.down, instance.ready)."""
+        self._queue.put(("lifecycle", name, adapter, event, detail, time.time_ns()))
+
+    async def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted exchange is exported (tests, shutdown)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        return await asyncio.get_running_loop().run_in_executor(None, done.wait, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Export what is left and stop."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        for provider in self._providers.values():
+            provider.shutdown()
+
+    # --- worker thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                if item[0] == "exchange":
+                    self._exchange(*item[1:])
+                    self.handled += 1
+                elif item[0] == "lifecycle":
+                    self._lifecycle(*item[1:])
+                else:
+                    for provider in self._providers.values():
+                        provider.force_flush(5000)
+                    item[1].set()
+            except Exception:
+                self._count_error()
+
+    def _count_error(self) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("gateway telemetry error (counted; further errors are not logged)")
+
+    def _tracer(self, name: str, adapter: Adapter | None) -> trace.Tracer:
+        provider = self._providers.get(name)
+        if provider is None:
+            # An upstream that reports itself under its own instance id (the vLLM plugin's label)
+            # gets the gateway's rows under that id, so that they meet its evictions.
+            instance = (adapter.probe_result.instance_id if adapter is not None else None) or name
+            attrs = {
+                c.SERVICE_NAME: SERVICE_NAME, c.SERVICE_INSTANCE_ID: instance, c.HOST_NAME: socket.gethostname(),
+                c.ENGINE: adapter.engine if adapter is not None else c.ENGINE_OPENAI,
+                c.OBSERVER: OBSERVER_GATEWAY,
+            }
+            if adapter is not None and adapter.probe_result.version:
+                attrs[c.ENGINE_VERSION] = adapter.probe_result.version
+            if adapter is not None and adapter.probe_result.models:
+                attrs[c.MODEL] = adapter.probe_result.models[0]
+            provider = TracerProvider(resource=Resource.create(attrs))
+            exporter: SpanExporter = self.exporter_factory(name)
+            provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=self.schedule_delay_ms))
+            self._providers[name] = provider
+        return provider.get_tracer(SCOPE, __version__)
+
+    def _lifecycle(self, name: str, adapter: Adapter | None, event: str, detail: str, t_ns: int) -> None:
+        tracer = self._tracer(name, adapter)
+        span = tracer.start_span(c.SPAN_LIFECYCLE, start_time=t_ns)
+        span.add_event(event, timestamp=t_ns)
+        if detail:
+            span.set_status(trace.Status(trace.StatusCode.ERROR if event == c.EVENT_DOWN else trace.StatusCode.OK,
+                                         detail if event == c.EVENT_DOWN else None))
+        span.end(end_time=t_ns)
+
+    def _exchange(self, exchange: Exchange, adapter: Adapter | None, printed: PromptPrint | None) -> None:
+        decision = exchange.decision
+        name = decision.upstream.name if decision is not None else "gateway"
+        if printed is None and decision is not None:
+            printed = fingerprint_local(exchange.route, exchange.body, self.block_size, self.tokenizer,
+                                        self.capture)
+        measured = measure(exchange, adapter)
+        avoidable = self._avoidable(exchange, name, printed, measured) if decision is not None else (None, None)
+        tracer = self._tracer(name, adapter)
+        reports_itself = adapter is not None and adapter.reports_itself and exchange.status == 200
+        if reports_itself:
+            # The upstream's own request row is the row; the gateway adds its hop, and the prompt's
+            # fingerprint when the upstream sends none (the vLLM plugin).
+            route = self._route_span(tracer, exchange, avoidable, None)
+            if "fingerprint" not in adapter.measures:
+                self._cache_spans(tracer, trace.set_span_in_context(route), exchange, measured, printed)
+            return
+        root = self._request_span(tracer, exchange, measured, adapter)
+        context = trace.set_span_in_context(root)
+        self._route_span(tracer, exchange, avoidable, context)
+        self._children(tracer, context, exchange, measured, printed)
+        root.end(end_time=self._t(exchange.end_ns or exchange.arrival_ns))
+
+    def _t(self, perf_ns: int) -> int:
+        return self.clock.epoch(perf_ns)
+
+    def _ms(self, exchange: Exchange, perf_ns: int | None) -> float | None:
+        return None if perf_ns is None else (perf_ns - exchange.arrival_ns) / 1e6
+
+    def _request_span(self, tracer, exchange: Exchange, measured: Measured, adapter: Adapter | None):
+        facts = measured.facts
+        attrs: dict[str, Any] = {
+            c.REQUEST_ID: exchange.request_id, c.ENDPOINT: exchange.route.path, c.STREAMED: exchange.streamed,
+            c.CLIENT_DISCONNECTED: exchange.client_disconnected,
+            c.GATEWAY_WAIT_MS: exchange.wait_ns / 1e6,
+            c.QUEUE_MS: exchange.wait_ns / 1e6 + (facts.queue_ms or 0.0),
+        }
+        if exchange.session_id:
+            attrs[c.SESSION_ID] = exchange.session_id
+        model = exchange.body.get("model")
+        if isinstance(model, str):
+            attrs[c.MODEL] = model
+        max_tokens = exchange.body.get("max_tokens", exchange.body.get("max_completion_tokens"))
+        if isinstance(max_tokens, int):
+            attrs[c.MAX_TOKENS] = max_tokens
+        if exchange.status is not None:
+            attrs[c.HTTP_STATUS] = exchange.status
+        error = exchange.error_type or (f"upstream_error: {facts.error}" if facts.error else None)
+        if error:
+            attrs[c.ERROR_TYPE] = error
+        for key, value in ((c.INPUT_TOKENS, facts.prompt_tokens), (c.OUTPUT_TOKENS, facts.completion_tokens),
+                           (c.CACHED_TOKENS, facts.cached_tokens), (c.LOAD_WAIT_MS, facts.load_ms),
+                           (c.PREFILL_MS, facts.prefill_ms)):
+            if value is not None:
+                attrs[key] = value
+        reasons = list(facts.finish_reasons)
+        if exchange.client_disconnected and not reasons:
+            reasons = ["cancelled"]
+        if reasons:
+            attrs[c.FINISH_REASONS] = reasons
+        ttft = self._ms(exchange, measured.first_token_ns)
+        if ttft is not None:
+            attrs[c.TTFT_MS] = ttft
+        first_content = self._ms(exchange, measured.first_content_ns)
+        if first_content is not None:
+            attrs[c.FIRST_CONTENT_MS] = first_content
+        if exchange.end_ns is not None:
+            attrs[c.E2E_MS] = (exchange.end_ns - exchange.arrival_ns) / 1e6
+        if len(measured.token_ns) >= 1:
+            decode = (measured.token_ns[-1] - measured.token_ns[0]) / 1e6
+            attrs[c.DECODE_MS] = decode
+            outputs = facts.completion_tokens or len(measured.token_ns)
+            if outputs > 1:
+                attrs[c.TPOT_MS] = decode / (outputs - 1)
+        if facts.evidence:
+            attrs[c.UPSTREAM_EVIDENCE] = json.dumps(facts.evidence, separators=(",", ":"), sort_keys=True)
+        return tracer.start_span(c.SPAN_REQUEST, kind=trace.SpanKind.SERVER, attributes=attrs,
+                                 start_time=self._t(exchange.arrival_ns))
+
+    def _route_span(self, tracer, exchange: Exchange, avoidable: tuple[int | None, str | None], context):
+        decision = exchange.decision
+        attrs: dict[str, Any] = {
+            c.REQUEST_ID: exchange.request_id, c.ROUTE_POLICY: exchange.policy,
+            c.ROUTE_ATTEMPTS: exchange.attempts, c.GATEWAY_WAIT_MS: exchange.wait_ns / 1e6,
+        }
+        if exchange.session_id:
+            attrs[c.SESSION_ID] = exchange.session_id
+        if decision is not None:
+            attrs.update({c.ROUTE_CANDIDATES: list(decision.candidates), c.ROUTE_SCORES: list(decision.scores),
+                          c.ROUTE_CHOICE: decision.upstream.name, c.ROUTE_REASON: decision.reason})
+        if exchange.skipped:
+            attrs[c.ROUTE_SKIPPED] = list(exchange.skipped)
+        tokens, source = avoidable
+        if tokens is not None:
+            attrs[c.AVOIDABLE_PREFILL] = tokens
+        if source:
+            attrs[c.AVOIDABLE_FROM] = source
+        kind = trace.SpanKind.SERVER if context is None else trace.SpanKind.INTERNAL
+        span = tracer.start_span(c.SPAN_ROUTE, context=context, kind=kind, attributes=attrs,
+                                 start_time=self._t(exchange.arrival_ns))
+        span.end(end_time=self._t(exchange.sent_ns or exchange.end_ns or exchange.arrival_ns))
+        return span
+
+    def _children(self, tracer, context, exchange: Exchange, measured: Measured, printed: PromptPrint | None) -> None:
+        rid = exchange.request_id
+        if exchange.wait_ns and exchange.admitted_ns is not None:
+            self._span(tracer, context, c.SPAN_QUEUE, exchange.admitted_ns - exchange.wait_ns, exchange.admitted_ns,
+                       {c.REQUEST_ID: rid, c.QUEUE_DEPTH: exchange.queue_depth,
+                        c.QUEUE_RUNNING: exchange.queue_running, c.MAX_BATCH: exchange.decision.upstream.limit})
+        self._cache_spans(tracer, context, exchange, measured, printed)
+        if measured.token_ns:
+            offsets = [t - measured.token_ns[0] for t in measured.token_ns]
+            itl = gaps_ms(measured.token_ns)
+            attrs = {c.REQUEST_ID: rid, c.DECODE_STEPS: len(offsets), c.DECODE_STEP_OFFSETS: offsets}
+            for key, q in ((c.ITL_P50_MS, 0.5), (c.ITL_P90_MS, 0.9)):
+                value = quantile(itl, q)
+                if value is not None:
+                    attrs[key] = value
+            if itl:
+                attrs[c.ITL_MAX_MS] = max(itl)
+            self._span(tracer, context, c.SPAN_DECODE, measured.token_ns[0], measured.token_ns[-1], attrs)
+
+    def _cache_spans(self, tracer, context, exchange: Exchange, measured: Measured,
+                     printed: PromptPrint | None) -> None:
+        """The lookup (fingerprint, segments, the engine's cached tokens) and, after a success, the
+        insert the gateway infers: the upstream now holds the prompt it served."""
+        if printed is None or not printed.hashes:
+            return
+        rid, facts = exchange.request_id, measured.facts
+        sent = exchange.sent_ns or exchange.arrival_ns
+        attrs = self._lookup_attrs(rid, printed, facts.prompt_tokens, facts.cached_tokens)
+        self._span(tracer, context, c.SPAN_CACHE_LOOKUP, exchange.arrival_ns, sent, attrs)
+        if exchange.status == 200 and not exchange.error_type:
+            end = exchange.end_ns or sent
+            self._span(tracer, context, c.SPAN_CACHE_INSERT, end, end, {
+                c.REQUEST_ID: rid, c.ENTRY_FINGERPRINT: printed.hashes[-1], c.ENTRY_TOKENS: printed.length,
+                c.CACHE_BLOCK_SIZE: printed.block_size, c.CACHE_BLOCK_HASHES: printed.hashes,
+            })
+
+    def _lookup_attrs(self, rid: str, printed: PromptPrint, prompt_tokens: int | None,
+                      cached: int | None) -> dict[str, Any]:
+        attrs: dict[str, Any] = {
+            c.REQUEST_ID: rid, c.CACHE_PROMPT_TOKENS: printed.length, c.CACHE_BLOCK_SIZE: printed.block_size,
+            c.CACHE_BLOCK_HASHES: printed.hashes,
+        }
+        matched = self._in_units(printed, prompt_tokens, cached)
+        if matched is not None:
+            attrs[c.CACHE_MATCHED_TOKENS] = matched
+            attrs[c.CACHE_MATCH] = c.MATCH_PREFIX if matched else c.MATCH_NONE
+        if printed.segments:
+            attrs[c.SEGMENT_ROLES] = [s.role for s in printed.segments]
+            attrs[c.SEGMENT_STARTS] = [s.start for s in printed.segments]
+            attrs[c.SEGMENT_ENDS] = [s.end for s in printed.segments]
+            attrs[c.SEGMENT_HASHES] = [s.hash for s in printed.segments]
+            if self.capture:
+                attrs[c.SEGMENT_SNIPPETS] = [s.snippet or "" for s in printed.segments]
+        return attrs
+
+    @staticmethod
+    def _in_units(printed: PromptPrint, prompt_tokens: int | None, cached: int | None) -> int | None:
+        """The engine's cached tokens in the fingerprint's unit (bytes: the same share of the bytes)."""
+        if cached is None:
+            return None
+        if printed.unit != UNIT_BYTES:
+            return min(cached, printed.length)
+        if not prompt_tokens:
+            return None
+        return round(printed.length * min(cached, prompt_tokens) / prompt_tokens)
+
+    def _span(self, tracer, context, name: str, start_perf: int, end_perf: int, attrs: dict[str, Any]) -> None:
+        span = tracer.start_span(name, context=context, attributes=attrs, start_time=self._t(start_perf))
+        span.end(end_time=self._t(max(end_perf, start_perf)))
+
+    def _avoidable(self, exchange: Exchange, chosen: str, printed: PromptPrint | None,
+                   measured: Measured) -> tuple[int | None, str | None]:
+        """Prompt tokens another upstream held (by the gateway's record of what each served) beyond
+        what the chosen one reused; then record that the chosen one now holds this prompt."""
+        if printed is None or not printed.hashes:
+            return None, None
+        block = printed.block_size
+        depth = {name: self._depth(held, printed.hashes) for name, held in self._held.items()}
+        facts = measured.facts
+        reused = self._in_units(printed, facts.prompt_tokens, facts.cached_tokens)
+        if reused is None:
+            reused = min(printed.length, depth.get(chosen, 0) * block)
+        best, source = 0, None
+        for name, blocks in depth.items():
+            covered = min(printed.length, blocks * block)
+            if name != chosen and covered - reused >= block and covered > best:
+                best, source = covered, name
+        avoidable = best - reused if source else 0
+        if printed.unit == UNIT_BYTES and avoidable:
+            avoidable = round(avoidable * facts.prompt_tokens / printed.length) if facts.prompt_tokens else None
+        if exchange.status == 200 and not exchange.error_type:
+            held = self._held.setdefault(chosen, collections.OrderedDict())
+            for value in printed.hashes:
+                held[value] = None
+                held.move_to_end(value)
+            while len(held) > MAX_HELD_BLOCKS:
+                held.popitem(last=False)
+        return avoidable, source
+
+    @staticmethod
+    def _depth(held: collections.OrderedDict[int, None], hashes: list[int]) -> int:
+        depth = 0
+        for value in hashes:
+            if value not in held:
+                break
+            depth += 1
+        return depth

@@ -1,0 +1,142 @@
+"""The gateway's pure parts: settings validation, routing policies, stream splitting and timing,
+usage-chunk stripping, the byte-level rendering, admission (rate limit, concurrency slots)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from tokentrace import contract as c
+from tokentrace.engine_shim.gateway.adapters.base import CHAT, COMPLETIONS, FRAMING_SSE, Adapter, Facts, Probe
+from tokentrace.engine_shim.gateway.app import RateLimiter, _without_usage
+from tokentrace.engine_shim.gateway.measure import documents, token_kinds
+from tokentrace.engine_shim.gateway.prompt import fingerprint_local, routing_blocks
+from tokentrace.engine_shim.gateway.router import Router
+from tokentrace.engine_shim.gateway.settings import add_setting_arguments, settings_from_args
+from tokentrace.engine_shim.gateway.upstreams import Upstream
+from tokentrace.errors import ConfigError
+
+
+def parse(*argv: str, environ: dict | None = None):
+    parser = argparse.ArgumentParser()
+    add_setting_arguments(parser)
+    return settings_from_args(parser.parse_args(list(argv)), environ or {})
+
+
+def test_settings_parse_upstreams_and_refuse_an_open_bind_without_a_key():
+    settings = parse("--upstream", "a=http://h:1/v1/", "--upstream", "b=http://h:2", "--route", "session")
+    assert settings.upstream == (("a", "http://h:1"), ("b", "http://h:2"))
+    assert parse(environ={"TOKENTRACE_GATEWAY_UPSTREAM": "a=http://h:1,b=http://h:2"}).upstream[1][0] == "b"
+    for argv, message in [((), "--upstream is required"), (("--upstream", "a"), "NAME=VALUE"),
+                          (("--upstream", "a=ftp://x"), "must be http"),
+                          (("--upstream", "a=http://h:1", "--upstream", "a=http://h:2"), "unique"),
+                          (("--upstream", "a=http://h:1", "--host", "0.0.0.0"), "--api-key"),
+                          (("--upstream", "a=http://h:1", "--adapter", "a=nope"), "unknown kind")]:
+        with pytest.raises(ConfigError, match=message):
+            parse(*argv)
+    assert parse("--upstream", "a=http://h:1", "--host", "0.0.0.0", "--api-key", "k").api_key == "k"
+    assert parse("--upstream", "a=http://h:1", "--host", "0.0.0.0", "--insecure-no-api-key").host == "0.0.0.0"
+
+
+def upstreams(*names: str, limit: int = 4) -> list[Upstream]:
+    made = [Upstream(name, f"http://{name}", limit) for name in names]
+    for upstream in made:
+        upstream.adapter = Adapter(upstream.name, upstream.base_url, None, Probe("openai"))
+    return made
+
+
+def test_round_robin_skips_down_upstreams_and_records_its_candidates():
+    a, b, c_ = upstreams("a", "b", "c")
+    router = Router(c.POLICY_ROUND_ROBIN, [a, b, c_])
+    assert [router.choose(None, None, set()).upstream.name for _ in range(4)] == ["a", "b", "c", "a"]
+    b.down = True
+    decision = router.choose(None, None, set())
+    assert decision.upstream.name == "c" and "b" not in decision.candidates
+    assert router.choose(None, None, {"a", "c"}) is None
+
+
+def test_session_sticks_then_fails_over_when_saturated_or_down():
+    a, b = upstreams("a", "b", limit=1)
+    router = Router(c.POLICY_SESSION, [a, b])
+    first = router.choose("s", None, set())
+    router.served(first, "s", None)
+    b.inflight = 1 if first.upstream is a else 0  # load the other one: stickiness must still win
+    assert router.choose("s", None, set()).upstream is first.upstream
+    a.inflight = b.inflight = 0
+    first.upstream.inflight = 1  # saturated, the other one free
+    moved = router.choose("s", None, set())
+    assert moved.upstream is not first.upstream and "saturated" in moved.reason
+    first.upstream.inflight, first.upstream.down = 0, True
+    assert "down" in router.choose("s", None, set()).reason
+
+
+def test_prefix_prefers_the_upstream_that_served_the_longest_prefix_within_the_load_bound():
+    a, b = upstreams("a", "b")
+    router = Router(c.POLICY_PREFIX, [a, b], load_bound=1.5)
+    body = {"messages": [{"role": "system", "content": "x" * 400}, {"role": "user", "content": "hi"}]}
+    blocks = routing_blocks(CHAT, body, 16)
+    a.served = 1  # b is then the least loaded: the first decision goes there
+    router.served(router.choose(None, blocks, set()), None, blocks)
+    decision = router.choose(None, blocks, set())
+    assert decision.upstream is b and decision.scores[0] == len(blocks)
+    b.inflight = 4  # 4 > 1.5 * (0 + 1): over the bound
+    assert router.choose(None, blocks, set()).upstream is a
+
+
+def test_documents_are_timed_by_the_chunk_that_completes_them():
+    chunks = [(1, b": keepalive 1/2\n\ndata: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\nda"),
+              (2, b"ta: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n"),
+              (3, b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n")]
+    found = list(documents(chunks, FRAMING_SSE))
+    assert [t for t, _ in found] == [1, 2, 3]
+    assert [token_kinds(p) for _, p in found] == [(False, False), (True, True), (False, False)]
+    facts = Facts()
+    for _, payload in found:
+        Adapter("a", "http://a", None, Probe("openai")).facts_from_payload(facts, payload, CHAT)
+    assert facts.prompt_tokens == 3 and facts.cached_tokens is None
+
+
+def test_the_usage_chunk_the_gateway_asked_for_is_withheld_and_the_rest_passes_byte_for_byte():
+    stream = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n')
+    sent, rest = _without_usage(stream[:30])
+    assert sent == b"" and rest == stream[:30]
+    sent, rest = _without_usage(stream)
+    assert sent == b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: [DONE]\n\n' and rest == b""
+
+
+def test_byte_level_rendering_gives_one_segment_per_message():
+    body = {"messages": [{"role": "system", "content": "abc" * 20}, {"role": "user", "content": "hello"}]}
+    printed = fingerprint_local(CHAT, body, 16, None, capture=False)
+    assert printed.unit == "bytes" and [s.role for s in printed.segments] == ["system", "user"]
+    assert printed.segments[0].end == len("<|system|>\n" + "abc" * 20 + "\n") == printed.segments[1].start
+    edited = {"messages": [{"role": "system", "content": "abd" * 20}, {"role": "user", "content": "hello"}]}
+    other = fingerprint_local(CHAT, edited, 16, None, capture=False)
+    assert other.segments[1].hash == printed.segments[1].hash and other.hashes[0] != printed.hashes[0]
+    assert fingerprint_local(COMPLETIONS, {"prompt": "hi"}, 16, None, False).segments[0].role == "prompt"
+
+
+def test_rate_limit_answers_with_a_retry_after():
+    limiter = RateLimiter(1.0)
+    assert limiter.retry_after("k") == 0
+    assert limiter.retry_after("k") >= 1
+    assert limiter.retry_after("other") == 0
+    assert RateLimiter(0).retry_after("k") == 0
+
+
+def test_slots_beyond_the_limit_wait_in_order_and_the_wait_is_measured():
+    async def scenario():
+        upstream = Upstream("a", "http://a", 1)
+        assert await upstream.acquire() == 0
+        waiter = asyncio.create_task(upstream.acquire())
+        await asyncio.sleep(0)
+        assert upstream.waiting == 1 and not waiter.done()
+        upstream.release()
+        waited = await waiter
+        assert waited > 0 and upstream.inflight == 1 and upstream.waiting == 0
+        upstream.release()
+        assert upstream.inflight == 0
+
+    asyncio.run(scenario())
