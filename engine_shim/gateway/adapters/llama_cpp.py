@@ -10,9 +10,11 @@ prompt tokens, processed and cached), ``/metrics`` with ``--metrics`` (``llamacp
 ``llamacpp:requests_deferred``), ``/tokenize`` and ``/apply-template`` for exact prompt tokens.
 
 llama.cpp's own explanation of a cache miss is a log line ("forcing full prompt re-processing ...");
-``reprocess_reason`` gives the reason from what the slot held before (``/slots``) and what the request
-needed: the slot held another conversation, the conversation outgrew the slot's context, or the
-prompt changed before the cached part ended.
+``reprocess_reason`` gives the reason from what the slot held before and what the request needed:
+the conversation outgrew the slot's context (llama.cpp shifted or dropped it), the slot held another
+conversation, or the prompt changed before the cached part ended. What a slot held is the previous
+request it served (its ``timings``, seen by this adapter in order) against the slot's ``n_ctx``
+(``/props`` at probe time, ``/slots`` at each poll).
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class LlamaCppAdapter(Adapter):
         super().__init__(name, base_url, client, probe)
         self.slots: dict[int, SlotState] = {}  #: slots at the latest poll
         self.loading = False  #: /health said "Loading model" at the latest poll
+        self.n_ctx: int | None = _int(probe.details.get("n_ctx"))  #: tokens per slot (/props, /slots)
+        self.served: dict[int, SlotState] = {}  #: per slot, what its previous request left in it
 
     @classmethod
     async def probe(cls, client: httpx.AsyncClient, base_url: str) -> Probe | None:
@@ -134,10 +138,13 @@ class LlamaCppAdapter(Adapter):
                                                  for m in data):
             return None
         props = await get_json(client, base + "/props")
-        version = props.get("build_info") if isinstance(props, dict) else None
+        props = props if isinstance(props, dict) else {}
+        settings = props.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        version = props.get("build_info")
         return Probe(kind=cls.kind, version=str(version) if version else None,
                      models=tuple(str(m.get("id")) for m in data if isinstance(m, dict)),
-                     details={"n_slots": props.get("total_slots")} if isinstance(props, dict) else {})
+                     details={"n_slots": props.get("total_slots"), "n_ctx": n_ctx})
 
     def prepare(self, route: Route, body: dict[str, Any], streamed: bool) -> dict[str, Any]:
         """The base's usage request; ``timings`` come with every llama-server answer."""
@@ -157,16 +164,20 @@ class LlamaCppAdapter(Adapter):
             facts.evidence[f"{PREFIX}id_slot"] = slot
 
     def finish(self, facts: Facts) -> None:
-        """Name the reason when the slot that served the request had to re-process its prompt."""
+        """Name the reason when the slot that served the request had to re-process its prompt, and
+        remember what the request left in its slot."""
         cache_n = facts.evidence.get(f"{PREFIX}timings.cache_n")
         if facts.slot is None or not isinstance(cache_n, int) or facts.prompt_tokens is None:
             return
-        before = self.slots.get(int(facts.slot))
-        if before is not None and before.n_ctx is not None:
-            facts.evidence[f"{PREFIX}slot.n_ctx"] = before.n_ctx
-        reason = reprocess_reason(cache_n, facts.prompt_tokens, before, None)
+        slot = int(facts.slot)
+        polled = self.slots.get(slot)
+        n_ctx = polled.n_ctx if polled is not None and polled.n_ctx is not None else self.n_ctx
+        if n_ctx is not None:
+            facts.evidence[f"{PREFIX}slot.n_ctx"] = n_ctx
+        reason = reprocess_reason(cache_n, facts.prompt_tokens, self.served.get(slot), None)
         if reason is not None:
             facts.evidence[f"{PREFIX}reprocess_reason"] = reason
+        self.served[slot] = SlotState(slot, n_ctx, False, facts.prompt_tokens, cache_n, facts.completion_tokens)
 
     async def tokenize(self, route: Route, body: dict[str, Any],
                        messages: list[dict[str, Any]] | None = None,
@@ -200,6 +211,7 @@ class LlamaCppAdapter(Adapter):
         slots = parse_slots(await get_json(self.client, self.base_url + "/slots"))
         if slots:
             self.slots = slots
+            self.n_ctx = next(iter(slots.values())).n_ctx or self.n_ctx
         metrics: dict[str, float] = {}
         try:
             response = await self.client.get(self.base_url + "/metrics")
