@@ -27,6 +27,7 @@ import polars as pl
 
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
+from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
@@ -136,6 +137,7 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"), "completion": r.get("completion_tokens")},
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
+    verdict.evidence.extend(upstream_evidence(r, "slow"))
     return verdict
 
 

@@ -40,7 +40,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
-        "observer",
+        "observer", "upstream_evidence",
     ),
     "routes": (
         "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
@@ -259,7 +259,7 @@ def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _num(a.get(c.DECODE_MS)), _num(a.get(c.TTFT_MS)), _num(a.get(c.TPOT_MS)),
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
-        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _observer(scope),
+        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _observer(scope), _str(a.get(c.UPSTREAM_EVIDENCE)),
     ))
 
 

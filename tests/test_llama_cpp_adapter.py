@@ -4,6 +4,8 @@ tools/server/server-common.cpp ``server_slot_stats::to_json`` and server-context
 
 from __future__ import annotations
 
+import json
+
 from tokentrace.engine_shim.gateway.adapters.base import CHAT, Facts, Probe
 from tokentrace.engine_shim.gateway.adapters.llama_cpp import LlamaCppAdapter, parse_slots
 
@@ -52,3 +54,18 @@ def test_a_slot_that_outgrew_its_context_is_the_reason_for_re_processing():
         "cached sequence and re-processed the prompt")
     third = _facts(adapter, _answer(cache_n=119, prompt_n=10))
     assert "llama.cpp.reprocess_reason" not in third.evidence  # 123 of 256: the slot had room
+
+
+def test_verdicts_cite_the_engine_numbers_as_measured_and_the_adapter_reasons_as_inferred():
+    from tokentrace.analyzers.upstream import upstream_evidence
+
+    row = {"engine": "ollama", "upstream_evidence": json.dumps({
+        "ollama.load_duration_ns": 2101234567, "ollama.model": "gemma3:1b",
+        "ollama.cold_start": "model gemma3:1b was unloaded when its keep-alive expired at 2026-03-01T10:05:00+00:00"})}
+    reported, reason = upstream_evidence(row, "slow")
+    assert (reported.kind, reported.basis, reported.data["facts"]) == (
+        "engine_reported", "measured", {"ollama.load_duration_ns": 2101234567})
+    assert (reason.kind, reason.basis) == ("engine_reason", "inferred")
+    assert reason.text.startswith("Model gemma3:1b was unloaded when its keep-alive expired at 2026-03-01T10:05")
+    assert [e.kind for e in upstream_evidence(row, "cache")] == ["engine_reported"]
+    assert upstream_evidence({"engine": "vllm", "upstream_evidence": None}, "slow") == []

@@ -42,7 +42,7 @@ def request_row(scope: Scope, span, a: dict, ids: tuple) -> None:
         span.start_time_unix_nano, span.end_time_unix_nano,
         ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
         as_int(a.get(USAGE_PROMPT_TOKENS)), None, outputs, as_int(a.get(REQUEST_MAX_TOKENS)),
-        None, None, None, None, None, c.OBSERVER_NATIVE,
+        None, None, None, None, None, c.OBSERVER_NATIVE, None,
     ))
 
 

@@ -31,7 +31,7 @@ _CLASSES: dict[str, str] = {
 #: The order ``detect()`` probes in: engines that identify themselves unambiguously first, the
 #: generic OpenAI-compatible adapter (which accepts anything answering /v1/models) last.
 DETECT_ORDER: tuple[str, ...] = (
-    "tokentrace", "vllm-plugin", "vllm", "exo", "ollama", "sglang", "lmstudio", "llama.cpp", "mlx_lm", "openai",
+    "tokentrace", "vllm-plugin", "vllm", "exo", "ollama", "sglang", "lmstudio", "mlx_lm", "llama.cpp", "openai",
 )
 
 
