@@ -156,7 +156,7 @@ def test_exo_poll_request_and_ready_transition_over_http(exo):
 
     found, (loading, during, ready, after, view) = run(_with_client(engine, "exo", scenario))
     assert found.kind == "exo" and found.models == (ids["model"],)
-    assert (loading.ready, loading.loading) == (False, True)
+    assert (loading.ready, loading.loading) == (True, True)  # Exo takes the request; it waits
     assert during.evidence["exo.cold_start"].endswith("on node mini-2 was Loading 12/24 layers")
     assert during.evidence["exo.node_id"] == ids["nodes"][1]
     assert (ready.ready, ready.loading, ready.models) == (True, False, (ids["model"],))

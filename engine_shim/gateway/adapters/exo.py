@@ -333,12 +333,14 @@ class ExoAdapter(Adapter):
                                                  f"(instance {instance.instance_id}): {stage}"))
                     self._stages[runner.runner_id] = stage
         runners = [r for i in state.instances.values() for r in i.runners]
+        # Exo's API takes a request for a placed instance whatever its runners are doing (the request
+        # waits for them), so the upstream is ready to receive when an instance exists.
         return InstanceState(
             reachable=True,
-            ready=any(i.ready() for i in state.instances.values()),
+            ready=bool(state.instances),
             loading=any(r.status in ("Connecting", "Connected", "Loading", "Loaded", "WarmingUp") for r in runners),
             running=sum(r.status == "Running" for r in runners),
-            models=tuple(sorted({i.model_id for i in state.instances.values() if i.model_id and i.ready()})),
+            models=tuple(sorted({i.model_id for i in state.instances.values() if i.model_id})),
             events=tuple(events),
             findings=tuple(f"{_iso(self.first_seen[f])} {f}" for f in state.findings),
         )
