@@ -185,12 +185,13 @@ class LlamaCppAdapter(Adapter):
         """``/apply-template`` renders chat messages with the model's template, ``/tokenize`` (with
         special tokens parsed, as the server does for prompts) gives the ids."""
         if messages is not None:
-            rendered = await self._post("/apply-template", {"messages": messages})
+            # llama.cpp renders a list that ends with an assistant message as that message's
+            # continuation (no end marker): segment ends of assistant turns are a few tokens short.
+            rendered = await self._post("/apply-template", {"messages": messages,
+                                                            "add_generation_prompt": add_generation_prompt})
             text = rendered.get("prompt") if isinstance(rendered, dict) else None
             if not isinstance(text, str):
                 return None
-            if not add_generation_prompt:
-                text = _strip_generation_prompt(text)
         else:
             text = body.get(route.prompt_field)
             if not isinstance(text, str):
@@ -237,16 +238,6 @@ class LlamaCppAdapter(Adapter):
             return response.json() if response.is_success else None
         except (httpx.HTTPError, ValueError):
             return None
-
-
-def _strip_generation_prompt(text: str) -> str:
-    """``/apply-template`` always adds the generation prompt; the prefix before the last message
-    boundary is what ``add_generation_prompt=False`` would render (ChatML and similar templates
-    open the assistant turn after the last message's end marker)."""
-    for marker in ("<|im_start|>assistant\n", "<|start_header_id|>assistant<|end_header_id|>\n\n"):
-        if text.endswith(marker):
-            return text[: -len(marker)]
-    return text
 
 
 def _int(value: Any) -> int | None:
