@@ -295,14 +295,30 @@ class Observer:
             return
         rid, facts = exchange.request_id, measured.facts
         sent = exchange.sent_ns or exchange.arrival_ns
+        # An engine that caches whole blocks can reuse only the prompt's complete blocks: the
+        # lookup's fingerprint covers those, so that a repeat reusing all of them is a hit.
+        held = self._held_blocks(exchange, printed)
         attrs = self._lookup_attrs(rid, printed, facts.prompt_tokens, facts.cached_tokens)
+        if held:
+            attrs[c.CACHE_BLOCK_HASHES] = held
         self._span(tracer, context, c.SPAN_CACHE_LOOKUP, exchange.arrival_ns, sent, attrs)
-        if exchange.status == 200 and not exchange.error_type:
+        if held and exchange.status == 200 and not exchange.error_type:
             end = exchange.end_ns or sent
             self._span(tracer, context, c.SPAN_CACHE_INSERT, end, end, {
-                c.REQUEST_ID: rid, c.ENTRY_FINGERPRINT: printed.hashes[-1], c.ENTRY_TOKENS: printed.length,
-                c.CACHE_BLOCK_SIZE: printed.block_size, c.CACHE_BLOCK_HASHES: printed.hashes,
+                c.REQUEST_ID: rid, c.ENTRY_FINGERPRINT: held[-1],
+                c.ENTRY_TOKENS: min(printed.length, len(held) * printed.block_size),
+                c.CACHE_BLOCK_SIZE: printed.block_size, c.CACHE_BLOCK_HASHES: held,
             })
+
+    @staticmethod
+    def _held_blocks(exchange: Exchange, printed: PromptPrint) -> list[int]:
+        """The prompt's block hashes the upstream can hold: an engine that caches whole blocks of
+        B tokens (vLLM) keeps only the prompt's complete B-token blocks."""
+        adapter = exchange.decision.upstream.adapter if exchange.decision else None
+        granularity = adapter.probe_result.cache_block_tokens if adapter is not None else 1
+        if granularity <= 1 or printed.unit != "tokens":
+            return printed.hashes
+        return printed.hashes[: printed.length // granularity * granularity // printed.block_size]
 
     def _lookup_attrs(self, rid: str, printed: PromptPrint, prompt_tokens: int | None,
                       cached: int | None) -> dict[str, Any]:
@@ -360,7 +376,7 @@ class Observer:
             avoidable = round(avoidable * facts.prompt_tokens / printed.length) if facts.prompt_tokens else None
         if exchange.status == 200 and not exchange.error_type:
             held = self._held.setdefault(chosen, collections.OrderedDict())
-            for value in printed.hashes:
+            for value in self._held_blocks(exchange, printed):
                 held[value] = None
                 held.move_to_end(value)
             while len(held) > MAX_HELD_BLOCKS:

@@ -91,6 +91,7 @@ class Probe:
     reports_itself: bool = False  #: it sends its own tokentrace telemetry (engine or plugin)
     observer: str = OBSERVER_GATEWAY  #: who observes its requests (OBSERVER_* above)
     instance_id: str | None = None  #: its own service.instance.id, when it reports itself
+    cache_block_tokens: int = 1  #: the engine caches prompts in whole blocks of this many tokens
     details: dict[str, Any] = field(default_factory=dict)  #: anything else the probe learnt
 
 

@@ -34,6 +34,8 @@ from tokentrace.engine_shim.gateway.adapters.openai import get_json
 #: A metric line the tokentrace vLLM plugin exposes on vLLM's /metrics (detection only).
 PLUGIN_METRIC = "tokentrace_plugin_info"
 _PLUGIN_INSTANCE = re.compile(PLUGIN_METRIC + r'\{[^}]*instance="([^"]*)"')
+#: vLLM's cache configuration gauge; its block_size label is the prefix cache's granularity.
+_BLOCK_SIZE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 _GAUGE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
 
 
@@ -52,11 +54,11 @@ class VllmAdapter(Adapter):
         probe = await _probe_vllm(client, base_url)
         if probe is None or (probe[1] is not None) != (cls is VllmPluginAdapter):
             return None
-        return cls._probe(probe[0], probe[1])
+        return cls._probe(*probe)
 
     @classmethod
-    def _probe(cls, version: str | None, instance: str | None) -> Probe:
-        return Probe(kind=cls.kind, version=version)
+    def _probe(cls, version: str | None, instance: str | None, block: int) -> Probe:
+        return Probe(kind=cls.kind, version=version, cache_block_tokens=block)
 
     async def tokenize(self, route: Route, body: dict[str, Any],
                        messages: list[dict[str, Any]] | None = None,
@@ -105,13 +107,14 @@ class VllmPluginAdapter(VllmAdapter):
     kind: ClassVar[str] = "vllm-plugin"
 
     @classmethod
-    def _probe(cls, version: str | None, instance: str | None) -> Probe:
+    def _probe(cls, version: str | None, instance: str | None, block: int) -> Probe:
         return Probe(kind=cls.kind, version=version, reports_itself=True, observer=OBSERVER_PLUGIN,
-                     instance_id=instance or None)
+                     instance_id=instance or None, cache_block_tokens=block)
 
 
-async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, str | None] | None:
-    """(version, the plugin's instance id or None without the plugin) when ``base_url`` is vLLM."""
+async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, str | None, int] | None:
+    """(version, the plugin's instance id or None without the plugin, KV block size) when
+    ``base_url`` is vLLM."""
     base = base_url.rstrip("/")
     version = await get_json(client, base + "/version")
     if not isinstance(version, dict) or "version" not in version:
@@ -123,7 +126,8 @@ async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | N
     if not metrics.is_success or "vllm:" not in metrics.text:
         return None
     found = _PLUGIN_INSTANCE.search(metrics.text)
-    return str(version["version"]), (found.group(1) if found else None)
+    block = _BLOCK_SIZE.search(metrics.text)
+    return str(version["version"]), (found.group(1) if found else None), int(block.group(1)) if block else 1
 
 
 def parse_gauges(text: str) -> dict[str, float]:

