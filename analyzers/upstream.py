@@ -33,6 +33,12 @@ def upstream_evidence(request: dict, verdict: str) -> list[Evidence]:
         listed = ", ".join(f"{k} = {v}" for k, v in sorted(numbers.items()))
         found.append(Evidence("engine_reported", f"The engine ({request.get('engine')}) reported {listed}.",
                               {"engine": request.get("engine"), "facts": numbers}))
-    found.extend(Evidence("engine_reason", text[:1].upper() + text[1:] + ".", {"source": key}, basis="inferred")
-                 for key, text in sorted(reasons.items()))
+    for key, text in sorted(reasons.items()):
+        data: dict[str, Any] = {"source": key}
+        cluster_instance = facts.get(key.split(".", 1)[0] + ".instance_id")
+        if isinstance(cluster_instance, str):
+            # A cluster engine's instance (Exo) is shown on the instances page, anchored by its id.
+            data.update(instance_id=cluster_instance, link=f"/instances#exo-{cluster_instance}",
+                        link_text=f"instance {cluster_instance} on the instances page")
+        found.append(Evidence("engine_reason", text[:1].upper() + text[1:] + ".", data, basis="inferred"))
     return found

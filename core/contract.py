@@ -46,6 +46,7 @@ SPAN_HEARTBEAT = "instance.heartbeat"
 SPAN_LIFECYCLE = "instance.lifecycle"
 SPAN_CACHE_TRIM = "llm.cache.trim"
 SPAN_ROUTE = "gateway.route"
+SPAN_CLUSTER_STATE = "cluster.state"
 
 # --- Event names ----------------------------------------------------------------------------------
 EVENT_CACHE_EVICT = "llm.cache.evict"
@@ -107,6 +108,8 @@ CACHE_MATCH = "tokentrace.cache.match"
 CACHE_MATCHED_ENTRY = "tokentrace.cache.matched_entry"
 CACHE_ENTRIES = "tokentrace.cache.entries"
 CACHE_UNIT = "tokentrace.cache.unit"
+CLUSTER_INSTANCES = "tokentrace.cluster.instances"
+CLUSTER_FINDINGS = "tokentrace.cluster.findings"
 CACHE_BYTES = "tokentrace.cache.bytes"
 CACHE_MAX_ENTRIES = "tokentrace.cache.max_entries"
 CACHE_MAX_BYTES = "tokentrace.cache.max_bytes"
@@ -455,6 +458,15 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the prompt cache"),
             _a(KV_BYTES_PER_TOKEN, "int", "bytes", "2 x layers x kv_heads x head_dim x dtype bytes"),
             _a(MEMORY_BYTES, "int", "bytes", "memory the engine holds (device or process)"),
+        ),
+    ),
+    SpanSpec(
+        SPAN_CLUSTER_STATE, "INTERNAL", "", "a multi-node upstream's placement and readiness (Exo), when it changed",
+        (
+            _a(CLUSTER_INSTANCES, "string", "", "JSON: per instance its model, nodes, layers, runner stage and "
+               "the four readiness stages"),
+            _a(CLUSTER_FINDINGS, "string[]", "", "contradictions between the cluster's views, each with the "
+               "time first seen"),
         ),
     ),
 )

@@ -73,3 +73,41 @@ def test_exo_request_that_waited_on_a_loading_runner_names_the_node_and_stage(tm
     assert reason["source"] == "exo.cold_start" and reason["basis"] == "inferred"
     assert reason["text"] == (f"Waited on instance {ids['instance']}: runner {ids['runners'][1]} on node mini-2 "
                               "was Loading 12/24 layers.")
+
+
+@pytest.mark.browser
+def test_instances_page_shows_the_exo_instance_and_the_cold_start_links_to_it(tmp_path, collector_factory,
+                                                                              browser_page):
+    fixture = load("exo")
+    docs, ids = fixture["documents"], fixture["ids"]
+    collector = collector_factory().start()
+    routes = {"GET /node_id": (200, docs["GET /node_id"]), "GET /state": (200, docs["GET /state loading"]),
+              "POST /v1/chat/completions": (200, docs["POST /v1/chat/completions"])}
+    with RecordedEngine(routes) as engine:
+        gw = GatewayProcess(tmp_path, {"exo": engine.url}, collector=collector).start()
+        try:
+            _next_polls(engine, "/state")
+            assert gw.chat([{"role": "user", "content": "Hi"}], "exo-page", stream=False,
+                           model=ids["model"])["status"] == 200
+        finally:
+            gw.stop()
+    verdict(collector, "exo-page")
+    page = browser_page.page
+    browser_page.open(collector.url + "/requests/exo-page")
+    link = page.locator("li[data-kind=engine_reason] a.evidence-link")
+    assert link.get_attribute("href") == f"/instances#exo-{ids['instance']}"
+    link.click()
+    page.wait_for_url(f"**/instances#exo-{ids['instance']}")
+    section = page.locator(f"section#exo-{ids['instance']}")
+    assert section.is_visible()
+    n1, n2 = ids["nodes"][:2]
+    assert section.locator(f"tr[data-node='{n1}'] td[data-stage]").inner_text() == "Ready"
+    assert section.locator(f"tr[data-node='{n2}'] td[data-stage]").inner_text() == "Loading 12/24 layers"
+    ready = {node: section.locator(f"tr[data-node='{node}'] td[data-state=runner_ready]").inner_text()
+             for node in (n1, n2)}
+    assert ready == {n1: "yes", n2: "no"}
+    files = section.locator("td[data-state=files_present]").all_inner_texts()
+    assert files == ["yes", "yes"]
+    assert "mini-1" in section.inner_text() and "mini-2" in section.inner_text()
+    browser_page.screenshot("exo-instances")
+    browser_page.assert_clean()

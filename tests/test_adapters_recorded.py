@@ -152,7 +152,7 @@ def test_exo_poll_request_and_ready_transition_over_http(exo):
         engine.serve("GET /state", docs["GET /state ready"])
         ready = await adapter.poll()
         after = _facts(adapter, [answer], CHAT)
-        return loading, during, ready, after, adapter.instances_view()
+        return loading, during, ready, after, adapter.cluster_view()
 
     found, (loading, during, ready, after, view) = run(_with_client(engine, "exo", scenario))
     assert found.kind == "exo" and found.models == (ids["model"],)

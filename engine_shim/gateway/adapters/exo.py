@@ -345,7 +345,7 @@ class ExoAdapter(Adapter):
             findings=tuple(f"{_iso(self.first_seen[f])} {f}" for f in state.findings),
         )
 
-    def instances_view(self) -> list[dict[str, Any]]:
+    def cluster_view(self) -> list[dict[str, Any]] | None:
         """Per Exo instance: model, backend, per node its shard, runner stage and the four readiness
         stages (what the instances page shows)."""
         if self.state is None:
