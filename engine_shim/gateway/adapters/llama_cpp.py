@@ -126,6 +126,7 @@ class LlamaCppAdapter(Adapter):
         self.slots: dict[int, SlotState] = {}  #: slots at the latest poll
         self.loading = False  #: /health said "Loading model" at the latest poll
         self.n_ctx: int | None = _int(probe.details.get("n_ctx"))  #: tokens per slot (/props, /slots)
+        self.n_slots: int | None = _int(probe.details.get("n_slots"))  #: slots of the server (/props)
         self.served: dict[int, SlotState] = {}  #: per slot, what its previous request left in it
 
     @classmethod
@@ -162,6 +163,9 @@ class LlamaCppAdapter(Adapter):
         if isinstance(slot, int) and not isinstance(slot, bool):
             facts.slot = str(slot)
             facts.evidence[f"{PREFIX}id_slot"] = slot
+        elif isinstance(timings, dict) and self.n_slots == 1:
+            # The OpenAI routes name no slot (only /completion does); with one slot it is slot 0.
+            facts.slot = "0"
 
     def finish(self, facts: Facts) -> None:
         """Name the reason when the slot that served the request had to re-process its prompt, and
