@@ -3,27 +3,45 @@
     GET /api/requests/{id}/slow     slowness verdict
     GET /api/requests/{id}/cache    cache verdict
     GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
+    GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
     GET /api/report?since=15m       the window report
+    GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
+
+``?slo=ttft=2s,...`` on slow, verdict and report judges against those objectives instead of the
+collector's ``--slo`` (docs/metrics.md).
 
 Errors use the collector's JSON envelope: 404 for an unknown request id, 400 for a bad parameter.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
+from tokentrace.analyzers.session import analyze_session
+from tokentrace.analyzers.slo import SloSpec, parse_slo
 from tokentrace.analyzers.slowness import analyze_slowness
+from tokentrace.analyzers.workload import load_workload
 from tokentrace.window import since_ns
 
 router = APIRouter(prefix="/api")
+#: Most cache misses one report explains (each costs a cache verdict).
+MAX_CAUSE_SAMPLE = 100_000
+
+
+def objectives(request: Request, slo: str | None) -> SloSpec | None:
+    """``?slo=`` when given, else the collector's ``--slo``."""
+    if slo is not None:
+        return parse_slo(slo)
+    collector = getattr(request.app.state, "collector", None)
+    return getattr(collector.config, "slo", None) if collector is not None else None
 
 
 @router.get("/requests/{request_id:path}/slow")
-def slow_verdict(request_id: str, request: Request) -> dict:
+def slow_verdict(request_id: str, request: Request, slo: str | None = None) -> dict:
     """The slowness verdict of one request."""
-    return analyze_slowness(request.app.state.reader, request_id).as_dict()
+    return analyze_slowness(request.app.state.reader, request_id, objectives(request, slo)).as_dict()
 
 
 @router.get("/requests/{request_id:path}/cache")
@@ -33,14 +51,29 @@ def cache_verdict(request_id: str, request: Request) -> dict:
 
 
 @router.get("/requests/{request_id:path}/verdict")
-def both_verdicts(request_id: str, request: Request) -> dict:
+def both_verdicts(request_id: str, request: Request, slo: str | None = None) -> dict:
     """Both verdicts of one request."""
     reader = request.app.state.reader
-    slow, cache = analyze_slowness(reader, request_id), analyze_cache(reader, request_id)
+    slow, cache = analyze_slowness(reader, request_id, objectives(request, slo)), analyze_cache(reader, request_id)
     return {"slow": slow.as_dict(), "cache": cache.as_dict()}
 
 
+@router.get("/sessions/{session_id:path}")
+def session_verdict(session_id: str, request: Request) -> dict:
+    """The session verdict of one session id."""
+    return analyze_session(request.app.state.reader, session_id).as_dict()
+
+
 @router.get("/report")
-def window_report(request: Request, since: str = "15m", causes: int = 25) -> dict:
-    """The report over requests that started in the last ``since`` (or 'all')."""
-    return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes).as_dict()
+def window_report(request: Request, since: str = "15m",
+                  causes: int = Query(25, ge=0, le=MAX_CAUSE_SAMPLE), slo: str | None = None) -> dict:
+    """The report over requests that started in the last ``since`` (or 'all'), explaining the cache
+    misses of at most ``causes`` of them."""
+    return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes,
+                     slo=objectives(request, slo)).as_dict()
+
+
+@router.get("/workload")
+def window_workload(request: Request, since: str = "1h") -> dict:
+    """The requests that started in the last ``since`` with their prompt block ids, for whatif."""
+    return load_workload(request.app.state.reader, since_ns(since, what="since")).as_dict()

@@ -6,41 +6,54 @@ Definitions (the contract; tests check them):
   *longer* than ``cached`` when it covers at least one block more.
 - ``cause``, the first that holds:
   ``capacity``        a longer prefix was cached on this instance and evicted before the lookup;
+  ``restart``         a longer prefix was cached on this instance, no eviction of it was reported,
+                      and the instance loaded its model between that insert and the lookup;
   ``instance_change`` a longer prefix was never cached on this instance but was cached on another;
   ``prefix_change``   an earlier request shares later segments (same content hashes) but diverges
-                      before them, where this prompt's reuse stopped: the first divergent token
-                      and the segment it falls in;
+                      before them, where this prompt's reuse stopped: the first segment that
+                      differs (or ``template`` when no message differs) and a token inside it;
+  ``model_change``, ``template_change``  the session's previous turn was served by another model
+                      revision / chat template and its prompt differs from this one inside the
+                      first segment;
+  ``too_short``       nothing reusable: the prompt, or the leading segments it shares with an
+                      earlier prompt, is shorter than one cache block;
   ``new_prefix``      nothing reusable was ever cached and nothing resembles the prompt;
-  ``null``            everything reusable was reused.
+  None                everything reusable was reused (shown as ``none``: ``NO_CAUSE``).
   ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans).
-- ``result``: hit when cause is null, partial when cached > 0, miss when cached = 0.
+- ``result``: hit when cause is None, partial when cached > 0, miss when cached = 0; None for a
+  request that never reached the cache (refused, failed or cancelled before its lookup).
 
 ``load_cache_facts`` reads through the reader role; ``classify_cache`` is a pure function of them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
 from tokentrace import contract as c
-from tokentrace.analyzers.evidence import Evidence
+from tokentrace.analyzers.evidence import NO_CAUSE, Evidence  # noqa: F401 - NO_CAUSE is re-exported
+from tokentrace.analyzers.outcome import COMPLETED, outcome_of
 from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
-CAUSES = ("capacity", "instance_change", "prefix_change", "new_prefix", None, "unknown")
+CAUSES = ("capacity", "restart", "instance_change", "prefix_change", "model_change", "template_change",
+          "too_short", "new_prefix", None, "unknown")
+#: The segment role a divergence names when no message differs, only what lies between them.
+TEMPLATE = "template"
 
 
 @dataclass(frozen=True)
 class Divergence:
     """Where a prompt first differs from an earlier one that shares later content."""
 
-    token_index: int  #: first token of the first differing block
-    segment_role: str | None  #: role of the segment that token falls in (system, user, tools ...)
-    segment_index: int | None  #: index of that segment in the prompt (0 = first message)
+    token_index: int  #: a token of the first differing segment, at or before the first differing token
+    segment_role: str | None  #: role of the first differing segment (system, user ...), or ``template``
+    segment_index: int | None  #: index of that segment in the prompt (0 = first); None for ``template``
 
 
 @dataclass
@@ -52,13 +65,14 @@ class CacheVerdict:
     prompt_tokens: int
     cached_tokens: int
     seen_tokens: int
-    result: str  #: hit | partial | miss
-    cause: str | None  #: capacity | instance_change | prefix_change | new_prefix | None | unknown
+    result: str | None  #: hit | partial | miss; None when the request never reached the cache
+    cause: str | None  #: one of CAUSES
     evidence: list[Evidence] = field(default_factory=list)
     evicted_by: str | None = None  #: request whose insert evicted the longer prefix (capacity)
     cached_on: str | None = None  #: instance holding the longer prefix (instance_change)
     divergence: Divergence | None = None  #: first divergence (prefix_change)
     block_size: int = c.DEFAULT_BLOCK_SIZE
+    outcome: str = COMPLETED  #: the request's outcome (outcome.outcome_of)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (evidence flattened to {kind, text, ...})."""
@@ -69,7 +83,7 @@ class CacheVerdict:
             "evidence": [e.as_dict() for e in self.evidence], "evicted_by": self.evicted_by,
             "cached_on": self.cached_on,
             "divergence": None if self.divergence is None else vars(self.divergence),
-            "block_size": self.block_size,
+            "block_size": self.block_size, "outcome": self.outcome,
         }
 
 
@@ -87,6 +101,10 @@ class CacheFacts:
     evicted_elsewhere: set[tuple[str | None, int]]  #: (instance, fingerprint) of other entries gone by then
     segment_matches: pl.DataFrame  #: earlier segments with equal content hashes
     divergences: dict[str, int]  #: earlier request id -> token where its prompt first differs
+    earlier_segments: dict[str, list[dict]] = field(default_factory=dict)  #: their segments, by request
+    loads: list[dict] = field(default_factory=list)  #: this instance's model loads after its longer entry
+    previous: dict | None = None  #: the session's previous turn: request_id, identity, divergence
+    identity: dict = field(default_factory=dict)  #: this request's model revision and template hash
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -113,11 +131,15 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     seen, cached_on = _deepest(sightings), _deepest_per_instance(sightings)
     here_key = request["instance_id"]
     here = next((row for row in _longer(cached_on, block, prompt, cached) if row["instance_id"] == here_key), None)
-    eviction = None
+    eviction, loads = None, []
     if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
         if eviction is None:
             eviction = _block_eviction(reader, request["instance_id"], hashes, t, cached, block)
+        if eviction is None:
+            rows = reader.frame("loads_in", since_ns=here["t_ns"], until_ns=t).to_dicts()
+            loads = list({row["load_id"]: row for row in rows
+                          if row["instance_id"] == here_key and here["t_ns"] < row["start_ns"] < t}.values())
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.frame("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                         before_ns=t) if others else pl.DataFrame()
@@ -125,8 +147,43 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
                            request_id=request_id) if segments.height else pl.DataFrame()
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
+    times = dict(matches.group_by("request_id").agg(pl.col("t_ns").max()).iter_rows()) if matches.height else {}
+    earlier = {rid: reader.frame("segments_of", request_id=rid, t0_ns=times[rid] - 1, t1_ns=times[rid] + 1).to_dicts()
+               for rid in divergences if rid in times}
+    # Only a lookup that reused less than a block can be a model or template change.
+    identity = _identity(reader, request["instance_id"], request["end_ns"]) if cached < block else {}
+    previous = _previous_turn(reader, request, hashes, block) if cached < block else None
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
-                      divergences)
+                      divergences, earlier, loads, previous, identity)
+
+
+def _identity(reader: TraceReader, instance_id: str | None, t_ns: int) -> dict:
+    """The model revision and chat-template hash an instance's resource declared at ``t_ns``."""
+    rows = reader.frame("resource_at", instance_id=instance_id, t_ns=t_ns)
+    try:
+        attributes = json.loads(rows["attributes"][0] or "{}") if rows.height else {}
+    except ValueError:  # a foreign sender's resource is stored as sent; an unreadable one declares nothing
+        attributes = {}
+    return {"model_revision": attributes.get(c.MODEL_REVISION), "chat_template": attributes.get(c.CHAT_TEMPLATE_HASH)}
+
+
+def _previous_turn(reader: TraceReader, request: dict, hashes: list[int], block: int) -> dict | None:
+    """The session's previous turn: its id, instance, identity and where its prompt first differs
+    from this one (block granularity)."""
+    if not request.get("session_id"):
+        return None
+    rows = reader.frame("previous_turn", session_id=request["session_id"], before_ns=request["start_ns"],
+                        request_id=request["request_id"])
+    if rows.height == 0:
+        return None
+    prev = rows.row(0, named=True)
+    theirs = reader.frame("lookup_blocks", request_id=prev["request_id"], **request_window(prev))["hash"].to_list()
+    if not theirs:
+        return None
+    differ = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
+                  min(len(hashes), len(theirs)))
+    return {"request_id": prev["request_id"], "instance_id": prev["instance_id"], "diverge": differ * block,
+            **_identity(reader, prev["instance_id"], prev["end_ns"])}
 
 
 def _longer(cached_on: list[dict], block: int, prompt: int, cached: int) -> list[dict]:
@@ -235,7 +292,7 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
     """The verdict, by the definitions in the module docstring. Pure."""
     request, lookup = facts.request, facts.lookup
     if lookup is None:
-        return _unknown(request)
+        return _unknown(request) if outcome_of(request) == COMPLETED else _not_served(request)
     block = lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
     prompt = lookup["prompt_tokens"] or request.get("prompt_tokens") or 0
     cached = lookup["matched_tokens"] or 0
@@ -248,12 +305,26 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
          "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
     ))
+    verdict.outcome = outcome_of(request)
     longer = _longer(facts.cached_on, block, prompt, cached)
     if not (_capacity(verdict, facts, longer) or _instance_change(verdict, facts, longer)
-            or _prefix_change(verdict, facts, block, cached)):
+            or _prefix_change(verdict, facts, block, cached) or _identity_change(verdict, facts, block, cached)):
         _new_or_reused(verdict, facts, block)
     verdict.result = "hit" if verdict.cause is None else ("partial" if cached > 0 else "miss")
     verdict.evidence.extend(upstream_evidence(request, "cache"))
+    return verdict
+
+
+def _not_served(request: dict) -> CacheVerdict:
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], request.get("prompt_tokens") or 0,
+                           request.get("cached_tokens") or 0, 0, None, None, outcome=outcome_of(request))
+    verdict.evidence.append(Evidence(
+        "outcome", f"The request was {verdict.outcome} (HTTP {request.get('http_status')}, "
+                   f"{request.get('error_type') or request.get('finish_reason') or 'no error type'}) before its "
+                   "cache lookup: there is no cache verdict, and it is left out of cache hit rates.",
+        {"outcome": verdict.outcome, "http_status": request.get("http_status"),
+         "error_type": request.get("error_type")},
+    ))
     return verdict
 
 
@@ -280,8 +351,21 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
     here = next((row for row in longer if row["instance_id"] == verdict.instance_id), None)
     if here is None:
         return False
-    verdict.cause = "capacity"
     eviction = facts.eviction
+    if eviction is None and facts.loads:
+        load = facts.loads[-1]
+        verdict.cause = "restart"
+        verdict.evidence.append(Evidence(
+            "restart", f"{here['covered']} tokens of this prompt were cached on {verdict.instance_id} (entry of "
+                       f"request {here['request_id']}); no eviction of it was reported, and the instance loaded "
+                       f"its model again ({'lazily' if load['lazy'] else 'at start'}) before this lookup: the "
+                       "cache did not survive the restart.",
+            {"load_id": load["load_id"], "load_start_ns": load["start_ns"], "load_end_ns": load["end_ns"],
+             "entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
+             "lost_tokens": here["covered"] - verdict.cached_tokens},
+        ))
+        return True
+    verdict.cause = "capacity"
     if eviction is None and facts.request.get("observer") == c.OBSERVER_GATEWAY:
         # Seen from a gateway: the upstream served this prefix before and now reused less of it.
         # The engine reports no evictions, so that it was evicted is inferred, not measured.
@@ -367,22 +451,71 @@ def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached:
     if best is None:
         return False
     shared, diverge, segment, match = best
-    where = next((s for s in segments if s["token_start"] <= diverge < s["token_end"]), None)
+    token, role, index = first_difference(segments, facts.earlier_segments.get(match["request_id"]), diverge)
+    where = next((s for s in segments if s["segment_index"] == index), None)
     verdict.cause = "prefix_change"
-    verdict.divergence = Divergence(diverge, where["role"] if where else None,
-                                    where["segment_index"] if where else None)
-    place = f"{where['role']} segment {where['segment_index']}" if where else f"token {diverge}"
+    verdict.divergence = Divergence(token, role, index)
+    place = ("between the messages (template markup or a tools block), in no message" if role == TEMPLATE
+             else f"{role} segment {index}" if role else f"token {token}")
     verdict.evidence.append(Evidence(
         "divergence", f"Request {match['request_id']} had the same {segment['role']} segment "
-                      f"({shared} tokens) but its prompt differs from this one at token {diverge}, in the "
+                      f"({shared} tokens) but its prompt differs from this one from token {token} on, "
                       f"{place}: everything after the change had to be recomputed.",
         {"earlier_request_id": match["request_id"], "earlier_instance_id": match["instance_id"],
          "shared_segment_index": segment["segment_index"], "shared_segment_role": segment["role"],
-         "shared_tokens": shared, "token_index": diverge,
-         "segment_role": verdict.divergence.segment_role, "segment_index": verdict.divergence.segment_index,
+         "shared_tokens": shared, "token_index": token, "block_token_index": diverge,
+         "segment_role": role, "segment_index": index,
          "snippet": where.get("snippet") if where else None},
     ))
     return True
+
+
+def first_difference(ours: list[dict], theirs: list[dict] | None, block_diverge: int) -> tuple[int, str | None,
+                                                                                          int | None]:
+    """(token index, role, segment index) of the first segment of ``ours`` whose role or content hash
+    differs from the segment at the same place in ``theirs``; the role is ``template`` (index None)
+    when that segment is a tools block or a message ``theirs`` also has elsewhere (what changed lies
+    between messages). The token index is the later of that segment's start and ``block_diverge``
+    (the first differing block's first token), so it lies inside the segment, at or before the first
+    differing token. Without ``theirs``: the segment ``block_diverge`` falls in."""
+    if not theirs:
+        where = next((s for s in ours if s["token_start"] <= block_diverge < s["token_end"]), None)
+        return block_diverge, (where["role"] if where else None), (where["segment_index"] if where else None)
+    pairs = zip(ours, theirs, strict=False)
+    first = next((mine for mine, other in pairs if (mine["role"], mine["hash"]) != (other["role"], other["hash"])),
+                 ours[len(theirs)] if len(ours) > len(theirs) else None)
+    if first is None:  # the same segments: the difference is past this prompt's end
+        return block_diverge, None, None
+    token = min(max(first["token_start"], block_diverge), first["token_end"] - 1)
+    if first["role"] == c.ROLE_TOOLS or first["hash"] in {other["hash"] for other in theirs}:
+        return token, TEMPLATE, None
+    return token, first["role"], first["segment_index"]
+
+
+def _identity_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached: int) -> bool:
+    """model_change / template_change: the session's previous turn ran on another model revision or
+    chat template, and its prompt differs from this one inside the first segment."""
+    prev, ours = facts.previous, facts.identity
+    if prev is None or cached >= block or facts.segments.height == 0:
+        return False
+    first_end = facts.segments["token_end"][0]
+    if prev["diverge"] >= first_end:
+        return False
+    for key, cause, what in (("model_revision", "model_change", "model revision"),
+                             ("chat_template", "template_change", "chat template")):
+        before, now = prev.get(key), ours.get(key)
+        if before is None or now is None or before == now:
+            continue
+        verdict.cause = cause
+        verdict.evidence.append(Evidence(
+            cause, f"The session's previous turn (request {prev['request_id']} on {prev['instance_id']}) was "
+                   f"served with {what} {before}, this one with {now}: the prompts differ from token "
+                   f"{prev['diverge']} on, inside the first segment, before any message could be reused.",
+            {"earlier_request_id": prev["request_id"], "earlier_instance_id": prev["instance_id"],
+             "before": before, "after": now, "token_index": prev["diverge"]},
+        ))
+        return True
+    return False
 
 
 def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None:
@@ -397,6 +530,18 @@ def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None
             {"request_id": seen.get("request_id"), "instance_id": seen.get("instance_id"),
              "seen_tokens": verdict.seen_tokens},
         ))
+    elif verdict.cached_tokens < block and (short := _too_short(verdict, facts, block)) is not None:
+        verdict.cause = "too_short"
+        verdict.evidence.append(Evidence(
+            "too_short", (f"The prompt has {verdict.prompt_tokens} tokens, fewer than one cache block of {block}: "
+                          "nothing of it could be stored as a reusable block."
+                          if short["request_id"] is None else
+                          f"Request {short['request_id']} began with the same {short['segments']} segment(s), "
+                          f"{short['shared_tokens']} tokens, fewer than one cache block of {block}: a shared "
+                          "part this short cannot be reused."),
+            {"shared_tokens": short["shared_tokens"], "block_size": block, "earlier_request_id": short["request_id"],
+             "segments": short["segments"]},
+        ))
     elif verdict.cached_tokens < block:
         verdict.cause = "new_prefix"
         verdict.evidence.append(Evidence(
@@ -410,6 +555,27 @@ def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None
                       "earlier request had was reused; the rest is new.",
             {"new_tokens": verdict.prompt_tokens - verdict.cached_tokens},
         ))
+
+
+def _too_short(verdict: CacheVerdict, facts: CacheFacts, block: int) -> dict | None:
+    """The prompt itself under one block, or the longest run of leading segments an earlier prompt
+    shares with it (same index, start and content hash from segment 0) when it is under one block."""
+    if verdict.prompt_tokens < block:
+        return {"request_id": None, "shared_tokens": verdict.prompt_tokens, "segments": 0}
+    if facts.segment_matches.height == 0 or facts.segments.height == 0:
+        return None
+    ours = {row["segment_index"]: row for row in facts.segments.iter_rows(named=True)}
+    best = None
+    for (request_id,), rows in facts.segment_matches.group_by(["request_id"]):
+        same = {row["segment_index"] for row in rows.iter_rows(named=True)
+                if row["segment_index"] in ours and row["hash"] == ours[row["segment_index"]]["hash"]
+                and row["token_start"] == ours[row["segment_index"]]["token_start"]}
+        run = 0
+        while run in same:
+            run += 1
+        if run and (best is None or ours[run - 1]["token_end"] > best["shared_tokens"]):
+            best = {"request_id": request_id, "shared_tokens": ours[run - 1]["token_end"], "segments": run}
+    return best if best is not None and 0 < best["shared_tokens"] < block else None
 
 
 def analyze_cache(reader: TraceReader, request_id: str) -> CacheVerdict:

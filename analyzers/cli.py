@@ -1,4 +1,4 @@
-"""Verdicts from the command line: ``tokentrace analyze slow|cache|report``.
+"""Verdicts from the command line: ``tokentrace analyze slow|cache|session|report``.
 
 Asks a running collector (``--url``, default http://127.0.0.1:4318) or reads a DuckDB file directly
 (``--db``) when no collector holds it. Both paths produce the same JSON, rendered the same way;
@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 
-from tokentrace.errors import ConfigError, NotFound, StoreError, TokentraceError
+from tokentrace.errors import ConfigError, TokentraceError, error_for_status
 
 DEFAULT_URL = "http://127.0.0.1:4318"
 
@@ -28,11 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         one = sub.add_parser(name, help=help_text, description=help_text)
         one.add_argument("--request-id", required=True, help="the request's id (X-Request-Id)")
         _analysis_options(one)
+        if name == "slow":
+            _slo_option(one)
+    session = sub.add_parser("session", help="an agent session's turns: gaps, verdicts, whether the cache survived",
+                             description="Each turn of a session with its gap, both verdicts and whether the cache "
+                                         "survived the gap; per instance, the gap beyond which turns come back cold.")
+    session.add_argument("--session-id", required=True, help="the session's id (X-Session-Id or the OpenAI user field)")
+    _analysis_options(session)
     report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
                             description="A summary of the requests that started in the window.")
     report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
     report.add_argument("--causes", type=int, default=25, help="latest misses to compute causes for (default 25)")
     _analysis_options(report)
+    _slo_option(report)
+
+
+def _slo_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slo", default=None,
+                        help="objectives to judge against, e.g. ttft=2s,tpot=50ms (default: the collector's --slo; "
+                             "docs/metrics.md)")
 
 
 def add_source_options(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     """Compute or fetch the verdict, then print it."""
     if args.analysis == "report" and args.causes < 0:
         raise ConfigError(f"--causes must be 0 or more, received {args.causes}")
+    if getattr(args, "slo", None) is not None:
+        from tokentrace.analyzers.slo import parse_slo
+
+        parse_slo(args.slo)  # a bad spec fails here, in one line, before any request
     result = _from_db(args) if args.db else _from_url(args)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
@@ -65,34 +81,57 @@ def run(args: argparse.Namespace) -> int:
 def _from_db(args: argparse.Namespace) -> dict:
     from tokentrace.analyzers.cache import analyze_cache
     from tokentrace.analyzers.report import summarize
+    from tokentrace.analyzers.session import analyze_session
+    from tokentrace.analyzers.slo import parse_slo
     from tokentrace.analyzers.slowness import analyze_slowness
     from tokentrace.collector.store_duckdb import DuckDBStore
     from tokentrace.window import since_ns
 
+    slo = parse_slo(getattr(args, "slo", None))
     store = DuckDBStore(args.db, read_only=True)
     try:
         if args.analysis == "slow":
-            result = analyze_slowness(store, args.request_id).as_dict()
+            result = analyze_slowness(store, args.request_id, slo).as_dict()
         elif args.analysis == "cache":
             result = analyze_cache(store, args.request_id).as_dict()
+        elif args.analysis == "session":
+            result = analyze_session(store, args.session_id).as_dict()
         else:
-            result = summarize(store, since_ns(args.since), cause_sample=args.causes).as_dict()
+            result = summarize(store, since_ns(args.since), cause_sample=args.causes, slo=slo).as_dict()
     finally:
         store.close()
     return json.loads(json.dumps(result))  # the same types the HTTP path yields
 
 
 def _from_url(args: argparse.Namespace) -> dict:
+    slo = {"slo": args.slo} if getattr(args, "slo", None) is not None else {}
     if args.analysis == "report":
-        path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes})
+        path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes, **slo})
+    elif args.analysis == "session":
+        path = f"/api/sessions/{urllib.parse.quote(args.session_id, safe='')}"
     else:
         path = f"/api/requests/{urllib.parse.quote(args.request_id, safe='')}/{args.analysis}"
+        path += "?" + urllib.parse.urlencode(slo) if slo else ""
     return fetch_json(args, path)
+
+
+def collector_url(given: str | None) -> str:
+    """``--url`` (or TOKENTRACE_URL) as a base URL; ``host:port`` without a scheme means http://."""
+    base = (given or os.environ.get("TOKENTRACE_URL") or DEFAULT_URL).strip().rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    scheme = base.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"--url must be an http:// or https:// address such as {DEFAULT_URL}, received {given!r}")
+    return base
 
 
 def fetch_json(args: argparse.Namespace, path: str) -> dict:
     """GET ``path`` from the collector of ``--url`` (with ``--token``); envelope errors become ours."""
-    base = (args.url or os.environ.get("TOKENTRACE_URL") or DEFAULT_URL).rstrip("/")
+    import urllib.error  # here, not at the top: ``--db`` needs no HTTP client
+    import urllib.request
+
+    base = collector_url(args.url)
     request = urllib.request.Request(base + path, headers={"Accept": "application/json"})
     token = args.token or os.environ.get("TOKENTRACE_TOKEN")
     if token:
@@ -102,18 +141,16 @@ def fetch_json(args: argparse.Namespace, path: str) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         message = _envelope_message(exc)
-        if exc.code == 404:
-            raise NotFound(message) from None
-        if exc.code in (400, 401):
-            raise ConfigError(message) from None
-        raise StoreError(f"the collector at {base} answered {exc.code}: {message}") from None
+        if exc.code >= 500:
+            message = f"the collector at {base} answered {exc.code}: {message}"
+        raise error_for_status(exc.code, message) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise TokentraceError(f"cannot reach the collector at {base} ({reason}); start it, or read a stopped "
                               "collector's file with --db FILE") from None
 
 
-def _envelope_message(exc: urllib.error.HTTPError) -> str:
+def _envelope_message(exc) -> str:  # urllib.error.HTTPError
     try:
         return json.loads(exc.read())["error"]["message"]
     except (ValueError, KeyError, TypeError):

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The one word for "nothing to explain" (cache cause None) wherever a cause is counted or shown
+#: (here, not in cache.py, so that rendering a fetched verdict needs no polars).
+NO_CAUSE = "none"
+
 
 @dataclass(frozen=True)
 class Evidence:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from tokentrace.analyzers.evidence import fmt_ms
+from tokentrace.analyzers.evidence import NO_CAUSE, fmt_ms
 
 _BAR = 24
 
 
 def render(kind: str, result: dict) -> str:
-    """Text for ``slow``, ``cache`` or ``report``."""
-    return {"slow": render_slow, "cache": render_cache, "report": render_report}[kind](result)
+    """Text for ``slow``, ``cache``, ``session`` or ``report``."""
+    return {"slow": render_slow, "cache": render_cache, "session": render_session,
+            "report": render_report}[kind](result)
 
 
 def _abnormal(verdict: dict) -> str:
     base = verdict["baseline"]
+    if not base:
+        return "abnormal: not judged"
     if verdict["abnormal"] is None:
         return f"abnormal: unknown (only {base['samples']} comparable requests)"
     judged = "yes" if verdict["abnormal"] else "no"
@@ -24,13 +27,21 @@ def _abnormal(verdict: dict) -> str:
 def render_slow(verdict: dict) -> str:
     """The slowness verdict as a few lines and a bar per phase."""
     parts = verdict["breakdown_ms"]
-    lines = [f"request {verdict['request_id']} on {verdict['instance_id']} ({verdict['engine'] or 'unknown engine'})",
-             f"category: {verdict['category']} · ttft category: {verdict['ttft_category']} · {_abnormal(verdict)}"]
+    lines = [f"request {verdict['request_id']} on {verdict['instance_id']} ({verdict['engine'] or 'unknown engine'})"]
+    if verdict["outcome"] != "completed":
+        lines.append(f"outcome: {verdict['outcome']} · no category")
+    else:
+        lines.append(f"category: {verdict['category']} · ttft category: {verdict['ttft_category']} · "
+                     f"{_abnormal(verdict)}")
     total = max(parts["e2e"] or 0.0, 1e-9)
     for name in ("load_wait", "queue", "prefill", "decode", "other"):
-        value = parts[name] or 0.0
-        lines.append(f"  {name:<10}{fmt_ms(value):>11}  {'█' * round(_BAR * value / total)}")
+        value = parts[name]
+        bar = "unknown" if value is None else "█" * round(_BAR * value / total)
+        lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
     lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
+    for missed in verdict.get("slo_missed") or []:
+        lines.append(f"  missed SLO {missed['slo']}: {fmt_ms(missed['observed_ms'])} over the objective of "
+                     f"{fmt_ms(missed['objective_ms'])}")
     lines.append("evidence:")
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
     return "\n".join(lines)
@@ -38,7 +49,11 @@ def render_slow(verdict: dict) -> str:
 
 def render_cache(verdict: dict) -> str:
     """The cache verdict in a few lines."""
-    cause = verdict["cause"] or "none (everything reusable was reused)"
+    if verdict["result"] is None:
+        lines = [f"request {verdict['request_id']} on {verdict['instance_id']}: {verdict['outcome']}, no cache lookup",
+                 "evidence:"]
+        return "\n".join(lines + [f"  - {item['text']}" for item in verdict["evidence"]])
+    cause = verdict["cause"] or f"{NO_CAUSE} (everything reusable was reused)"
     where = ""
     if verdict.get("cached_on"):
         where = f" (cached on {verdict['cached_on']})"
@@ -46,7 +61,9 @@ def render_cache(verdict: dict) -> str:
         where = f" (evicted by request {verdict['evicted_by']})"
     elif verdict.get("divergence"):
         d = verdict["divergence"]
-        where = f" (diverges at token {d['token_index']}, {d['segment_role']} segment {d['segment_index']})"
+        at = ("between messages (template)" if d["segment_role"] == "template"
+              else f"{d['segment_role']} segment {d['segment_index']}")
+        where = f" (diverges at token {d['token_index']}, {at})"
     lines = [f"request {verdict['request_id']} on {verdict['instance_id']}: {verdict['result']} · cause {cause}{where}",
              f"  prompt {verdict['prompt_tokens']} · cached {verdict['cached_tokens']} · seen {verdict['seen_tokens']} "
              f"tokens (block {verdict['block_size']})", "evidence:"]
@@ -58,9 +75,10 @@ def render_report(report: dict) -> str:
     """The window report as small tables."""
     if not report["requests"]:
         return "no requests in the window"
-    lines = [f"{report['requests']} requests"]
-    lines.append("categories: " + ", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())))
-    causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "none"
+    lines = [f"{report['requests']} requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))]
+    lines.append("categories (completed requests): "
+                 + (", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())) or "-"))
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "-"
     lines.append(f"cache causes (latest {report['cause_sample']} requests that did not reuse their whole prompt): "
                  f"{causes}")
     rate = report["cache"]["token_hit_rate"]
@@ -74,6 +92,7 @@ def render_report(report: dict) -> str:
         lines.append(f"{row['instance_id']!s:<16}{row['requests']:>9}{fmt_ms(t['p50']):>11}{fmt_ms(t['p95']):>10}"
                      f"{fmt_ms(t['p99']):>10}{fmt_ms(p['p50']):>11}{fmt_ms(p['p95']):>10}{fmt_ms(p['p99']):>10}"
                      f"{row['output_tokens_per_s']:>9.1f}")
+    lines.extend(render_slo(report.get("slo")))
     lines.append("slowest:")
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
@@ -82,4 +101,48 @@ def render_report(report: dict) -> str:
         lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
                      f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
                      f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
+    lines.append("(latency, categories and cache figures count completed requests only)")
+    return "\n".join(lines)
+
+
+def render_slo(slo: dict | None) -> list[str]:
+    """SLO attainment lines of a report (none when no objectives are set)."""
+    if not slo:
+        return []
+    parts = []
+    for name, row in slo["objectives"].items():
+        share = "n/a" if row["attainment"] is None else f"{row['attainment']:.1%}"
+        parts.append(f"{name} {share} ({row['met']} met, {row['missed']} missed, {row['unknown']} unknown)")
+    whole = slo["all"]
+    share = "n/a" if whole["attainment"] is None else f"{whole['attainment']:.1%}"
+    goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"
+    return [f"SLO {slo['spec']}: " + "; ".join(parts),
+            f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
+
+
+def _gap(value: float | None) -> str:
+    return "—" if value is None else fmt_ms(value)
+
+
+def render_session(verdict: dict) -> str:
+    """The session verdict: a line per turn, the cold turns' evidence, the thresholds per instance."""
+    lines = [f"session {verdict['session_id']}: {len(verdict['turns'])} turns, "
+             f"{len(verdict['cold_turns'])} came back to a cold cache"
+             + (" (only the latest shown)" if verdict["truncated"] else "")]
+    lines.append(f"  {'turn':>4} {'request':<24} {'instance':<14}{'gap':>11}{'ttft':>11}{'prompt':>8}{'cached':>8}"
+                 f"  {'slow':<11}{'cache':<28}survived")
+    for t in verdict["turns"]:
+        cache = t["cache"]["result"] + (f" ({t['cache']['cause']})" if t["cache"]["cause"] else "")
+        survived = {None: "—", True: "yes", False: "no"}[t["survived"]]
+        lines.append(f"  {t['turn']:>4} {t['request_id']:<24} {t['instance_id']!s:<14}{_gap(t['gap_ms']):>11}"
+                     f"{fmt_ms(t['ttft_ms']):>11}{t['prompt_tokens']!s:>8}{t['cached_tokens']!s:>8}  "
+                     f"{t['slow']['category']:<11}{cache:<28}{survived}")
+    if verdict["evidence"]:
+        lines.append("evidence:")
+        lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
+    for row in verdict["instances"]:
+        after = "unknown" if row["cold_after_ms"] is None else f"{fmt_ms(row['cold_after_ms'])} or more"
+        lines.append(f"{row['instance_id']}: follow-ups come back cold after gaps of {after} "
+                     f"({row['warm']} warm, {row['cold']} cold of {row['follow_ups']}; longest warm gap "
+                     f"{_gap(row['longest_warm_gap_ms'])})")
     return "\n".join(lines)

@@ -1,9 +1,12 @@
 """The window report: categories and causes, slowest requests, per-instance latency, cache reuse.
 
-Categories are computed for every request of the window in one vectorized pass (the same rule as
-``slowness.classify_slowness``: the largest component, ties in the order load_wait, queue, prefill,
-decode). Cache causes need a full cache verdict per request, so they are counted over the most
-recent ``cause_sample`` requests that did not reuse their whole prompt, and the report says so.
+Outcomes and categories are computed for every request of the window in one vectorized pass (the
+same rules as ``outcome.outcome_of`` and ``slowness.classify_slowness``: the largest component,
+ties in the order load_wait, queue, prefill, decode; ``undecomposed`` when one is unknown). Only
+completed requests enter the categories, latency percentiles, the token hit rate, the slowest list
+and the cache causes; the others are counted per outcome. Cache causes need a full cache verdict per
+request, so they are counted over the most recent ``cause_sample`` completed requests that did not
+reuse their whole prompt, and the report says so.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any
 
 import polars as pl
 
-from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, mask_unmeasured, observers, outcome_expr
+from tokentrace.analyzers.slo import SloSpec, attainment
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 
@@ -27,13 +32,15 @@ class Report:
 
     since_ns: int | None
     until_ns: int | None
-    requests: int
-    categories: dict[str, int]  #: requests per slowness category
-    causes: dict[str, int]  #: cache causes over the sampled requests (None counted as "null")
+    requests: int  #: every request that started in the window, whatever its outcome
+    outcomes: dict[str, int]  #: requests per outcome (completed, rejected, failed, cancelled)
+    categories: dict[str, int]  #: completed requests per slowness category (undecomposed included)
+    causes: dict[str, int]  #: cache causes over the sampled requests (no cause counted as "none")
     cause_sample: int  #: how many requests the causes were computed over
     cache: dict[str, Any]  #: token hit rate, requests with any reuse / none
     instances: list[dict[str, Any]]  #: per instance: count, ttft/tpot/e2e p50 p95 p99, tokens/s
     slowest: list[dict[str, Any]] = field(default_factory=list)  #: top requests by e2e
+    slo: dict[str, Any] | None = None  #: attainment and goodput (analyzers.slo), when objectives are set
     routing: list[dict[str, Any]] = field(default_factory=list)
     """Per gateway routing policy: decisions, avoidable prefill tokens summed, decisions with any,
     decisions measured, mean gateway wait (docs/gateway.md); empty without a gateway."""
@@ -43,16 +50,27 @@ class Report:
         return dict(vars(self))
 
 
-def with_categories(frame: pl.DataFrame) -> pl.DataFrame:
-    """Add ``e2e_ms`` and ``category`` columns to a requests frame (vectorized slowness rule)."""
-    parts = [pl.col(f"{name}_ms").fill_null(0.0) for name in _COMPONENTS]
+def with_categories(frame: pl.DataFrame, declared: dict | None = None) -> pl.DataFrame:
+    """Add ``e2e_ms``, ``outcome`` and ``category`` columns to a requests frame (vectorized rules):
+    ``category`` is null unless the request completed, ``undecomposed`` when a component is unknown.
+    ``declared`` (instance -> parts, ``outcome.observers``) nulls the parts an observer does not
+    measure first."""
+    frame = mask_unmeasured(frame, declared or {})
+    parts = [pl.col(f"{name}_ms") for name in _COMPONENTS]
     best = pl.max_horizontal(parts)
     # The first component equal to the maximum wins: ties go to the earlier one in CATEGORIES.
-    category = pl.when(parts[0] == best).then(pl.lit(CATEGORIES[0][1]))
-    for part, (_, label) in zip(parts[1:], CATEGORIES[1:], strict=True):
+    category = pl.when(pl.col("outcome") != COMPLETED).then(None)
+    category = category.when(pl.any_horizontal([part.is_null() for part in parts])).then(pl.lit(UNDECOMPOSED))
+    for part, (_, label) in zip(parts, CATEGORIES, strict=True):
         category = category.when(part == best).then(pl.lit(label))
-    return frame.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("e2e_ms"),
-                              category.otherwise(pl.lit(CATEGORIES[-1][1])).alias("category"))
+    return (frame.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("e2e_ms"),
+                               outcome_expr().alias("outcome"))
+            .with_columns(category.otherwise(pl.lit(CATEGORIES[-1][1])).alias("category")))
+
+
+def declared_parts(reader: TraceReader) -> dict:
+    """instance -> the parts its observer declares (``outcome.observers``), for ``with_categories``."""
+    return observers(reader.frame("observers", instance_id=None).iter_rows(named=True))
 
 
 def percentiles(column: pl.Series) -> dict[str, float | None]:
@@ -63,39 +81,57 @@ def percentiles(column: pl.Series) -> dict[str, float | None]:
     return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
 
 
+def reuse_known(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows of a requests frame whose prompt and cached token counts are both known: a count
+    an engine did not report is unknown, not 0, and stays out of hit rates."""
+    return frame.filter(pl.col("prompt_tokens").is_not_null() & pl.col("cached_tokens").is_not_null())
+
+
 def token_hit_rate(frame: pl.DataFrame) -> float | None:
-    """Prompt tokens served from the cache over all prompt tokens of a requests frame."""
-    prompt = frame["prompt_tokens"].fill_null(0).sum()
-    return round(frame["cached_tokens"].fill_null(0).sum() / prompt, 4) if prompt else None
+    """Prompt tokens served from the cache over all prompt tokens, over the rows of a requests frame
+    that know both counts (``reuse_known``)."""
+    known = reuse_known(frame)
+    prompt = known["prompt_tokens"].sum()
+    return round(known["cached_tokens"].sum() / prompt, 4) if prompt else None
 
 
 def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:
     """The requests whose cache cause a window's count is made of: the latest ``sample`` that did
-    not reuse their whole prompt."""
+    not reuse their whole prompt, among the completed ones."""
+    frame = frame.filter(pl.col("outcome") == COMPLETED)
     prompt, cached = frame["prompt_tokens"].fill_null(0), frame["cached_tokens"].fill_null(0)
     return frame.filter(cached < prompt - 1).sort("start_ns", descending=True).head(sample)
 
 
 def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
-              cause_sample: int = 25, limit: int = 1_000_000) -> Report:
+              cause_sample: int = 25, limit: int = 1_000_000, slo: SloSpec | None = None) -> Report:
     """The report over requests that started in [since, until)."""
     frame = reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit)
-    return summarize_frame(reader, with_categories(frame), since_ns, until_ns, slowest, cause_sample)
+    return summarize_frame(reader, with_categories(frame, declared_parts(reader)), since_ns, until_ns, slowest,
+                           cause_sample, slo)
 
 
 def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | None, until_ns: int | None = None,
-                    slowest: int = 10, cause_sample: int = 25) -> Report:
+                    slowest: int = 10, cause_sample: int = 25, slo: SloSpec | None = None) -> Report:
     """``summarize`` over a requests frame already read and given its categories (``with_categories``)."""
     if frame.height == 0:
-        return Report(since_ns, until_ns, 0, {}, {}, 0, {"token_hit_rate": None}, [], [])
+        return Report(since_ns, until_ns, 0, {}, {}, {}, 0, {"token_hit_rate": None}, [], [],
+                      attainment(frame, slo, None) if slo else None)
+    outcomes = dict(sorted(frame.group_by("outcome").len().iter_rows()))
+    whole = frame
+    frame = frame.filter(pl.col("outcome") == COMPLETED)
     categories = dict(frame.group_by("category").len().iter_rows())
     cached = frame["cached_tokens"].fill_null(0)
+    known = reuse_known(frame)
     cache = {
         "token_hit_rate": token_hit_rate(frame),
         "requests_with_reuse": int((cached > 0).sum()),
         "requests_without_reuse": int((cached == 0).sum()),
+        # Over the requests that know both counts (vllm:prefix_cache_queries/_hits on /metrics).
+        "prompt_tokens": int(known["prompt_tokens"].sum()),
+        "cached_tokens": int(known["cached_tokens"].sum()),
     }
-    span_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
+    span_s = max(1e-9, (whole["end_ns"].max() - whole["start_ns"].min()) / 1e9)
     instances = []
     for (instance,), group in frame.group_by(["instance_id"], maintain_order=True):
         instances.append({
@@ -113,11 +149,11 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
     # cursor (reader contract): two threads use both cores of a small machine.
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-report") as pool:
         for verdict in pool.map(lambda rid: analyze_cache(reader, rid), sample["request_id"].to_list()):
-            cause = verdict.cause or "null"
+            cause = verdict.cause or NO_CAUSE
             causes[cause] = causes.get(cause, 0) + 1
-    return Report(since_ns, until_ns, frame.height, categories, causes, sample.height, cache,
+    return Report(since_ns, until_ns, whole.height, outcomes, categories, causes, sample.height, cache,
                   sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows,
-                  routing_by_policy(reader, since_ns, until_ns))
+                  attainment(whole, slo, span_s) if slo else None, routing_by_policy(reader, since_ns, until_ns))
 
 
 def routing_by_policy(reader: TraceReader, since_ns: int | None, until_ns: int | None) -> list[dict[str, Any]]:

@@ -1,10 +1,14 @@
 """Slowness verdict: where did this request's time go, and is that out of line for its instance?
 
 Definitions (the contract; tests check them):
-- ``breakdown_ms``: load_wait, queue, prefill, decode, other (= e2e - the four), ttft, tpot, e2e.
+- ``outcome``: completed | rejected | failed | cancelled (``outcome.outcome_of``). Only a completed
+  request gets a category; the others get ``category`` None and an ``outcome`` evidence item.
+- ``breakdown_ms``: load_wait, queue, prefill, decode, other (= e2e - the four), ttft, tpot, e2e;
+  a part the observer did not measure is None (never 0), and ``other`` is None unless all four are
+  known.
 - ``category``: the largest of load_wait -> cold_start, queue -> queueing, prefill -> prefill,
-  decode -> decode; ties go to the earlier one in that order. ``ttft_category``: the same over
-  load_wait, queue and prefill.
+  decode -> decode; ties go to the earlier one in that order; ``undecomposed`` when any of the four
+  is unknown. ``ttft_category``: the same over load_wait, queue and prefill.
 - ``abnormal``: the category's component against the instance's own baseline, the median over
   comparable recent requests (same instance, the 30 minutes before, at most 200, successful, not
   cold): load_wait and queue in ms, prefill as ms per uncached token (comparable: uncached tokens
@@ -27,6 +31,9 @@ import polars as pl
 
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
+from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
+from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
+from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
@@ -46,19 +53,23 @@ class SlowVerdict:
     request_id: str
     instance_id: str | None
     engine: str | None
-    breakdown_ms: dict[str, float | None]
-    category: str  #: cold_start | queueing | prefill | decode
-    ttft_category: str  #: cold_start | queueing | prefill
+    outcome: str  #: completed | rejected | failed | cancelled
+    breakdown_ms: dict[str, float | None]  #: None where the part is unknown
+    category: str | None  #: cold_start | queueing | prefill | decode | undecomposed; None unless completed
+    ttft_category: str | None  #: cold_start | queueing | prefill | undecomposed; None unless completed
     abnormal: bool | None  #: None when the baseline has too few comparable requests
     baseline: dict[str, Any]  #: {metric, unit, observed, value, samples, factor, floor}
     tokens: dict[str, int | None]  #: prompt, cached, completion
     evidence: list[Evidence] = field(default_factory=list)
+    #: objectives this request missed, [{slo, objective_ms, observed_ms}] (analyzers.slo); [] if none set
+    slo_missed: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (evidence flattened to {kind, text, ...})."""
-        return {
+        return {"slo_missed": self.slo_missed,
             "request_id": self.request_id, "instance_id": self.instance_id, "engine": self.engine,
-            "breakdown_ms": self.breakdown_ms, "category": self.category, "ttft_category": self.ttft_category,
+            "outcome": self.outcome, "breakdown_ms": self.breakdown_ms, "category": self.category,
+            "ttft_category": self.ttft_category,
             "abnormal": self.abnormal, "baseline": self.baseline, "tokens": self.tokens,
             "evidence": [e.as_dict() for e in self.evidence],
         }
@@ -75,6 +86,8 @@ class SlowFacts:
     holders: pl.DataFrame  #: requests holding batch slots during the queue wait
     steps: pl.DataFrame  #: engine steps in which this request decoded
     cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
+    measures: frozenset[str] | None = None  #: parts the instance's observer declares; None: undeclared
+    hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -83,6 +96,8 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     instance, start = request["instance_id"], request["start_ns"]
+    declared = reader.frame("observers", instance_id=instance)
+    measures = measures_of(declared["attributes"][0]) if declared.height else None
     phases = reader.frame("phases", request_id=request_id, **request_window(request))
     baseline = reader.frame("baseline", instance_id=instance, request_id=request_id,
                             since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
@@ -99,13 +114,22 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
         steps = reader.frame("decode_context", instance_id=instance, request_id=request_id,
                              t0_ns=decode["start_ns"][0] - 1_000_000_000, t1_ns=decode["end_ns"][0])
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
-    cache = analyze_cache(reader, request_id) if category_of(request) == "prefill" else None
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache)
+    prefill = category_of(request, measures) == "prefill"
+    cache = analyze_cache(reader, request_id) if prefill else None
+    hardware = load_hardware(reader, instance, request["end_ns"]) if decode.height else None
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 
-def category_of(request: dict, components: tuple[str, ...] = tuple(name for name, _ in CATEGORIES)) -> str:
-    """The largest of ``components`` in a requests row, ties to the earlier one, as its category."""
-    parts = [float(request.get(f"{name}_ms") or 0.0) for name in components]
+def category_of(request: dict, measures: frozenset[str] | None = None,
+                components: tuple[str, ...] = tuple(name for name, _ in CATEGORIES)) -> str | None:
+    """The largest of ``components`` in a requests row, ties to the earlier one, as its category:
+    None unless the request completed, ``undecomposed`` when any component is unknown."""
+    if outcome_of(request) != COMPLETED:
+        return None
+    known = known_parts(request, measures)
+    parts = [known[name] for name in components]
+    if any(part is None for part in parts):
+        return UNDECOMPOSED
     best = max(range(len(parts)), key=lambda i: (parts[i], -i))
     return dict(CATEGORIES)[components[best]]
 
@@ -123,22 +147,70 @@ def _queue_window(request: dict, phases: pl.DataFrame) -> tuple[int, int] | None
 def classify_slowness(facts: SlowFacts) -> SlowVerdict:
     """The verdict, by the definitions in the module docstring. Pure."""
     r = facts.request
-    parts = {name: float(r.get(f"{name}_ms") or 0.0) for name, _ in CATEGORIES}
+    known = known_parts(r, facts.measures)
+    parts = {name: known[name] for name, _ in CATEGORIES}
     e2e = (r["end_ns"] - r["start_ns"]) / 1e6
-    other = round(max(0.0, e2e - sum(parts.values())), 3)
-    breakdown = {**{k: round(v, 3) for k, v in parts.items()}, "other": other,
-                 "ttft": r.get("ttft_ms"), "tpot": r.get("tpot_ms"), "e2e": round(e2e, 3)}
-    category = category_of(r)
-    top = next(name for name, label in CATEGORIES if label == category)
+    whole = None not in parts.values()
+    other = round(max(0.0, e2e - sum(parts.values())), 3) if whole else None
+    breakdown = {**{k: None if v is None else round(v, 3) for k, v in parts.items()}, "other": other,
+                 "ttft": known["ttft"], "tpot": known["tpot"], "e2e": round(e2e, 3)}
+    outcome = outcome_of(r)
+    category = category_of(r, facts.measures)
+    tokens = {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"),
+              "completion": r.get("completion_tokens")}
+    top = next((name for name, label in CATEGORIES if label == category), None)
+    if top is None:
+        verdict = SlowVerdict(r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
+                              category, None, {}, tokens)
+        (_outcome if outcome != COMPLETED else _undecomposed)(verdict, facts)
+        if outcome == COMPLETED and (breakdown["queue"] or 0) > 0:
+            # The parts that are known still explain themselves: a gateway's queue is measured
+            # even where the engine's prefill is not (docs/gateway.md).
+            _queueing(verdict, facts)
+        verdict.evidence.extend(upstream_evidence(r, "slow"))
+        return verdict
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
-        r["request_id"], r["instance_id"], r.get("engine"), breakdown, category,
-        category_of(r, tuple(name for name, _ in CATEGORIES[:3])), baseline.pop("abnormal"), baseline,
-        {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"), "completion": r.get("completion_tokens")},
+        r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
+        category_of(r, facts.measures, tuple(name for name, _ in CATEGORIES[:3])), baseline.pop("abnormal"),
+        baseline, tokens,
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
     verdict.evidence.extend(upstream_evidence(r, "slow"))
     return verdict
+
+
+def _outcome(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    r = facts.request
+    why = {"rejected": "The engine refused this request", "failed": "This request failed",
+           "cancelled": "This request was cancelled"}[verdict.outcome]
+    details = [f"HTTP {r['http_status']}" if r.get("http_status") is not None else None, r.get("error_type"),
+               f"finish reason {r['finish_reason']}" if r.get("finish_reason") else None,
+               "the client disconnected" if r.get("client_disconnected") else None]
+    said = ", ".join(d for d in details if d)
+    verdict.evidence.append(Evidence(
+        "outcome", f"{why}" + (f" ({said})" if said else "") + "; it is left out of slowness categories, "
+                   "latency percentiles and cache hit rates.",
+        {"outcome": verdict.outcome, "http_status": r.get("http_status"), "error_type": r.get("error_type"),
+         "finish_reason": r.get("finish_reason"), "client_disconnected": r.get("client_disconnected")},
+    ))
+
+
+def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    parts = {name: verdict.breakdown_ms[name] for name, _ in CATEGORIES}
+    known = {name: value for name, value in parts.items() if value is not None}
+    unmeasured = sorted(name for name in parts if facts.measures is not None and name not in facts.measures)
+    unreported = sorted(name for name in parts if parts[name] is None and name not in unmeasured)
+    said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items()) or "none of its phases"
+    missing = ([f"{', '.join(unmeasured)} not measured by this observer"] if unmeasured else []) + (
+        [f"{', '.join(unreported)} not reported for this request"] if unreported else [])
+    verdict.evidence.append(Evidence(
+        "undecomposed", f"Known: {said}; {'; '.join(missing)}. Its largest part cannot be named"
+                        + (f" (TTFT {fmt_ms(verdict.breakdown_ms['ttft'])})." if verdict.breakdown_ms["ttft"]
+                           is not None else "."),
+        {"known_ms": known, "unmeasured": unmeasured, "unreported": unreported,
+         "measures": None if facts.measures is None else sorted(facts.measures)},
+    ))
 
 
 def _uncached(row: dict) -> int:
@@ -148,7 +220,9 @@ def _uncached(row: dict) -> int:
 def _baseline(component: str, r: dict, history: pl.DataFrame) -> dict[str, Any]:
     """Observed vs median of comparable recent requests, and the abnormal test."""
     factor, floor = THRESHOLDS[component]
-    rows = [row for row in history.to_dicts() if not (row.get("load_wait_ms") or 0)] if history.height else []
+    # Comparable: completed, not cold; a part a row does not carry is unknown, not 0, and left out.
+    rows = [row for row in history.to_dicts()
+            if outcome_of(row) == COMPLETED and not (row.get("load_wait_ms") or 0)] if history.height else []
     if component == "prefill":
         uncached = max(1, _uncached(r))
         similar = [row for row in rows if row.get("prefill_ms") is not None
@@ -161,7 +235,7 @@ def _baseline(component: str, r: dict, history: pl.DataFrame) -> dict[str, Any]:
                   and (row.get("completion_tokens") or 0) >= 2]
         observed, metric, unit, scale = r.get("tpot_ms") or 0.0, "tpot_ms", "ms", 1
     else:
-        values = [row.get(f"{component}_ms") or 0.0 for row in rows]
+        values = [row[f"{component}_ms"] for row in rows if row.get(f"{component}_ms") is not None]
         observed, metric, unit, scale = r.get(f"{component}_ms") or 0.0, f"{component}_ms", "ms", 1
     base = median(values)
     abnormal = None
@@ -264,6 +338,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
     ))
     context = (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
     verdict.evidence.append(Evidence("context", f"Context grew to {context} tokens.", {"context_tokens": context}))
+    bandwidth = memory_bandwidth(r, tpot, facts.steps, facts.hardware) if facts.hardware else None
+    if bandwidth is not None:
+        verdict.evidence.append(bandwidth)
     if facts.steps.height == 0:
         return
     steps = facts.steps
@@ -287,6 +364,9 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
         ))
 
 
-def analyze_slowness(reader: TraceReader, request_id: str) -> SlowVerdict:
-    """Load and classify."""
-    return classify_slowness(load_slow_facts(reader, request_id))
+def analyze_slowness(reader: TraceReader, request_id: str, slo: SloSpec | None = None) -> SlowVerdict:
+    """Load and classify; with objectives, also say which of them the request missed."""
+    facts = load_slow_facts(reader, request_id)
+    verdict = classify_slowness(facts)
+    verdict.slo_missed = missed_objectives(facts.request, slo)
+    return verdict

@@ -20,7 +20,19 @@ critical path), of the whole serving process, and of the telemetry threads and e
 Targets: decode loss <= 1 % (small), <= 3 % (tiny); TTFT within 2 %. ``--markdown`` prints the
 table for docs/benchmarks.md.
 
+``--paired N`` (issue 17) replaces the table by a paired measurement that a busy machine cannot bias:
+the engine at 1 stream runs N rounds, each round one short run (``--pair-requests`` requests) of
+every arm in a random order, in this one process: ``bare`` (mlx-lm's loop), ``dropped`` (the
+engine's scheduler with its records thrown away before the telemetry thread: the engine without its
+telemetry) and ``instrumented`` (the whole pipeline). Other load slows a round's runs alike, so the
+per-round ratios cancel it; reported are their geometric mean and a 95 % confidence interval (a
+t-interval on the logs of the per-round ratios). ``instrumented / dropped`` is what telemetry costs; ``dropped / bare``
+is what the engine's own structure (scheduler, records, sampling objects) costs next to mlx-lm's
+bare loop. An interval that contains 1.0 is no evidence of overhead; one that lies below 1.01
+(decode) or above 0.98 bounds it.
+
     python bench/engine_overhead.py [--sizes tiny small] [--reps 5] [--markdown]
+    python bench/engine_overhead.py --sizes small --paired 12 --pair-requests 2
 """
 
 from __future__ import annotations
@@ -29,8 +41,10 @@ import argparse
 import concurrent.futures
 import contextlib
 import datetime
+import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -65,6 +79,21 @@ TELEMETRY_THREADS = ("tokentrace-telemetry", "OtelBatchSpanRecordProcessor", "to
 TELEMETRY_PIDS: list[int] = []
 
 
+#: ``--paired`` only: the exporter process's CPU (ns, /proc/PID/schedstat) read at each request's
+#: submit and first token, in every arm alike, to see how much of it falls inside TTFT windows.
+EXPORTER_PROBE: list[int] = []
+
+
+def exporter_cpu_ns() -> int:
+    """CPU time of the exporter process so far, in ns (0 when not probing or not on Linux)."""
+    if not EXPORTER_PROBE:
+        return 0
+    try:
+        return int(Path(f"/proc/{EXPORTER_PROBE[0]}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def telemetry_cpu_ns() -> tuple[int, int]:
     """CPU time consumed so far by telemetry: (threads of this process, exporter processes)."""
     threads = 0
@@ -92,6 +121,19 @@ class Run:
     process_cpu_ns: int = 0  #: CPU the exporter process used for this run (instrumented engine)
     loop_cpu_ns: int = 0  #: CPU of the thread that ran the generation loop
     serving_cpu_ns: int = 0  #: CPU of the whole serving process (MLX workers and telemetry included)
+    exporter_at_submit: dict = None  #: request index -> exporter CPU ns at submit (``--paired``)
+    exporter_in_ttft: list = None  #: exporter CPU ns spent between each request's submit and first token
+
+    def __post_init__(self) -> None:
+        self.exporter_at_submit, self.exporter_in_ttft = {}, []
+
+    def probe_submit(self, i: int) -> None:
+        if EXPORTER_PROBE:
+            self.exporter_at_submit[i] = exporter_cpu_ns()
+
+    def probe_first(self, i: int) -> None:
+        if EXPORTER_PROBE:
+            self.exporter_in_ttft.append(exporter_cpu_ns() - self.exporter_at_submit.pop(i, 0))
 
     def loop_us_per_token(self) -> float:
         """Generation-loop CPU per generated token: the critical path, little affected by other load."""
@@ -129,6 +171,7 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
     pending = list(range(len(work)))
 
     def start(i: int) -> None:
+        run.probe_submit(i)
         run.submit[i] = time.perf_counter_ns()
         (uid,) = generator.insert([work[i]], max_tokens=[tokens], stop_sequences=[never])
         index[uid] = i
@@ -145,6 +188,7 @@ def bare_engine(generator, work: list[list[int]], tokens: int, concurrency: int)
             run.tokens[i] += 1
             if run.first[i] == 0:
                 run.first[i] = now
+                run.probe_first(i)
             if response.finish_reason is not None:
                 run.last[i] = now
                 done += 1
@@ -171,6 +215,7 @@ def instrumented_engine(scheduler, thread_ident: int, telemetry, work: list[list
         now = time.perf_counter_ns()
         record = RequestRecord(f"bench-{time.monotonic_ns()}-{i}", "/bench", now, max_tokens=tokens)
         record.prompt = Prompt(work[i], ["prompt"], [0], [len(work[i])])
+        run.probe_submit(i)
         run.submit[i] = now
         scheduler.submit(Job(record=record, tokens=work[i], max_tokens=tokens, sampling=sampling, sink=i))
 
@@ -181,6 +226,7 @@ def instrumented_engine(scheduler, thread_ident: int, telemetry, work: list[list
             run.tokens[i] += 1
             if run.first[i] == 0:
                 run.first[i] = now
+                run.probe_first(i)
             if reason is not None:
                 run.last[i] = now
                 job.record.end_ns = now
@@ -271,7 +317,81 @@ def compare(name: str, bare, instrumented, settle, reps: int) -> dict:
     }
 
 
-def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int) -> list[dict]:
+class _Dropped:
+    """A telemetry sink that throws every record away (the ``dropped`` arm of ``--paired``)."""
+
+    def submit(self, record) -> None:
+        pass
+
+
+def paired(arms: dict, settle: dict, rounds: int, seed: int = 17) -> dict[str, list[Run]]:
+    """``rounds`` rounds of one run per arm, in a random order per round; runs per arm, by round."""
+    order = random.Random(seed)
+    runs: dict[str, list[Run]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        names = list(arms)
+        order.shuffle(names)
+        for name in names:
+            runs[name].append(arms[name]())
+            settle.get(name, lambda: None)()
+    return runs
+
+
+#: Two-sided 95 % quantiles of Student's t by degrees of freedom (1-30); 1.96 beyond.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios and its 95 % confidence interval: a t-interval on the logs
+    (pairs independent; a bootstrap interval is too narrow with the few pairs a run affords)."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return (math.exp(logs[0]) if logs else math.nan), math.nan, math.nan
+    mean, n = statistics.fmean(logs), len(logs)
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def paired_summary(name: str, runs: dict[str, list[Run]], comparisons: list[tuple[str, str]]) -> list[dict]:
+    """Per comparison (numerator arm, denominator arm): decode, TTFT and serving-CPU ratios with CIs."""
+    rows = []
+    for num, den in comparisons:
+        pairs = list(zip(runs[num], runs[den], strict=True))
+        rows.append({
+            "name": f"{name}: {num} / {den}", "pairs": len(pairs),
+            "decode": ratio_ci([a.decode_tps() / b.decode_tps() for a, b in pairs]),
+            "ttft": ratio_ci([a.ttft_ms() / b.ttft_ms() for a, b in pairs]),
+            "serving_cpu": ratio_ci([a.serving_us_per_token() / b.serving_us_per_token() for a, b in pairs]),
+            "loop_cpu": ratio_ci([a.loop_us_per_token() / b.loop_us_per_token() for a, b in pairs]),
+            "ttft_ms": (statistics.median(r.ttft_ms() for r in runs[num]),
+                        statistics.median(r.ttft_ms() for r in runs[den])),
+        })
+    return rows
+
+
+def ttft_overlap(runs: list[Run], busy: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """Telemetry-thread work inside TTFT windows: (median ms per request, median share of its TTFT,
+    share of requests with any)."""
+    per_request, shares = [], []
+    for run in runs:
+        for submit, first in zip(run.submit, run.first, strict=True):
+            inside = sum(max(0, min(end, first) - max(start, submit)) for start, end in busy) / 1e6
+            per_request.append(inside)
+            shares.append(inside / ((first - submit) / 1e6) if first > submit else 0.0)
+    if not per_request:
+        return math.nan, math.nan, math.nan
+    return (statistics.median(per_request), statistics.median(shares),
+            sum(1 for x in per_request if x > 0) / len(per_request))
+
+
+def _median_mean(values: list[float]) -> tuple[float, float]:
+    return (statistics.median(values), statistics.fmean(values)) if values else (math.nan, math.nan)
+
+
+def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int, pair_rounds: int = 0,
+               pair_requests: int = 2) -> list[dict]:
     """Every configuration on one model size."""
     from mlx_lm.generate import BatchGenerator
 
@@ -316,6 +436,50 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bare-mlx-lm")
     results = []
     try:
+        if pair_rounds:
+            generator = worker.submit(BatchGenerator, model, completion_batch_size=1, prefill_batch_size=1).result()
+            scheduler.max_batch = 1
+            scheduler._new_generator()
+            batch = work[:pair_requests]
+            dropped, submit = _Dropped(), scheduler._submit
+
+            def drop_run():
+                scheduler._submit = dropped.submit  # the scheduler's own records (steps, heartbeats) too
+                try:
+                    return instrumented_engine(scheduler, thread.ident, dropped, batch, tokens, 1)
+                finally:
+                    scheduler._submit = submit
+
+            arms = {"bare": lambda: worker.submit(bare_engine, generator, batch, tokens, 1).result(),
+                    "dropped": drop_run,
+                    "instrumented": lambda: instrumented_engine(scheduler, thread.ident, telemetry, batch, tokens, 1)}
+            for arm in arms.values():  # warm every path once
+                arm()
+            telemetry.flush()
+            # Where the telemetry thread's work falls in time: (start, end) of each record it handles.
+            busy: list[tuple[int, int]] = []
+            handle = telemetry._handle
+
+            def timed_handle(item, _handle=handle):
+                began = time.perf_counter_ns()
+                try:
+                    _handle(item)
+                finally:
+                    if not isinstance(item, tuple):  # records, not flush markers (those wait on the exporter)
+                        busy.append((began, time.perf_counter_ns()))
+
+            telemetry._handle = timed_handle
+            EXPORTER_PROBE[:] = [exporter.pid]
+            runs = paired(arms, {"instrumented": telemetry.flush}, pair_rounds)
+            EXPORTER_PROBE.clear()
+            telemetry._handle = handle
+            generator.close()
+            rows = paired_summary(f"{size}, engine, 1 stream", runs,
+                                  [("instrumented", "bare"), ("instrumented", "dropped"), ("dropped", "bare")])
+            rows[0]["overlap"] = ttft_overlap(runs["instrumented"], busy)
+            rows[0]["exporter_in_ttft"] = {arm: _median_mean([x / 1e6 for r in arm_runs for x in r.exporter_in_ttft])
+                                           for arm, arm_runs in runs.items()}
+            return rows
         for concurrency in (1, 8):
             # The bare loop runs on a worker thread of its own, like the engine's generation thread:
             # on this machine mlx-lm steps measurably faster off the main thread.
@@ -361,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOAD))
     parser.add_argument("--reps", type=int, default=5, help="alternating repetitions per configuration")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table for docs/benchmarks.md")
+    parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                        help="paired mode: ROUNDS rounds of bare, dropped and instrumented runs in a random order; "
+                             "ratios with 95%% confidence intervals (module docstring)")
+    parser.add_argument("--pair-requests", type=int, default=2, help="requests per run in --paired mode (default 2)")
     args = parser.parse_args(argv)
 
     from tokentrace.engine_shim.mlx.make_model import write_model
@@ -373,12 +541,16 @@ def main(argv: list[str] | None = None) -> int:
             results = []
             for size in args.sizes:
                 model_dir = write_model(Path(tmp) / size, size=size)
-                results += bench_size(size, model_dir, endpoint, Path(tmp) / f"spool-{size}", args.reps)
+                results += bench_size(size, model_dir, endpoint, Path(tmp) / f"spool-{size}", args.reps,
+                                      args.paired, args.pair_requests)
     finally:
         sink.terminate()
         sink.wait(10)
     elapsed = time.monotonic() - started
-    _print(results, args.markdown, elapsed)
+    if args.paired:
+        _print_paired(results, args.markdown, elapsed)
+    else:
+        _print(results, args.markdown, elapsed)
     return 0
 
 
@@ -394,6 +566,36 @@ def _print(results: list[dict], markdown: bool, elapsed: float) -> None:
              f"{r['thread_us_per_token']:.1f}", f"{r['process_us_per_token']:.1f}") for r in results]
     machine = f"{platform.machine()}, {_cpu()}, load average {_load()}"
     print(f"# {datetime.date.today()} on {machine}; {elapsed:.0f} s")
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def _print_paired(results: list[dict], markdown: bool, elapsed: float) -> None:
+    header = ("comparison", "rounds", "decode ratio [95% CI]", "TTFT ratio [95% CI]", "TTFT ms (median, num / den)",
+              "serving CPU per token ratio [95% CI]", "loop CPU per token ratio [95% CI]")
+
+    def ci(values: tuple[float, float, float]) -> str:
+        return f"{values[0]:.3f} [{values[1]:.3f}, {values[2]:.3f}]"
+
+    rows = [(r["name"], str(r["pairs"]), ci(r["decode"]), ci(r["ttft"]),
+             f"{r['ttft_ms'][0]:.2f} / {r['ttft_ms'][1]:.2f}", ci(r["serving_cpu"]), ci(r["loop_cpu"]))
+            for r in results]
+    machine = f"{platform.machine()}, {_cpu()}, load average {_load()}"
+    print(f"# {datetime.date.today()} on {machine}; {elapsed:.0f} s; paired")
+    for r in results:
+        if "overlap" in r:
+            ms, share, hit = r["overlap"]
+            print(f"# {r['name']}: the telemetry thread worked {ms:.3f} ms inside the median request's TTFT window "
+                  f"({share:.1%} of it; {hit:.0%} of requests had some)")
+            print("# exporter process CPU inside TTFT windows, ms, median / mean: " + ", ".join(
+                f"{arm} {ms[0]:.3f} / {ms[1]:.3f}" for arm, ms in r["exporter_in_ttft"].items()))
     if markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))

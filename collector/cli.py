@@ -26,8 +26,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokentrace.collector.server import build_app, open_store
+    from tokentrace.listen import listen_socket
 
     config = settings.load(args)
+    sock = listen_socket(config.host, config.port)  # a busy port fails before the store file exists
     # Ingest allocates millions of short-lived tuples; CPython's default gen-0 threshold (700) makes
     # it collect thousands of times per second for no cycles at all. Measured ~10 % of ingest CPU.
     gc.freeze()
@@ -45,5 +47,10 @@ def run(args: argparse.Namespace) -> int:
     stopped_by: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: stopped_by.append(number))
-    server.run()
+    server.run(sockets=[sock])
+    stop_error = app.state.collector.stop_error
+    if stop_error:
+        print(f"tokentrace collector: error: stopping failed, the store may need its WAL replayed at the next "
+              f"start: {stop_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1

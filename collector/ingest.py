@@ -20,33 +20,46 @@ from starlette.concurrency import run_in_threadpool
 
 from tokentrace.collector.normalize import Batch, normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
-from tokentrace.errors import PayloadError, PayloadTooLarge, UnsupportedMediaType
+from tokentrace.errors import PayloadError, TokentraceError
 
 log = logging.getLogger("tokentrace.collector")
 
 
 class Counters:
-    """Thread-safe ingest counters: accepted spans, and rejects by reason."""
+    """Thread-safe ingest counters: accepted spans, rejects by reason, refused spans by reason and
+    typed values left out by reason."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.accepted_spans = 0
+        self.duplicate_spans = 0
         self.rejected: Counter[str] = Counter()
+        self.invalid_spans: Counter[str] = Counter()
+        self.values_left_out: Counter[str] = Counter()
 
     def reject(self, reason: str, count: int = 1) -> None:
         """Count ``count`` rejects for ``reason`` (a snake_case name, e.g. ``malformed``)."""
         with self._lock:
             self.rejected[reason] += count
 
-    def accept(self, spans: int) -> None:
-        """Count spans stored."""
+    def refuse(self, batch: Batch) -> None:
+        """Count what the normalizer refused or left out of ``batch``, by reason."""
+        with self._lock:
+            self.invalid_spans.update(batch.rejected_by)
+            self.values_left_out.update(batch.left_out)
+
+    def accept(self, spans: int, duplicates: int = 0) -> None:
+        """Count spans stored, and spans left out because they were stored already."""
         with self._lock:
             self.accepted_spans += spans
+            self.duplicate_spans += duplicates
 
     def snapshot(self) -> dict:
         """A JSON-ready copy."""
         with self._lock:
-            return {"accepted_spans": self.accepted_spans, "rejected": dict(self.rejected)}
+            return {"accepted_spans": self.accepted_spans, "duplicate_spans": self.duplicate_spans,
+                    "rejected": dict(self.rejected), "invalid_spans": dict(self.invalid_spans),
+                    "values_left_out": dict(self.values_left_out)}
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
@@ -131,14 +144,9 @@ class Pipeline:
         """Count a payload refused while decoding, by reason, and let the error through."""
         try:
             yield
-        except PayloadTooLarge:
-            self.counters.reject("too_large")
-            raise
-        except PayloadError:
-            self.counters.reject("malformed")
-            raise
-        except UnsupportedMediaType:
-            self.counters.reject("unsupported_media_type")
+        except TokentraceError as exc:
+            self.counters.reject(exc.code)
+            exc.counted = True  # the receiver counts what was not counted here
             raise
 
     def _rebuild(self, broken: ProcessPoolExecutor) -> None:
@@ -154,6 +162,10 @@ class Pipeline:
             self.counters.reject("invalid_span", batch.rejected)
         if batch.truncated:
             self.counters.reject("truncated_value", batch.truncated)
+        if batch.rejected or batch.left_out:
+            self.counters.refuse(batch)
         if batch.rejected and not batch.spans:
-            raise PayloadError(f"no valid span in the request: {batch.message()}")
+            error = PayloadError(f"no valid span in the request: {batch.message()}")
+            error.counted = True  # as invalid_span, above
+            raise error
         return batch

@@ -17,19 +17,27 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
 from tokentrace.engine_shim import translations
 
+# The legacy GenAI spellings a contract llm.request may carry (gen_ai.usage.prompt_tokens, vLLM's
+# gen_ai.latency.* seconds); they live with vLLM's names, which use them.
+from tokentrace.engine_shim.vllm import names as v
+
 TABLES: dict[str, tuple[str, ...]] = {
     "spans": (
         "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns", "end_ns", "status_code",
         "status_message", "service_name", "instance_id", "scope_name", "request_id", "attributes",
-        "events", "links", "resource",
+        "events", "links", "resource", "trace_state", "scope_version", "dropped_attributes_count",
+        "dropped_events_count", "dropped_links_count",
     ),
     "resources": (
         "instance_id", "service_name", "host_name", "engine", "engine_version", "model", "seen_ns",
@@ -40,7 +48,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
-        "observer", "upstream_evidence",
+        "first_content_ms", "observer", "upstream_evidence",
     ),
     "routes": (
         "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
@@ -105,6 +113,24 @@ EXPANDED = frozenset({
 })
 
 DEFAULT_MAX_VALUE_LENGTH = 65_536
+#: The row lists of a Batch in a fixed order: ``Batch.marks`` has one column per entry.
+MARKED: tuple[str, ...] = (*(name for name in TABLES if name not in PACKED), *PACKED)
+#: Times are stored as signed 64-bit nanoseconds (until 2262); OTLP's are unsigned (fixed64), so a
+#: span whose times do not fit is refused (issue 11).
+MAX_TIME_NS = 2**63 - 1
+_INT64 = (-(2**63), 2**63 - 1)
+#: Largest duration a ``*_ms`` summary may hold: 1e10 ms (116 days). Beyond it, and for NaN,
+#: infinities and negative values, the typed column is left empty (the attribute stays as sent).
+MAX_MS = 1e10
+
+
+class _Untyped(Exception):
+    """A contract span's attributes break the contract's types or ranges: the span is stored in
+    ``spans`` with every attribute as sent, and no typed rows (``reason`` is the counter)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -115,8 +141,14 @@ class Batch:
     packed: dict[str, list[tuple]] = field(default_factory=lambda: {name: [] for name in PACKED})
     spans: int = 0  #: spans accepted
     rejected: int = 0  #: spans refused (invalid ids or times)
-    truncated: int = 0  #: attribute values cut to the length limit
+    truncated: int = 0  #: attribute values, span names and status messages cut to the length limit
+    duplicates: int = 0  #: spans the store already held, so left out (set by the store's write)
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
+    rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
+    left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
+    #: Row count of every list (``MARKED`` order) after each accepted span: the rows of span k are
+    #: those between marks[k-1] and marks[k], which lets a store keep only fresh spans (once.py).
+    marks: np.ndarray = field(default_factory=lambda: np.zeros((0, len(MARKED)), dtype=np.int64))
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
@@ -138,16 +170,31 @@ class Batch:
                 for rid, inst, t_ns, source, fingerprint, hashes in self.packed[table]
                 for index, value in enumerate(hashes)]
 
+    def lists(self) -> list[list]:
+        """Every row list, in ``MARKED`` order."""
+        return [self.packed[name] if name in PACKED else self.rows[name] for name in MARKED]
+
     def extend(self, other: Batch) -> None:
         """Append another batch's rows and counts (used to group writes)."""
+        offset = np.array([len(rows) for rows in self.lists()], dtype=np.int64)
+        self.marks = np.vstack([self.marks, other.marks + offset])
         for name, rows in other.rows.items():
             self.rows[name].extend(rows)
         for name, rows in other.packed.items():
             self.packed[name].extend(rows)
         self.spans += other.spans
+        self.duplicates += other.duplicates
         self.rejected += other.rejected
         self.truncated += other.truncated
         self.problems.extend(other.problems)
+        self.rejected_by.update(other.rejected_by)
+        self.left_out.update(other.left_out)
+
+    def leave_out(self, reason: str, message: str) -> None:
+        """Record a typed value (or a span's typed rows) left out: the span itself is stored."""
+        self.left_out[reason] += 1
+        if len(self.problems) < 10:
+            self.problems.append(message)
 
 
 @dataclass
@@ -166,6 +213,7 @@ class _Scope:
 def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAULT_MAX_VALUE_LENGTH) -> Batch:
     """All rows for one OTLP export request."""
     batch = Batch()
+    lists, marks = batch.lists(), []
     for resource_spans in request.resource_spans:
         counter = [0]
         resource = {kv.key: _value(kv.value, max_value_length, counter) for kv in resource_spans.resource.attributes}
@@ -178,15 +226,20 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
         seen_ns = 0
         for r_index, scope_spans in enumerate(resource_spans.scope_spans):
             scope_name = scope_spans.scope.name or None
+            scope_version = scope_spans.scope.version or None
             for s_index, span in enumerate(scope_spans.spans):
-                problem = _invalid(span)
+                # Each field is read once: a read of a protobuf field costs 0.1-0.5 µs, a span ~25 µs.
+                events, end_ns = span.events or None, span.end_time_unix_nano
+                problem = _invalid(span, end_ns, events)
                 if problem:
                     batch.rejected += 1
-                    batch.problems.append(f"scopeSpans[{r_index}].spans[{s_index}]: {problem}")
+                    batch.rejected_by[problem[0]] += 1
+                    batch.problems.append(f"scopeSpans[{r_index}].spans[{s_index}]: {problem[1]}")
                     continue
-                _normalize_span(scope, span, scope_name, resource_json, counter)
+                _normalize_span(scope, span, end_ns, events, (scope_name, scope_version), resource_json, counter)
                 batch.spans += 1
-                seen_ns = max(seen_ns, span.end_time_unix_nano)
+                marks.append(tuple(map(len, lists)))
+                seen_ns = max(seen_ns, end_ns)
         batch.truncated += counter[0]
         if seen_ns:
             batch.rows["resources"].append((
@@ -194,39 +247,74 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
                 _str(resource.get(c.ENGINE)), _str(resource.get(c.ENGINE_VERSION)),
                 _str(resource.get(c.MODEL)), seen_ns, resource_json,
             ))
+            marks[-1] = tuple(map(len, lists))  # the resource row goes with its last span
+    batch.marks = np.array(marks, dtype=np.int64).reshape(len(marks), len(MARKED))
     return batch
 
 
-def _invalid(span) -> str:
+def _invalid(span, end_ns: int, events) -> tuple[str, str] | None:
+    """(reason, message) when the span must be refused; None when it can be stored."""
     if len(span.trace_id) != 16:
-        return f"trace_id must be 16 bytes, received {len(span.trace_id)}"
+        return "bad_id", f"trace_id must be 16 bytes, received {len(span.trace_id)}"
     if len(span.span_id) != 8:
-        return f"span_id must be 8 bytes, received {len(span.span_id)}"
+        return "bad_id", f"span_id must be 8 bytes, received {len(span.span_id)}"
     if span.parent_span_id and len(span.parent_span_id) != 8:
-        return f"parent_span_id must be empty or 8 bytes, received {len(span.parent_span_id)}"
-    if span.end_time_unix_nano < span.start_time_unix_nano:
-        return "end_time_unix_nano is before start_time_unix_nano"
-    return ""
+        return "bad_id", f"parent_span_id must be empty or 8 bytes, received {len(span.parent_span_id)}"
+    if end_ns > MAX_TIME_NS:  # end >= start is checked next, so start fits too
+        return "time_out_of_range", f"end_time_unix_nano must be below 2^63 (the year 2262), received {end_ns}"
+    if end_ns < span.start_time_unix_nano:
+        return "end_before_start", "end_time_unix_nano is before start_time_unix_nano"
+    for event in events or ():
+        if event.time_unix_nano > MAX_TIME_NS:
+            return "time_out_of_range", (f"event {event.name[:80]!r}: time_unix_nano must be below 2^63 (the "
+                                         f"year 2262), received {event.time_unix_nano}")
+    return None
 
 
-def _normalize_span(scope: _Scope, span, scope_name: str | None, resource_json: str, counter: list) -> None:
+def _normalize_span(scope: _Scope, span, end_ns: int, span_events, scope_id: tuple, resource_json: str,
+                    counter: list) -> None:
     attrs = {kv.key: _value(kv.value, scope.max_len, counter) for kv in span.attributes}
     ids = (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex() or None)
-    builder = _BUILDERS.get(span.name) or translations.builder(span.name)
+    name = span.name
+    builder = _BUILDERS.get(name) or translations.builder(name)
     if builder is not None:
-        builder(scope, span, attrs, ids)
+        try:
+            builder(scope, span, attrs, ids)
+        except _Untyped as exc:  # builders raise before they append any row
+            scope.batch.leave_out(exc.reason, f"span {name[:80]} {ids[1]} stored without its typed rows: {exc}")
+            builder = None  # and its columnar attributes stay in spans.attributes, as sent
     events = None
-    if span.events:
-        events = [_event(scope, span, event, attrs, counter) for event in span.events]
-    links = None
-    if span.links:
-        links = [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links]
+    if span_events:
+        events = [_event(scope, span, event, attrs, counter) for event in span_events]
+    links = span.links or None
+    if links:
+        links = [_link(link, scope.max_len, counter) for link in links]
     stored = attrs if builder is None else {k: v for k, v in attrs.items() if k not in EXPANDED}
+    status = span.status
+    message = status.message
+    if len(name) > scope.max_len or len(message) > scope.max_len:  # cut like attribute values
+        counter[0] += (len(name) > scope.max_len) + (len(message) > scope.max_len)
+        name, message = name[:scope.max_len], message[:scope.max_len]
     scope.batch.rows["spans"].append((
-        *ids, span.name, span.kind, span.start_time_unix_nano, span.end_time_unix_nano,
-        span.status.code, span.status.message or None, scope.service_name, scope.instance_id, scope_name,
+        *ids, name, span.kind, span.start_time_unix_nano, end_ns,
+        status.code, message or None, scope.service_name, scope.instance_id, scope_id[0],
         _str(attrs.get(c.REQUEST_ID)), _json(stored), _json(events), _json(links), resource_json,
+        span.trace_state or None, scope_id[1], span.dropped_attributes_count or None,
+        span.dropped_events_count or None, span.dropped_links_count or None,
     ))
+
+
+def _link(link, max_len: int, counter: list) -> dict:
+    """A link as stored in ``spans.links``: ids always; trace state, attributes and the dropped
+    attribute count when the sender set them."""
+    stored = {"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()}
+    if link.trace_state:
+        stored["trace_state"] = link.trace_state
+    if link.attributes:
+        stored["attributes"] = {kv.key: _value(kv.value, max_len, counter) for kv in link.attributes}
+    if link.dropped_attributes_count:
+        stored["dropped_attributes_count"] = link.dropped_attributes_count
+    return stored
 
 
 def _event(scope: _Scope, span, event, span_attrs: dict, counter: list) -> dict:
@@ -234,32 +322,37 @@ def _event(scope: _Scope, span, event, span_attrs: dict, counter: list) -> dict:
     t_ns = event.time_unix_nano
     if event.name == c.EVENT_CACHE_EVICT:
         scope.batch.rows["cache_evictions"].append((
-            scope.instance_id, t_ns, attrs.get(c.ENTRY_FINGERPRINT), attrs.get(c.ENTRY_TOKENS),
-            attrs.get(c.ENTRY_BYTES), _str(attrs.get(c.EVICT_REASON)), _str(attrs.get(c.ENTRY_REQUEST_ID)),
-            _str(span_attrs.get(c.REQUEST_ID)), attrs.get(c.CACHE_ENTRIES), attrs.get(c.CACHE_BYTES),
-            span.span_id.hex(),
+            scope.instance_id, t_ns, _int_of(scope, attrs, c.ENTRY_FINGERPRINT), _int_of(scope, attrs, c.ENTRY_TOKENS),
+            _int_of(scope, attrs, c.ENTRY_BYTES), _str(attrs.get(c.EVICT_REASON)),
+            _str(attrs.get(c.ENTRY_REQUEST_ID)), _str(span_attrs.get(c.REQUEST_ID)),
+            _int_of(scope, attrs, c.CACHE_ENTRIES), _int_of(scope, attrs, c.CACHE_BYTES), span.span_id.hex(),
         ))
     elif event.name in c.LIFECYCLE_EVENTS:
         load_id = attrs.get(c.LOAD_ID, span_attrs.get(c.LOAD_ID))
         scope.batch.rows["instance_events"].append(
             (scope.instance_id, scope.service_name, t_ns, event.name, _str(load_id), span.name)
         )
-    return {"name": event.name, "time_ns": t_ns, "attributes": attrs}
+    stored = {"name": event.name, "time_ns": t_ns, "attributes": attrs}
+    if event.dropped_attributes_count:
+        stored["dropped_attributes_count"] = event.dropped_attributes_count
+    return stored
 
 
 # --- typed rows per span name ---------------------------------------------------------------------
 def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    a = v.with_both_names(a)  # legacy GenAI names too (docs/telemetry.md, "OpenTelemetry GenAI conventions")
     reasons = a.get(c.FINISH_REASONS)
     finish = reasons[0] if isinstance(reasons, list) and reasons else _str(reasons)
     scope.batch.rows["requests"].append((
         _str(a.get(c.REQUEST_ID)) or ids[1], ids[0], ids[1], scope.instance_id, scope.service_name,
         scope.engine, _str(a.get(c.MODEL)) or scope.model, _str(a.get(c.SESSION_ID)), _str(a.get(c.ENDPOINT)),
         span.start_time_unix_nano, span.end_time_unix_nano,
-        _num(a.get(c.QUEUE_MS)), _num(a.get(c.LOAD_WAIT_MS)), _num(a.get(c.PREFILL_MS)),
-        _num(a.get(c.DECODE_MS)), _num(a.get(c.TTFT_MS)), _num(a.get(c.TPOT_MS)),
+        _ms(scope, a, c.QUEUE_MS), _ms(scope, a, c.LOAD_WAIT_MS), _ms(scope, a, c.PREFILL_MS),
+        _ms(scope, a, c.DECODE_MS), _ms(scope, a, c.TTFT_MS), _ms(scope, a, c.TPOT_MS),
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
-        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _observer(scope), _str(a.get(c.UPSTREAM_EVIDENCE)),
+        _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _ms(scope, a, c.FIRST_CONTENT_MS),
+        _observer(scope), _str(a.get(c.UPSTREAM_EVIDENCE)),
     ))
 
 
@@ -278,7 +371,7 @@ def _route(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _str(a.get(c.ROUTE_POLICY)), _str(a.get(c.ROUTE_REASON)), [_str(x) for x in _list(a.get(c.ROUTE_CANDIDATES))],
         [float(x) for x in _list(a.get(c.ROUTE_SCORES)) if isinstance(x, (int, float)) and not isinstance(x, bool)],
         _int(a.get(c.ROUTE_ATTEMPTS)), [_str(x) for x in _list(a.get(c.ROUTE_SKIPPED))],
-        _num(a.get(c.GATEWAY_WAIT_MS)), _int(a.get(c.AVOIDABLE_PREFILL)), _str(a.get(c.AVOIDABLE_FROM)),
+        _ms(scope, a, c.GATEWAY_WAIT_MS), _int(a.get(c.AVOIDABLE_PREFILL)), _str(a.get(c.AVOIDABLE_FROM)),
     ))
 
 
@@ -291,8 +384,11 @@ def _phase(scope: _Scope, span, a: dict, ids: tuple) -> None:
 
 
 def _decode(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    offsets = _column(a, c.DECODE_STEP_OFFSETS)
+    if offsets and (min(offsets) < 0 or span.start_time_unix_nano + max(offsets) > MAX_TIME_NS):
+        raise _Untyped("offset_out_of_range", f"{c.DECODE_STEP_OFFSETS} must be offsets from the span's start "
+                                              f"within 0..2^63 ns, received {min(offsets)}..{max(offsets)}")
     _phase(scope, span, a, ids)
-    offsets = _ints(a.get(c.DECODE_STEP_OFFSETS))
     if offsets:
         scope.batch.packed["decode_steps"].append(
             (_str(a.get(c.REQUEST_ID)), scope.instance_id, span.start_time_unix_nano, offsets))
@@ -305,13 +401,14 @@ def _chunk(scope: _Scope, span, a: dict, ids: tuple) -> None:
     ))
 
 
-def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, a: dict, fingerprint: int | None) -> None:
-    hashes = _ints(a.get(c.CACHE_BLOCK_HASHES))
+def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, hashes: list, fingerprint: int | None) -> None:
     if hashes:
         scope.batch.packed["prefix_blocks"].append((rid, scope.instance_id, t_ns, source, fingerprint, hashes))
 
 
 def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    hashes, starts, ends = _column(a, c.CACHE_BLOCK_HASHES), _column(a, c.SEGMENT_STARTS), _column(a, c.SEGMENT_ENDS)
+    segment_hashes = _column(a, c.SEGMENT_HASHES)
     _phase(scope, span, a, ids)
     rid, t_ns = _str(a.get(c.REQUEST_ID)), span.start_time_unix_nano
     scope.batch.rows["cache_lookups"].append((
@@ -320,17 +417,17 @@ def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_BLOCK_SIZE)),
         _str(a.get(c.CACHE_UNIT)),
     ))
-    _blocks(scope, rid, t_ns, "lookup", a, None)
-    roles, starts, ends = _list(a.get(c.SEGMENT_ROLES)), _ints(a.get(c.SEGMENT_STARTS)), _ints(a.get(c.SEGMENT_ENDS))
-    hashes, snippets = _ints(a.get(c.SEGMENT_HASHES)), _list(a.get(c.SEGMENT_SNIPPETS))
+    _blocks(scope, rid, t_ns, "lookup", hashes, None)
+    roles, snippets = _list(a.get(c.SEGMENT_ROLES)), _list(a.get(c.SEGMENT_SNIPPETS))
     scope.batch.rows["segments"].extend(
-        (rid, scope.instance_id, t_ns, i, _str(role), _at(starts, i), _at(ends, i), _at(hashes, i),
+        (rid, scope.instance_id, t_ns, i, _str(role), _at(starts, i), _at(ends, i), _at(segment_hashes, i),
          _str(_at(snippets, i)))
         for i, role in enumerate(roles)
     )
 
 
 def _insert(scope: _Scope, span, a: dict, ids: tuple) -> None:
+    hashes = _column(a, c.CACHE_BLOCK_HASHES)
     _phase(scope, span, a, ids)
     rid, fingerprint = _str(a.get(c.REQUEST_ID)), _int(a.get(c.ENTRY_FINGERPRINT))
     scope.batch.rows["cache_inserts"].append((
@@ -339,7 +436,7 @@ def _insert(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_MAX_ENTRIES)),
         _int(a.get(c.CACHE_MAX_BYTES)),
     ))
-    _blocks(scope, rid, span.start_time_unix_nano, "insert", a, fingerprint)
+    _blocks(scope, rid, span.start_time_unix_nano, "insert", hashes, fingerprint)
 
 
 def _model_load(scope: _Scope, span, a: dict, ids: tuple) -> None:
@@ -357,11 +454,12 @@ def _load_stage(scope: _Scope, span, a: dict, ids: tuple) -> None:
 
 
 def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
-    starts, durations = _ints(a.get(c.STEPS_START_OFFSETS)), _ints(a.get(c.STEPS_DURATIONS))
-    prefill_seqs, decode_seqs = _ints(a.get(c.STEPS_PREFILL_SEQS)), _ints(a.get(c.STEPS_DECODE_SEQS))
-    prefill_tokens, decode_tokens = _ints(a.get(c.STEPS_PREFILL_TOKENS)), _ints(a.get(c.STEPS_DECODE_TOKENS))
-    names, members = _list(a.get(c.STEPS_REQUESTS)), _ints(a.get(c.STEPS_MEMBERS))
+    starts, durations = _column(a, c.STEPS_START_OFFSETS), _column(a, c.STEPS_DURATIONS)
+    prefill_seqs, decode_seqs = _column(a, c.STEPS_PREFILL_SEQS), _column(a, c.STEPS_DECODE_SEQS)
+    prefill_tokens, decode_tokens = _column(a, c.STEPS_PREFILL_TOKENS), _column(a, c.STEPS_DECODE_TOKENS)
+    names, members = _list(a.get(c.STEPS_REQUESTS)), _column(a, c.STEPS_MEMBERS)
     origin, cursor, rows = span.start_time_unix_nano, 0, scope.batch.rows["steps"]
+    _check_steps(origin, starts, prefill_seqs[:len(starts)] + decode_seqs[:len(starts)], members, len(names))
     for i, offset in enumerate(starts):
         n_prefill, n_decode = _at(prefill_seqs, i) or 0, _at(decode_seqs, i) or 0
         picked = [_str(_at(names, m)) for m in members[cursor : cursor + n_prefill + n_decode]]
@@ -370,6 +468,20 @@ def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
             scope.instance_id, origin + offset, _at(durations, i), n_prefill, n_decode,
             _at(prefill_tokens, i), _at(decode_tokens, i), picked[:n_prefill], picked[n_prefill:],
         ))
+
+
+def _check_steps(origin: int, starts: list[int], counts: list[int], members: list[int], names: int) -> None:
+    """Raise _Untyped unless the step arrays can be expanded: offsets within the store's time range,
+    sequence counts non-negative, members indexing the request ids (a sender may leave members out,
+    as vLLM does: its rows then name no requests)."""
+    if starts and (min(starts) < 0 or origin + max(starts) > MAX_TIME_NS):
+        raise _Untyped("offset_out_of_range", f"{c.STEPS_START_OFFSETS} must be offsets from the span's start "
+                                              f"within 0..2^63 ns, received {min(starts)}..{max(starts)}")
+    if counts and min(counts) < 0:
+        raise _Untyped("steps_invalid", f"sequence counts per step must be 0 or more, received {min(counts)}")
+    if members and (min(members) < 0 or max(members) >= names):
+        raise _Untyped("steps_invalid", f"{c.STEPS_MEMBERS} must index {c.STEPS_REQUESTS} (0..{names - 1}), "
+                                        f"received {min(members)}..{max(members)}")
 
 
 def _heartbeat(scope: _Scope, span, a: dict, ids: tuple) -> None:
@@ -424,22 +536,45 @@ def _value(v, max_len: int, counter: list):
 
 
 def _array(values, max_len: int, counter: list) -> list:
-    # OTLP arrays are homogeneous (common.proto: "array of primitive values ... of the same type");
-    # reading one field per element keeps the columnar arrays (offsets, hashes) fast.
+    # Reading one field per element keeps the columnar arrays (offsets, hashes) fast. An element of
+    # another kind reads as 0 that way, so only zeros get a second look: a mixed array such as
+    # [1, "s", 2.5] is legal OTLP (common.proto) and is kept as sent.
     if not values:
         return []
     kind = values[0].WhichOneof("value")
     if kind == "int_value":
-        return [x.int_value for x in values]
-    if kind == "double_value":
-        return [x.double_value for x in values]
-    return [_value(x, max_len, counter) for x in values]
+        read = [x.int_value for x in values]
+    elif kind == "double_value":
+        read = [x.double_value for x in values]
+    else:
+        return [_value(x, max_len, counter) for x in values]
+    at = -1
+    for _ in range(read.count(0)):  # list.count and list.index scan in C; only zeros cost a step
+        at = read.index(0, at + 1)
+        if values[at].WhichOneof("value") != kind:
+            return [_value(x, max_len, counter) for x in values]
+    return read
 
 
 def _json(value) -> str | None:
     if not value:
         return None
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or an infinity: JSON has none, so they are written as OTLP JSON does
+        return json.dumps(_finite(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value):
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity" (the proto3 JSON mapping of
+    a double, which OTLP JSON uses), everywhere inside ``value``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _str(value) -> str | None:
@@ -449,19 +584,52 @@ def _str(value) -> str | None:
 
 
 def _int(value) -> int | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int):
+    """A 64-bit integer, or None (bools, non-integral numbers, anything else)."""
+    if type(value) is int:  # AnyValue.int_value: always 64-bit
         return value
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and _INT64[0] <= value <= _INT64[1]:
         return int(value)
     return None
 
 
-def _num(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _int_of(scope: _Scope, a: dict, key: str) -> int | None:
+    """``_int`` of attribute ``key``; a value present but not a 64-bit integer is left out, counted."""
+    value = a.get(key)
+    typed = _int(value)
+    if typed is None and value is not None:
+        scope.batch.leave_out("invalid_value", f"{key} must be a 64-bit integer, received {_shown(value)}")
+    return typed
+
+
+def _ms(scope: _Scope, a: dict, key: str, scale: float = 1.0) -> float | None:
+    """A duration summary in ms (attribute ``key`` times ``scale``), when finite and within
+    0..MAX_MS; otherwise left out (counted): NaN, infinities or 1e308 must never reach a verdict."""
+    value = a.get(key)
+    if value is None:
         return None
-    return float(value)
+    if type(value) is float or type(value) is int:
+        ms = value * scale
+        if 0.0 <= ms <= MAX_MS:  # False for NaN
+            return float(ms)
+    scope.batch.leave_out("invalid_value", f"{key} must be a duration within 0..{MAX_MS / scale:g} "
+                                           f"{'s' if scale != 1.0 else 'ms'}, received {_shown(value)}")
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _column(a: dict, key: str) -> list[int]:
+    """A columnar integer attribute (offsets, hashes, per-step counts); [] when absent. Any other
+    value makes the span's typed rows impossible (_Untyped): its elements would not line up."""
+    value = a.get(key)
+    if value is None:
+        return []
+    if isinstance(value, list) and all(type(x) is int for x in value):
+        return value
+    raise _Untyped("column_invalid", f"{key} must be an array of 64-bit integers, received {_shown(value)}")
 
 
 def _bool(value) -> bool | None:
@@ -472,17 +640,11 @@ def _list(value) -> list:
     return value if isinstance(value, list) else []
 
 
-def _ints(value) -> list[int]:
-    if isinstance(value, list) and all(type(x) is int for x in value):
-        return value
-    return [x for x in _list(value) if isinstance(x, int) and not isinstance(x, bool)]
-
-
 def _at(values: list, index: int):
-    return values[index] if index < len(values) else None
+    return values[index] if 0 <= index < len(values) else None
 
 
 # --- for engine translations (tokentrace.engine_shim.translations) ---------------------------------
 #: A translation's builder gets the same scope and reads values with the normalizer's own rules.
 Scope = _Scope
-as_str, as_int, as_num = _str, _int, _num
+as_str, as_int, as_ms = _str, _int, _ms

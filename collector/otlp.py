@@ -28,6 +28,13 @@ JSON = "application/json"
 _PROTOBUF_TYPES = {PROTOBUF, "application/protobuf"}
 _DECOMPRESSORS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 _ID_FIELDS = (("traceId", 16), ("spanId", 8), ("parentSpanId", 8))
+#: Deepest message nesting a JSON body may have: protobuf's own limit for binary payloads.
+_MAX_DEPTH = 100
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 @dataclass(frozen=True)
@@ -96,13 +103,18 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PayloadError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError:
+        raise PayloadError("JSON body is nested too deeply to decode") from None
     if not isinstance(document, dict):
         raise PayloadError(f"OTLP JSON must be an object, received {type(document).__name__}")
     _hex_ids_to_base64(document)
     try:
-        return json_format.ParseDict(document, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+        return json_format.ParseDict(document, ExportTraceServiceRequest(), ignore_unknown_fields=True,
+                                     max_recursion_depth=_MAX_DEPTH)
     except json_format.ParseError as exc:
-        raise PayloadError(f"JSON is not an OTLP ExportTraceServiceRequest: {exc}") from exc
+        raise PayloadError(f"JSON is not an OTLP ExportTraceServiceRequest: {_first_line(exc)}") from exc
+    except RecursionError:
+        raise PayloadError(f"JSON body is nested deeper than {_MAX_DEPTH} messages") from None
 
 
 def _hex_ids_to_base64(document: dict) -> None:

@@ -11,15 +11,24 @@ from tokentrace.collector.stores import open_store as _open
 
 def open_store(config: CollectorConfig):
     """The store named by the settings: --store, or the DuckDB file --db."""
-    return _open(config.store, config.retention)
+    store = _open(config.store, config.retention)
+    if hasattr(store, "limit_memory"):
+        store.limit_memory(config.store_memory_bytes)
+    return store
 
 
 def build_app(config: CollectorConfig, store) -> FastAPI:
     """The collector's ASGI app over an open store: receiver, health, verdict API, dashboard."""
     from tokentrace.analyzers.api import router as verdicts
+    from tokentrace.dashboards.prometheus import MetricsState
+    from tokentrace.dashboards.prometheus import router as metrics
     from tokentrace.dashboards.routes import router as dashboard
 
-    app = create_app(Collector(config, store))
+    collector = Collector(config, store)
+    app = create_app(collector)
+    app.state.metrics = MetricsState(store, config.slo)
+    collector.listeners.append(app.state.metrics)
     app.include_router(verdicts)
+    app.include_router(metrics)
     app.include_router(dashboard)
     return app

@@ -7,6 +7,7 @@ value fails fast in one line naming the setting, what was expected and what arri
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,10 +53,28 @@ def default_parse_workers() -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
+def _yes(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("", "0", "false", "no"):
+        return False
+    raise ValueError("1, true, yes, 0, false or no")
+
+
 def _token(text: str) -> str:
     if not text.strip() or any(ch.isspace() for ch in text):
         raise ValueError("a non-empty token without spaces")
     return text
+
+
+def _slo(text: str):
+    from tokentrace.analyzers.slo import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ConfigError as exc:
+        raise ValueError(f"objectives like ttft=2s,tpot=50ms,e2e=30s, with model=NAME: or instance=NAME: "
+                         f"groups after ';' (docs/metrics.md): {str(exc).removeprefix('--slo: ')}") from None
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,7 @@ class Setting:
     env: str  #: environment variable that sets it
     help: str  #: one line for --help and docs
     parse: Callable[[str], Any] = str  #: text -> value; ValueError says what was expected
+    flag: bool = False  #: a flag without a value on the command line (its variable takes 1 or 0)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -79,16 +99,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host", "127.0.0.1", "TOKENTRACE_HOST", "address to bind; 127.0.0.1 keeps it on this machine"),
     Setting("port", 4318, "TOKENTRACE_PORT", "port of OTLP/HTTP, the API and the dashboard", _port),
     Setting("token", None, "TOKENTRACE_TOKEN", "bearer token required on every endpoint when set", _token),
+    Setting("insecure_no_token", False, "TOKENTRACE_INSECURE_NO_TOKEN",
+            "serve a --host other than loopback without --token: anyone who reaches it may read and write "
+            "traces", _yes, flag=True),
     Setting("spool_dir", None, "TOKENTRACE_SPOOL_DIR", "directory of OTLP files to ingest (watched)"),
     Setting("max_body_bytes", 16 * 1024 * 1024, "TOKENTRACE_MAX_BODY_BYTES",
             "largest request body accepted, after decompression", _positive),
     Setting("max_queue", 256, "TOKENTRACE_MAX_QUEUE",
             "batches waiting for the writer before senders get 503 + Retry-After", _positive),
+    Setting("max_pending_bytes", 256 * 1024 * 1024, "TOKENTRACE_MAX_PENDING_BYTES",
+            "bytes that requests being read, parsed or written may hold (6 x each body) before senders "
+            "get 503 + Retry-After", _positive),
+    Setting("store_memory_bytes", 256 * 1024 * 1024, "TOKENTRACE_STORE_MEMORY_BYTES",
+            "DuckDB stores: memory DuckDB may use for its cache and queries before it evicts or spills to "
+            "disk", _positive),
     Setting("max_attribute_length", 65536, "TOKENTRACE_MAX_ATTRIBUTE_LENGTH",
             "longer attribute strings are truncated (and reported in partial success)", _positive),
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
             "processes that decode and normalize payloads; 0 parses in the collector (default: cores - 1, "
             "at most 4)", _non_negative),
+    Setting("slo", None, "TOKENTRACE_SLO",
+            "service-level objectives, e.g. ttft=2s,tpot=50ms;model=NAME:ttft=1s (docs/metrics.md)", _slo),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
 )
 
@@ -103,11 +134,15 @@ class CollectorConfig:
     host: str
     port: int
     token: str | None
+    insecure_no_token: bool  #: bind beyond loopback without a token, on purpose
     spool_dir: str | None
     max_body_bytes: int
     max_queue: int
+    max_pending_bytes: int
+    store_memory_bytes: int
     max_attribute_length: int
     parse_workers: int
+    slo: Any  #: analyzers.slo.SloSpec, or None
     log_level: str
 
 
@@ -115,9 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per setting; defaults are resolved later so that env vars can fill them."""
     for setting in SETTINGS:
         default = "unset" if setting.default is None else setting.default
+        if setting.flag:
+            parser.add_argument("--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
+                                action="store_const", const="1", help=f"{setting.help} (env {setting.env}=1)")
+            continue
+        shown = "" if "(default" in setting.help else f"default {default}; "  # a help that says its own default
         parser.add_argument(
             "--" + setting.name.replace("_", "-"), dest=setting.name, default=None,
-            help=f"{setting.help} (default {default}; env {setting.env})",
+            help=f"{setting.help} ({shown}env {setting.env})",
         )
 
 
@@ -143,7 +183,29 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
     if values["log_level"] not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, received {values['log_level']!r}")
     _check_store(values, given)
+    _check_exposure(values)
+    if values["spool_dir"]:
+        from tokentrace.collector.spool import check_directory
+
+        check_directory(values["spool_dir"])
     return CollectorConfig(**values)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the collector on this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name may resolve to any address
+
+
+def _check_exposure(values: dict) -> None:
+    """A collector reachable from other machines needs a token, or the operator's explicit word."""
+    if values["token"] is None and not values["insecure_no_token"] and not is_loopback(values["host"]):
+        raise ConfigError(f"--host {values['host']} is reachable from other machines: give --token (or "
+                          "TOKENTRACE_TOKEN), or --insecure-no-token to serve it to anyone on purpose")
 
 
 def _check_store(values: dict, given: set[str]) -> None:

@@ -11,17 +11,21 @@ Writer contract
         next; no transaction spans tables (store_clickhouse.py).
     - On failure it raises ``StoreError``.
         DuckDB: nothing of the batch is stored.
-        ClickHouse: the tables inserted before the failure stay; the sender's retry stores them
-        again (as any batch written twice).
-    - Spans are not deduplicated: a batch written twice is stored twice (OTLP senders retry only
-      on errors). Spool files are: ``write(batch, spool=record)`` with a sha256 already stored stores
-      nothing and returns False.
-        ClickHouse: an insert block identical to a recent one may still be dropped by the server's
-        own insert deduplication (seen with chdb 4.4, ClickHouse 26.9, despite insert_deduplicate=0),
-        so there a batch written twice can be stored once.
+        ClickHouse: the tables inserted before the failure stay, ``spans`` last; the sender's retry
+        of the same batch carries the same deduplication tokens and the server drops those tables'
+        blocks.
+    - Exactly once per span (collector/once.py): a span whose (trace id, span id) is stored already
+      is left out, with every row it made, before anything is written: ``write`` removes them from
+      ``batch`` in place (it then holds what was stored) and sets ``batch.duplicates``. A batch
+      written twice is stored once, whatever grouping or path it came by.
+        DuckDB: checked and written in one transaction.
+        ClickHouse: exact for one collector per store (chdb, or one collector on a server); a
+        server shared by several collectors checks what each collector wrote, and what the others
+        wrote only for spans it looks up in the store (docs/scale-out.md).
+    - Spool files are also known by the sha256 of their bytes: ``write(batch, spool=record)`` with
+      a sha256 already stored stores nothing and returns False.
         DuckDB: the sha256 is recorded in the batch's transaction.
-        ClickHouse: per-table deduplication tokens make a re-ingest after a crash mid-batch store
-        nothing twice; the sha256 is recorded after every table.
+        ClickHouse: the sha256 is recorded after every table.
     - One thread calls it (the writer thread); it is not thread-safe.
     - Writers per store: DuckDB and chdb allow one process per file or directory; a ClickHouse
       server takes any number of collectors at once.
@@ -51,6 +55,7 @@ import polars as pl
 import pyarrow as pa
 
 from tokentrace.collector.normalize import PACKED, Batch
+from tokentrace.errors import RejectedBatch, StoreError
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,20 @@ def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     columns = list(zip(*rows, strict=True))
     arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+#: Exceptions of a write that say a value of the batch does not fit its column (a conversion):
+#: writing the same batch again cannot succeed. Anything else (I/O, a full disk, a busy store)
+#: may pass.
+_CONVERSION_ERRORS = (OverflowError, TypeError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError)
+
+
+def write_failure(exc: BaseException, message: str) -> StoreError | RejectedBatch:
+    """The error a failed write raises: RejectedBatch (permanent, 400) for a value the store cannot
+    hold, StoreError (transient, 503) for everything else."""
+    conversion = isinstance(exc, _CONVERSION_ERRORS) or type(exc).__name__ in ("ConversionException",
+                                                                                 "TypeMismatchException")
+    return RejectedBatch(message) if conversion else StoreError(message)
 
 
 class NamedQueryReader:

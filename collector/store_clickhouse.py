@@ -7,17 +7,18 @@ server gets. Schema: ``sql/clickhouse/NNN_*.sql``; named queries: ``sql/clickhou
 
 Writer guarantees (ClickHouse has no multi-table transactions; compare store.py's contract):
     - ``write`` inserts each non-empty table of the batch as one Arrow INSERT, tables in
-      ``WRITE_ORDER`` (``requests`` last), and returns once every INSERT returned: the server has
-      then committed those parts, so an acknowledged batch is complete and readable from any
-      collector. A reader that sees a ``requests`` row sees every row its batch carried.
-    - Each INSERT is atomic per partition (one part per UTC day it touches). A failure or crash
-      mid-batch can leave the tables already inserted; the sender got no 200 and will resend, so
-      those rows can then be stored twice (as DuckDB stores a twice-sent batch twice).
-    - Spool files stay exactly-once: a file whose sha256 is in ``spool_files`` is skipped; each
-      table of a spool batch is inserted with the deduplication token ``spool:<sha256>:<table>``
-      (kept for the last 1000 inserts of each table), and the ``spool_files`` row goes in last.
-      Re-ingesting a file after a crash, or the same file in two collectors' spools, stores
-      nothing twice.
+      ``WRITE_ORDER`` (``requests`` next to last, ``spans`` last), and returns once every INSERT
+      returned: the server has then committed those parts, so an acknowledged batch is complete and
+      readable from any collector. A reader that sees a ``requests`` row sees every row its batch
+      carried.
+    - Exactly once per span (collector/once.py): spans already stored are left out before any
+      INSERT. A span counts as stored once its ``spans`` row is in, which is inserted last; each
+      table's INSERT carries the deduplication token ``once:<hash of the spans written>:<table>``
+      (kept for the last 1000 inserts of each table), so a batch resent after a crash mid-batch
+      finds the tables inserted before the crash and the server drops those blocks. The writer
+      gives this store one request per write (``group_writes``), so a resend is the same blocks.
+    - Spool files are also known by their sha256: a file whose sha256 is in ``spool_files`` is
+      skipped, and the ``spool_files`` row goes in after every table.
     - Durability is the server's: an INSERT returns after its part is written, not fsynced
       (ClickHouse's default; the table setting ``fsync_after_insert`` changes that). A collector
       killed with -9 loses nothing acknowledged; a power cut of the database host can lose the
@@ -26,6 +27,7 @@ Writer guarantees (ClickHouse has no multi-table transactions; compare store.py'
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,13 +39,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from tokentrace.collector import sqlfiles
+from tokentrace.collector import once, sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import StoreError
 
-#: Insert order: ``requests`` last, so that a request visible to readers has all its rows.
-WRITE_ORDER = (*(t for t in TABLES if t != "requests"), "requests")
+#: Insert order: ``requests`` next to last, so that a request visible to readers has all its rows;
+#: ``spans`` last, so that a span counts as stored (once.py) only once every row it made is in.
+WRITE_ORDER = (*(t for t in TABLES if t not in ("requests", "spans")), "requests", "spans")
 _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Float64": pa.float64(),
           "Bool": pa.bool_(), "Array(String)": pa.list_(pa.string())}
 #: Session settings for readers: SQL-standard NULLs for unmatched outer-join columns, as DuckDB
@@ -51,7 +54,7 @@ _ARROW = {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(), "Floa
 #: of such queries alias inside a subquery instead: sql/clickhouse/queries/slot_holders.sql.)
 _READ_SETTINGS = {"join_use_nulls": 1}
 #: A foreign sender's batch may span many days; ClickHouse would refuse it past 100 partitions.
-_INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0, "insert_deduplicate": 0}
+_INSERT_SETTINGS = {"throw_on_max_partitions_per_insert_block": 0}
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class ClickHouseStore(NamedQueryReader):
             if retention_days is not None:
                 self._retain(retention_days)
             self._schemas = self._arrow_schemas()
+            self._keys = once.SpanKeys()
+            self._keys.load(self.frame("span_key_minutes"),
+                            lambda since_ns: self.frame("span_keys_since", since_ns=since_ns))
         except ClickHouseError as exc:
             self.close()
             raise StoreError(_explain(exc, self.target)) from exc
@@ -177,27 +183,40 @@ class ClickHouseStore(NamedQueryReader):
         return schemas
 
     # --- writer role ------------------------------------------------------------------------------
+    #: The writer thread gives this store one batch per write: a resent request is then the same
+    #: insert blocks with the same deduplication tokens (see ``write``).
+    group_writes = False
+
     def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
-        """Insert ``batch`` table by table, ``requests`` last (guarantees in the module docstring)."""
+        """Insert ``batch`` table by table, ``spans`` last (guarantees in the module docstring)."""
         try:
-            settings = dict(_INSERT_SETTINGS)
-            if spool is not None:
-                if self.spool_seen(spool.sha256):
-                    return False
-                settings["insert_deduplicate"] = 1
+            if spool is not None and self.spool_seen(spool.sha256):
+                return False
+            in_file = batch.spans
+            once.drop_stored(batch, self._keys, self._stored_keys)
+            fresh, spans = batch, batch.rows["spans"]
+            # One token per table from the keys of the spans written: a resend after a crash
+            # mid-batch finds the tables already inserted and the server drops those blocks.
+            digest = hashlib.blake2b(once.key_hashes([r[0] for r in spans], [r[1] for r in spans]).tobytes(),
+                                     digest_size=16).hexdigest()
+            settings = {**_INSERT_SETTINGS, "insert_deduplicate": 1}
             for table in WRITE_ORDER:
-                data = self._table(batch, table)
+                data = self._table(fresh, table)
                 if data is None:
                     continue
-                if spool is not None:
-                    settings["insert_deduplication_token"] = f"spool:{spool.sha256}:{table}"
+                settings["insert_deduplication_token"] = f"once:{digest}:{table}"
                 self._writer.insert_arrow(table, data, settings=settings)
             if spool is not None:
-                self._writer.insert("spool_files", [(spool.sha256, spool.name, batch.spans, time.time_ns())],
+                self._writer.insert("spool_files", [(spool.sha256, spool.name, in_file, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
+            self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
             return True
-        except (ClickHouseError, pa.ArrowException) as exc:
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+        except Exception as exc:
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
+        rows = self.frame("span_keys", starts=starts, traces=traces)
+        return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
     def _table(self, batch: Batch, table: str) -> pa.Table | None:
         if table in PACKED:

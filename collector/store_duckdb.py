@@ -8,6 +8,7 @@ no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector'
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -18,12 +19,24 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from tokentrace.collector import sqlfiles
+from tokentrace.collector import once, sqlfiles
 from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
 from tokentrace.errors import NotFound, StoreError
 
 CHECKPOINT_THRESHOLD = "256MB"
+#: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
+#: needs about this much, and a checkpoint more.
+MIN_FREE_BYTES = 1 << 20
+
+
+def disk_free(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (None: unknown)."""
+    try:
+        stat = os.statvfs(Path(path).resolve().parent)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 _ARROW_TYPES = {
     "VARCHAR": pa.string(),
     "BIGINT": pa.int64(),
@@ -136,6 +149,10 @@ class DuckDBStore(NamedQueryReader):
         self._recent = RecentKeys()
         self._local = threading.local()
         self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
+        self._keys = once.SpanKeys()
+        if not read_only:
+            self._keys.load(self._writer_frame("span_key_minutes"),
+                            lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -182,6 +199,8 @@ class DuckDBStore(NamedQueryReader):
                     return False
                 con.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
                             [spool.sha256, spool.name, batch.spans, time.time_ns()])
+            # Exactly once per span (once.py): rows of spans already stored are left out.
+            once.drop_stored(batch, self._keys, self._stored_keys)
             for table, rows in batch.rows.items():
                 if rows:
                     con.from_arrow(self._arrow(table, rows)).insert_into(table)
@@ -193,12 +212,31 @@ class DuckDBStore(NamedQueryReader):
                         self._record_sightings(con)
                     con.unregister("staged")
             con.execute("COMMIT")
+            spans = batch.rows["spans"]
+            self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
             return True
-        except (duckdb.Error, pa.ArrowException) as exc:
+        except Exception as exc:  # whatever failed, the transaction must not outlive this call
             with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
                 con.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):
+                con.unregister("staged")
             self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
-            raise StoreError(f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+
+    def limit_memory(self, limit_bytes: int) -> None:
+        """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
+        past it DuckDB evicts or spills to ``FILE.tmp``). Unbounded, it grows with what is stored
+        up to 80 % of the machine's memory: measured 15 MB per 8k engine spans written."""
+        self._con.execute(f"SET memory_limit = '{int(limit_bytes)}B'")
+
+    def _writer_frame(self, name: str, **params) -> pl.DataFrame:
+        """A named query on the write connection (inside the writer's transaction)."""
+        sql, params = bind_lists(self._queries.text(name), params)
+        return self._con.sql(sql, params=params).pl()
+
+    def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
+        rows = self._writer_frame("span_keys", starts=starts, traces=traces)
+        return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
     def _record_sightings(self, con: duckdb.DuckDBPyConnection) -> None:
         candidates = con.sql(self._sightings_sql).pl()
@@ -222,11 +260,16 @@ class DuckDBStore(NamedQueryReader):
             raise StoreError(f"closing {self.path} failed: {exc}") from exc
 
     def probe(self) -> None:
-        """Raise StoreError unless the store answers (health check)."""
+        """Raise StoreError unless the store answers and its disk has room (health check)."""
         try:
             self._cursor().execute("SELECT 1").fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+        if not self.read_only:
+            free = disk_free(self.path)
+            if free is not None and free < MIN_FREE_BYTES:
+                raise StoreError(f"the disk holding {self.path} has {free} bytes free: writes would fail "
+                                 f"(at least {MIN_FREE_BYTES} needed)")
 
     # --- reader role ------------------------------------------------------------------------------
     def _cursor(self) -> duckdb.DuckDBPyConnection:

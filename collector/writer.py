@@ -1,16 +1,21 @@
 """The one writer thread: owns the store's write role, drains submitted batches in groups, commits,
-and only then resolves each submitter's future, so nothing is acknowledged before it is durable."""
+and only then resolves each submitter's future, so nothing is acknowledged before it is durable.
+
+The thread is supervised: whatever a write raises, the store has rolled back its transaction, only
+the requests of that group fail (a failed group is retried batch by batch, so only the batch at
+fault fails), and the thread takes the next group. Only ``close`` ends it."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 from tokentrace.collector.normalize import Batch
 from tokentrace.collector.store import SpoolRecord, TraceWriter
-from tokentrace.errors import Overloaded, StoreError
+from tokentrace.errors import Overloaded, RejectedBatch, StoreError
 
 log = logging.getLogger("tokentrace.collector")
 _STOP = object()
@@ -25,7 +30,8 @@ class WriteQueue:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._group_spans = group_spans
         self.capacity = max_pending
-        self.last_error: str | None = None
+        self.last_error: str | None = None  #: why the latest write failed, until one succeeds
+        self.last_error_at = 0.0  #: time.monotonic() of that failure
         self._thread = threading.Thread(target=self._run, name="tokentrace-writer", daemon=True)
         self._thread.start()
 
@@ -68,36 +74,50 @@ class WriteQueue:
                     break
                 group.append(item)
                 spans += item[0].spans
-            self._write_group(group)
+            try:
+                self._write_group(group)
+            except BaseException as exc:  # supervision: only _STOP ends this thread (issue 11)
+                log.exception("unexpected error in the writer; failing its group and going on")
+                for _batch, _spool, future in group:
+                    if not future.done():
+                        future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
 
     def _write_group(self, group: list) -> None:
         plain = [item for item in group if item[1] is None]
-        if len(plain) > 1:
+        if len(plain) > 1 and getattr(self._writer, "group_writes", True):
             merged = Batch()
             for batch, _, _ in plain:
                 merged.extend(batch)
             try:
                 self._writer.write(merged)
-            except StoreError as exc:
+            except Exception as exc:  # the store rolled back; find the batch that failed, alone
                 log.warning("group write failed, retrying batch by batch: %s", exc)
             else:
-                self._done(plain, True)
+                self._on_written(merged)
+                self._done(plain, True, count=False)
                 plain = []
         for item in plain + [item for item in group if item[1] is not None]:
-            batch, spool, future = item
-            try:
-                self._done([item], self._writer.write(batch, spool))
-            except StoreError as exc:
-                self.last_error = str(exc)
-                future.set_exception(exc)
-            except Exception as exc:  # a bug must fail the request, never kill the writer thread
-                log.exception("unexpected error in the writer")
-                self.last_error = repr(exc)
-                future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
+            self._write_one(item)
 
-    def _done(self, items: list, result: bool) -> None:
+    def _write_one(self, item: tuple) -> None:
+        batch, spool, future = item
+        try:
+            result = self._writer.write(batch, spool)
+        except RejectedBatch as exc:  # this batch's values: its sender hears 400, the store is fine
+            log.warning("the store refused a batch: %s", exc)
+            future.set_exception(exc)
+        except StoreError as exc:
+            self.last_error, self.last_error_at = str(exc), time.monotonic()
+            future.set_exception(exc)
+        except Exception as exc:  # a bug must fail the request, never kill the writer thread
+            log.exception("unexpected error in the writer")
+            future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
+        else:
+            self._done([item], result)
+
+    def _done(self, items: list, result: bool, count: bool = True) -> None:
         self.last_error = None
         for batch, _spool, future in items:
-            if result:
+            if result and count:
                 self._on_written(batch)
             future.set_result(result)

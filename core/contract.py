@@ -26,6 +26,11 @@ ENGINE = "tokentrace.engine"
 ENGINE_VERSION = "tokentrace.engine.version"
 MODEL = "gen_ai.request.model"
 OBSERVER = "tokentrace.observer"
+OBSERVER_MEASURES = "tokentrace.observer.measures"
+MODEL_REVISION = "tokentrace.model.revision"
+CHAT_TEMPLATE_HASH = "tokentrace.chat_template.hash"
+HOST_CHIP = "tokentrace.host.chip"
+HOST_MEMORY_BANDWIDTH_GBS = "tokentrace.host.memory_bandwidth_gbs"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -70,6 +75,11 @@ INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
+OPERATION_NAME = "gen_ai.operation.name"
+PROVIDER_NAME = "gen_ai.provider.name"
+RESPONSE_ID = "gen_ai.response.id"
+OPERATION_CHAT = "chat"
+OPERATION_TEXT_COMPLETION = "text_completion"
 QUEUE_MS = "tokentrace.request.queue_ms"
 LOAD_WAIT_MS = "tokentrace.request.load_wait_ms"
 PREFILL_MS = "tokentrace.request.prefill_ms"
@@ -192,6 +202,10 @@ POLICY_LEAST_LOADED = "least_loaded"
 POLICY_SESSION = "session"
 POLICY_PREFIX = "prefix"
 
+#: Per-request parts an observer can declare it measures (``OBSERVER_MEASURES``): the phase
+#: summary of ``llm.request`` by name (``{part}_ms`` in the request row).
+OBSERVER_PARTS = ("load_wait", "queue", "prefill", "decode", "ttft", "tpot")
+
 ENUMS: dict[str, tuple[str, ...]] = {
     ENGINE: (ENGINE_MLX, ENGINE_VLLM, ENGINE_MLX_LM_SERVER, ENGINE_OPENAI, ENGINE_LLAMA_CPP, ENGINE_OLLAMA,
              ENGINE_EXO, ENGINE_SGLANG, ENGINE_LMSTUDIO),
@@ -203,6 +217,8 @@ ENUMS: dict[str, tuple[str, ...]] = {
     CACHE_UNIT: (UNIT_ENTRY, UNIT_BLOCK, UNIT_SLOT, UNIT_TOKEN),
     OBSERVER: (OBSERVER_ENGINE, OBSERVER_PLUGIN, OBSERVER_NATIVE, OBSERVER_GATEWAY),
     ROUTE_POLICY: (POLICY_ROUND_ROBIN, POLICY_LEAST_LOADED, POLICY_SESSION, POLICY_PREFIX),
+    OBSERVER_MEASURES: OBSERVER_PARTS,
+    OPERATION_NAME: (OPERATION_CHAT, OPERATION_TEXT_COMPLETION),
 }
 """Closed value sets, keyed by the attribute that carries them."""
 
@@ -303,13 +319,16 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(OUTPUT_TOKENS, "int", "tokens", "completion tokens"),
             _a(CACHED_TOKENS, "int", "tokens", "prompt tokens reused from the prefix cache"),
             _a(FINISH_REASONS, "string[]", "", "finish reason per choice (stop, length, cancelled, error)"),
+            _a(OPERATION_NAME, "string", "", "GenAI operation (enum): chat or text_completion, from the endpoint"),
+            _a(PROVIDER_NAME, "string", "", "GenAI provider: the engine that served it (mlx-lm, vllm)"),
+            _a(RESPONSE_ID, "string", "", "id of the response body; equals the request id"),
             _a(QUEUE_MS, "double", "ms", "waiting for a batch slot"),
             _a(LOAD_WAIT_MS, "double", "ms", "waiting for the model to load (cold start)"),
             _a(PREFILL_MS, "double", "ms", "admission -> first token"),
             _a(DECODE_MS, "double", "ms", "first token -> last token"),
             _a(TTFT_MS, "double", "ms", "arrival -> first token"),
             _a(TPOT_MS, "double", "ms", "decode_ms / (output tokens - 1)"),
-            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first token with visible content (gateway)"),
+            _a(FIRST_CONTENT_MS, "double", "ms", "arrival -> first response chunk carrying answer text"),
             _a(E2E_MS, "double", "ms", "arrival -> last byte, as the gateway measured it"),
             _a(GATEWAY_WAIT_MS, "double", "ms", "waited at the gateway for an upstream slot (queueing)"),
             _a(UPSTREAM_EVIDENCE, "string", "", "engine-specific facts the upstream reported (JSON object)"),
@@ -479,6 +498,13 @@ RESOURCE: tuple[Attr, ...] = (
     _a(ENGINE_VERSION, "string", "", "engine package version"),
     _a(MODEL, "string", "", "model served"),
     _a(OBSERVER, "string", "", "who observed this resource's spans (enum); absent: engine"),
+    _a(OBSERVER_MEASURES, "string[]", "", "request parts this observer measures (OBSERVER_PARTS); "
+       "a part left out is unknown, never zero"),
+    _a(MODEL_REVISION, "string", "", "identity of the weights and config served (hex digest)"),
+    _a(CHAT_TEMPLATE_HASH, "string", "", "identity of the chat template in use (hex digest)"),
+    _a(HOST_CHIP, "string", "", "the chip the engine computes on ('Apple M2 Pro', a CUDA device name)"),
+    _a(HOST_MEMORY_BANDWIDTH_GBS, "double", "GB/s", "peak memory bandwidth declared by the operator "
+       "(--memory-bandwidth-gbs); overrides the chip's published figure"),
 )
 
 SPANS_BY_NAME: dict[str, SpanSpec] = {spec.name: spec for spec in SPANS}

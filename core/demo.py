@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +25,8 @@ from tokentrace.errors import TokentraceError
 
 INSTANCES = {"A": "demo-a", "B": "demo-b"}
 #: Which evidence the table shows first: the most specific fact of each verdict.
-KEY_EVIDENCE = ("prefill_interference", "blocker", "load", "eviction", "cached_elsewhere", "divergence",
-                "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
+KEY_EVIDENCE = ("outcome", "prefill_interference", "blocker", "load", "eviction", "restart", "cached_elsewhere",
+                "divergence", "too_short", "not_cached_yet", "new_prefix", "reused", "prefill_tokens", "tpot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit", action="store_true", help="stop after printing the verdicts")
     parser.add_argument("--port", type=int, default=4318,
                         help="collector port (default 4318; 0, or a taken port, picks a free one)")
-    parser.add_argument("--workdir", default=None, help="where the model, store and logs go (default: a temp dir)")
+    parser.add_argument("--workdir", default=None,
+                        help="where the model, store and logs go, kept afterwards (default: a temporary "
+                             "directory, removed when the demo stops)")
 
 
 def _free_port(preferred: int | None = None) -> int:
@@ -125,25 +129,44 @@ def collect_verdicts(collector_url: str, request_ids: list[str]) -> dict[str, di
 def verdict_holds(shown, verdicts: dict) -> bool:
     """Whether a request got the verdict its scenario shows."""
     slow, cache = verdicts["slow"], verdicts["cache"]
+    if shown.verdict == "outcome":
+        return slow["outcome"] == shown.expect and slow["category"] is None
     if shown.verdict == "slow":
         return slow["abnormal"] is False if shown.expect is None else slow["category"] == shown.expect
     return cache["cause"] == shown.expect and (shown.expect is not None or cache["result"] == "hit")
 
 
+#: Width of the evidence column: longer evidence ends at a word, with an ellipsis.
+EVIDENCE_WIDTH = 110
+LEGEND = ("abnormal? compares the request's slowest component with its instance's own recent requests: "
+          "yes, no, or n/a when fewer than 3 comparable requests exist to judge by.")
+
+
 def render_table(shown: list, verdicts: dict[str, dict]) -> str:
-    """One line per shown request: scenario, id, instance, both verdicts, the key evidence."""
-    lines = [f"{'':2}{'scenario':<36}{'request':<20}{'inst':<8}{'slow (abnormal)':<24}{'cache':<26}evidence"]
+    """One line per request shown: its scenarios, id, instance, both verdicts, the key evidence.
+
+    A request that shows two scenarios (a slowness and a cache verdict) is one row; its mark is ✓
+    only when both verdicts hold."""
+    from tokentrace.analyzers.cache import NO_CAUSE
+
+    rows: dict[str, list] = {}
     for item in shown:
-        slow, cache = verdicts[item.request_id]["slow"], verdicts[item.request_id]["cache"]
-        abnormal = {True: "yes", False: "no", None: "?"}[slow["abnormal"]]
-        cache_text = f"{cache['result']}/{cache['cause'] or 'none'}"
-        pool = slow["evidence"] if item.verdict == "slow" else cache["evidence"]
+        rows.setdefault(item.request_id, []).append(item)
+    labels = {request_id: " + ".join(item.label for item in items) for request_id, items in rows.items()}
+    width = max(36, *(len(label) + 2 for label in labels.values()))
+    lines = [f"{'':2}{'scenario':<{width}}{'request':<20}{'inst':<8}{'slow (abnormal?)':<24}{'cache':<26}evidence"]
+    for request_id, items in rows.items():
+        slow, cache = verdicts[request_id]["slow"], verdicts[request_id]["cache"]
+        abnormal = {True: "yes", False: "no", None: "n/a"}[slow["abnormal"]]
+        cache_text = f"{cache['result'] or 'no lookup'}/{cache['cause'] or NO_CAUSE}"
+        pool = slow["evidence"] if items[0].verdict != "cache" else cache["evidence"]
         ranked = sorted(pool, key=lambda e: KEY_EVIDENCE.index(e["kind"]) if e["kind"] in KEY_EVIDENCE else 99)
         key = ranked[0] if ranked else None
-        mark = "✓" if verdict_holds(item, verdicts[item.request_id]) else "✗"
-        lines.append(f"{mark} {item.label:<36}{item.request_id:<20}{INSTANCES[item.instance]:<8}"
-                     f"{slow['category'] + ' (' + abnormal + ')':<24}{cache_text:<26}"
-                     f"{(key or {}).get('text', '')[:110]}")
+        mark = "✓" if all(verdict_holds(item, verdicts[request_id]) for item in items) else "✗"
+        evidence = textwrap.shorten((key or {}).get("text", ""), EVIDENCE_WIDTH, placeholder=" …")
+        lines.append(f"{mark} {labels[request_id]:<{width}}{request_id:<20}{INSTANCES[items[0].instance]:<8}"
+                     f"{(slow['category'] or slow['outcome']) + ' (' + abnormal + ')':<24}{cache_text:<26}{evidence}")
+    lines.append(LEGEND)
     return "\n".join(lines)
 
 
@@ -164,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     from tokentrace.demo_workload import Cluster, run_workload
 
     began = time.monotonic()
+    temporary = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tokentrace-demo-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port(args.port)
@@ -189,12 +213,15 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(shown, verdicts))
         held = all(verdict_holds(item, verdicts[item.request_id]) for item in shown)
         print(f"\n{sum(verdict_holds(i, verdicts[i.request_id]) for i in shown)} of {len(shown)} verdicts as "
-              f"expected, in {time.monotonic() - began:.0f} s.")
+              f"expected ({len(verdicts)} requests), in {time.monotonic() - began:.0f} s.")
         print(f"dashboard: {stack.collector_url}/   ·   try: tokentrace analyze slow --request-id demo-queued "
               f"--url {stack.collector_url}")
         if not args.exit:
-            print("the engines have stopped; the collector and its dashboard keep running until Ctrl-C.", flush=True)
+            print("the engines have stopped; the collector and its dashboard keep running until Ctrl-C"
+                  + (" (then the demo's temporary directory is removed)." if temporary else "."), flush=True)
             _wait_for_interrupt()
         return 0 if held else 1
     finally:
         stack.stop()
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)

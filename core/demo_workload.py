@@ -32,8 +32,8 @@ class Shown:
     label: str  #: what the scenario demonstrates
     request_id: str
     instance: str  #: "A" or "B"
-    verdict: str  #: "slow" or "cache": which verdict demonstrates it
-    expect: str | None  #: the category or cause it should get (None: cache hit)
+    verdict: str  #: "slow", "cache" or "outcome": which verdict demonstrates it
+    expect: str | None  #: the category, cause or outcome it should get (None: cache hit)
 
 
 @dataclass
@@ -71,6 +71,15 @@ def chat(url: str, request_id: str, messages: list[dict], max_tokens: int, sessi
     if session:
         body["user"] = session
     return _post(url, request_id, body)
+
+
+def refused(url: str, request_id: str, body: dict) -> int:
+    """Send a request the engine must refuse; returns the HTTP status it answered."""
+    try:
+        _post(url, request_id, body)
+    except TokentraceError as exc:
+        return int(str(exc).split(" answered ", 1)[1].split(" ", 1)[0])
+    raise TokentraceError(f"{url} accepted request {request_id}, which it should have refused")
 
 
 def reply(answer: dict) -> dict:
@@ -188,10 +197,54 @@ def steady(cluster: Cluster) -> list[Shown]:
     return [Shown("a request that is fast everywhere", "demo-fast", "B", "slow", None)]
 
 
+def edited_assistant(cluster: Cluster) -> list[Shown]:
+    """The same conversation again, with an earlier assistant answer edited."""
+    b = cluster.engines["B"]
+    history = [_system(110), _user(111)]
+    first = chat(b, "demo-edit-1", history, 8, "conv-edit")
+    history += [reply(first), _user(112)]
+    chat(b, "demo-edit-2", history, 4, "conv-edit")
+    edited = {"role": "assistant", "content": "(edited) " + reply(first)["content"]}
+    chat(b, "demo-edit-3", [history[0], history[1], edited, history[3], _user(113)], 4, "conv-edit")
+    return [Shown("earlier assistant answer edited", "demo-edit-3", "B", "cache", "prefix_change")]
+
+
+def tools_added(cluster: Cluster) -> list[Shown]:
+    """The same messages again, now with a tools block: only what lies between messages changed."""
+    b = cluster.engines["B"]
+    messages = [_system(120), _user(121)]
+    chat(b, "demo-tools-before", messages, 4, "conv-tools")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    _post(b, "demo-tools-after", {"messages": messages, "tools": tools, "max_tokens": 4, "ignore_eos": True,
+                                  "user": "conv-tools"})
+    return [Shown("tools block added, messages unchanged", "demo-tools-after", "B", "cache", "prefix_change")]
+
+
+def too_short(cluster: Cluster) -> list[Shown]:
+    """Two prompts that share only a system prompt shorter than one cache block."""
+    b = cluster.engines["B"]
+    # The user messages differ from their first character, so the prompts share the system message
+    # and the user turn's opening markup: 15 tokens with the tiny model's tokenizer, under one block.
+    system = {"role": "system", "content": "ok"}
+    chat(b, "demo-short-1", [system, {"role": "user", "content": "Q" + _words(130, 24)}], 2)
+    chat(b, "demo-short-2", [system, {"role": "user", "content": "Z" + _words(131, 24)}], 2)
+    return [Shown("shared part under one block", "demo-short-2", "B", "cache", "too_short")]
+
+
+def refused_requests(cluster: Cluster) -> list[Shown]:
+    """A prompt over the model's context and an unknown model: the engine refuses both."""
+    b = cluster.engines["B"]
+    refused(b, "demo-too-long", {"messages": [_user(140, 900)], "max_tokens": 4})  # ~2,800 tokens > 2,048
+    refused(b, "demo-unknown-model", {"model": "no-such-model", "messages": [_user(141)], "max_tokens": 4})
+    return [Shown("prompt over the context limit", "demo-too-long", "B", "outcome", "rejected"),
+            Shown("unknown model", "demo-unknown-model", "B", "outcome", "rejected")]
+
+
 #: The scenarios in the order the demo runs them (B's cold start must come first).
 SCENARIOS: tuple[Callable[[Cluster], list[Shown]], ...] = (
     cold_start, prefix_change, instance_change, clean_hit, queueing, capacity, long_prompt, contended_decode,
-    steady,
+    steady, edited_assistant, tools_added, too_short, refused_requests,
 )
 
 

@@ -1,15 +1,23 @@
 """``/cache``: the "global cache capacity" view the field reports say nobody has: per instance, the
 prefix cache's bytes and entries against its limits, and how many more sessions of the recent
-average context would fit; evictions over time by reason, token hit rate over time, miss causes.
+median session length would fit; evictions over time by reason, token hit rate over time, miss causes.
 
-Capacity estimate, per instance, from its latest heartbeat and the window's requests:
-    session bytes   = KV bytes per token x average context (prompt + output tokens) of its requests
+Capacity estimate, per instance, from its latest heartbeat and the window's requests (the KV budget):
+    session bytes   = KV bytes per token x the median session length (``session_length``: per
+                      session, its longest prompt + output tokens; a request without a session id
+                      is a session of its own)
     more sessions   = min(free bytes / session bytes, free entries)
     sessions in all = min(byte limit / session bytes, entry limit)
 Entries bound sessions only where one entry holds one sequence (unit ``entry`` or ``slot``); a
 vLLM entry is a KV block (unit ``block``), which the byte figures already cover. Cluster totals add
 the instances up: caches are per instance, so one instance's room does not help a session pinned to
 another (the field report's "position boundary"); entries are totalled per unit, never across units.
+
+Hit rate against capacity, per instance: the window's latest ``CURVE_REQUESTS`` requests replayed where they were served
+(``whatif``'s default block model, docs/whatif.md) at ``CURVE_POINTS`` capacities evenly spaced up
+to a little beyond the largest number of distinct prompt tokens one instance saw (where every
+capacity gives the unlimited ratio), and at each instance's own limit in tokens (byte limit / KV
+bytes per token).
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace import contract as c
-from tokentrace.analyzers.report import token_hit_rate
+from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
+from tokentrace.analyzers.report import reuse_known, token_hit_rate
+from tokentrace.analyzers.whatif import Capacity, assign, replay
+from tokentrace.analyzers.workload import load_workload
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
@@ -30,6 +41,65 @@ from tokentrace.dashboards.web import page
 from tokentrace.window import since_ns
 
 RECENT_EVICTIONS = 20
+CURVE_POINTS = 10
+#: The curve replays the window's latest requests only: the page refreshes every few seconds.
+CURVE_REQUESTS = 1000
+
+
+#: Curves computed lately, by the requests they replayed: a live page refreshes every 5 s and
+#: replaying is the costly part (about a second for 1,000 long prompts on a busy 2-core machine).
+_CURVES: dict[tuple, tuple[float, dict[str, Any]]] = {}
+CURVE_TTL_S = 60.0
+
+
+def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]:
+    """Per instance, the token hit ratio the window's traffic gets at each capacity (module docstring)."""
+    workload = load_workload(reader, window_ns, limit=CURVE_REQUESTS)
+    if not workload.requests:
+        return {"chart": {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
+                          "empty": "no requests with a prompt fingerprint in this window"}, "instances": []}
+    key = (len(workload.requests), workload.requests[0].request_id, workload.requests[-1].request_id,
+           tuple(sorted((k, v.cache_max_bytes) for k, v in workload.instances.items())))
+    now = time.monotonic()
+    cached = _CURVES.get(key)
+    if cached is not None and now - cached[0] < CURVE_TTL_S:
+        return cached[1]
+    curve = _replay_curve(workload)
+    for stale in [k for k, (t, _) in _CURVES.items() if now - t >= CURVE_TTL_S]:
+        _CURVES.pop(stale, None)
+    _CURVES[key] = (now, curve)
+    return curve
+
+
+def _replay_curve(workload) -> dict[str, Any]:
+    ids = workload.recorded_ids()
+    chosen = assign(workload, len(ids), "recorded")
+    distinct = [set() for _ in ids]
+    for r, k in zip(workload.requests, chosen, strict=True):
+        distinct[k].update(r.blocks)
+    need = max(len(blocks) for blocks in distinct) * workload.block_size
+    step = max(workload.block_size, -(-need * 6 // 5 // CURVE_POINTS))
+    x = [step * (i + 1) for i in range(CURVE_POINTS)]
+    runs = [replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in x]
+    unlimited = replay(workload, Capacity(), len(ids), "recorded", chosen)
+    own = {}
+    for name in ids:
+        facts = workload.instances[name]
+        if facts.cache_max_bytes and facts.kv_bytes_per_token:
+            own[name] = facts.cache_max_bytes // facts.kv_bytes_per_token
+    at_own = {c: replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in set(own.values())}
+    rows = []
+    for k, name in enumerate(ids):
+        mine = at_own[own[name]]["per_instance"][k] if name in own else None
+        rows.append({"instance_id": name, "capacity_tokens": own.get(name),
+                     "token_hit_ratio_at_capacity": mine["token_hit_ratio"] if mine else None,
+                     "token_hit_ratio_unlimited": unlimited["per_instance"][k]["token_hit_ratio"],
+                     "requests": unlimited["per_instance"][k]["requests"]})
+    chart = {"kind": "line", "x_type": "index", "unit": "pct", "x": x, "x_label": "capacity (tokens)",
+             "series": [{"name": name, "y": [run["per_instance"][k]["token_hit_ratio"] for run in runs]}
+                        for k, name in enumerate(ids)],
+             "empty": "no requests with a prompt fingerprint in this window"}
+    return {"chart": chart, "instances": rows}
 
 #: Cache units whose entries each hold one sequence, so that free entries bound the sessions that fit.
 SEQUENCE_UNITS = (c.UNIT_ENTRY, c.UNIT_SLOT)
@@ -46,12 +116,22 @@ def _least(*values: int | None) -> int | None:
     return min(known) if known else None
 
 
+def session_length(requests: pl.DataFrame) -> float | None:
+    """The median session length in tokens: per session, its longest context (prompt + output tokens)
+    in the window, the latest turn's in a growing conversation; a request without a session id is a
+    session of its own. None without requests."""
+    if requests.height == 0:
+        return None
+    context = pl.col("prompt_tokens").fill_null(0) + pl.col("completion_tokens").fill_null(0)
+    key = pl.coalesce(pl.lit("s:") + pl.col("session_id"), pl.lit("r:") + pl.col("request_id"))
+    per_session = requests.group_by(key.alias("session")).agg(context.max().alias("tokens"))
+    return float(per_session["tokens"].median())
+
+
 def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     """One instance's cache use against its limits and the sessions that fit (module docstring)."""
     mine = requests.filter(pl.col("instance_id") == beat["instance_id"])
-    context = None
-    if mine.height:
-        context = float((mine["prompt_tokens"].fill_null(0) + mine["completion_tokens"].fill_null(0)).mean())
+    context = session_length(mine)
     per_token, used, limit = beat["kv_bytes_per_token"], beat["cache_bytes"], beat["cache_max_bytes"]
     entries, max_entries = beat["cache_entries"], beat["cache_max_entries"]
     session = per_token * context if per_token and context else None
@@ -66,7 +146,7 @@ def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
         "entries": entries, "max_entries": max_entries, "unit": unit,
         "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
         "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
-        "requests": mine.height, "avg_context_tokens": None if context is None else round(context, 1),
+        "requests": mine.height, "median_session_tokens": None if context is None else round(context, 1),
         "session_bytes": None if session is None else round(session),
         "more_sessions": _least(_fit(free_bytes, session), free_entries if per_sequence else None),
         "sessions_in_all": _least(_fit(limit, session), max_entries if per_sequence else None),
@@ -100,8 +180,11 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     width = series.step_ns(t0, t1)
     buckets = series.bucket_starts(t0, t1, width)
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
-    hit, counted = series.ratio(requests, "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
-    causes, sampled = window_causes(reader, requests, CAUSE_SAMPLE)
+    # Hit rates and causes count completed requests only (docs/analyzers.md, "Outcome").
+    completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
+    hit, counted = series.ratio(reuse_known(completed), "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
+    causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
+    curve = capacity_curve(reader, window_ns)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
         group = thin(group.filter(pl.col("cache_max_bytes") > 0))
@@ -118,9 +201,11 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},
             "recent": evictions.tail(RECENT_EVICTIONS).reverse().to_dicts()},
-        "hit_rate": {"token_hit_rate": token_hit_rate(requests), "t": buckets, "rate": hit, "requests": counted},
+        "hit_rate": {"token_hit_rate": token_hit_rate(completed), "t": buckets, "rate": hit, "requests": counted},
         "causes": causes, "cause_sample": sampled,
+        "capacity_curve": curve["instances"],
         "charts": {
+            "capacity_curve": curve["chart"],
             "fill": {"kind": "line", "x_type": "time", "unit": "pct", "series": fill,
                      "hline": {"name": "limit", "value": 1},
                      "x_min": t0 / 1e6, "x_max": t1 / 1e6,

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import polars as pl
 
-from tokentrace.analyzers.cache import analyze_cache
+from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
 from tokentrace.analyzers.report import cause_candidates
 from tokentrace.collector.store import TraceReader
 
@@ -33,14 +33,14 @@ class CauseMemo:
         self._lock = threading.Lock()
 
     def cause(self, reader: TraceReader, request_id: str) -> str:
-        """The request's cache cause ('null' when everything reusable was reused)."""
+        """The request's cache cause (NO_CAUSE when everything reusable was reused)."""
         key, now = (id(reader), request_id), time.monotonic()
         with self._lock:
             hit = self._items.get(key)
             if hit and now - hit[0] < self.ttl_s:
                 self._items.move_to_end(key)
                 return hit[1]
-        cause = analyze_cache(reader, request_id).cause or "null"
+        cause = analyze_cache(reader, request_id).cause or NO_CAUSE
         with self._lock:
             self._items[key] = (now, cause)
             while len(self._items) > self.size:

@@ -1,4 +1,4 @@
-"""Export traces for other tools: ``tokentrace export perfetto``.
+"""Export traces for other tools: ``tokentrace export perfetto`` and ``tokentrace export mooncake``.
 
 Writes Chrome trace-event JSON that ui.perfetto.dev (and chrome://tracing) opens: one track per
 request with its phases, one per instance for engine steps, model-load stages, and evictions as
@@ -7,6 +7,12 @@ collector's DuckDB file (``--db``); both give the same JSON.
 
     tokentrace export perfetto --since 10m -o trace.json
     tokentrace export perfetto --request-id REQ -o request.json --db tokentrace.duckdb
+
+``mooncake`` writes the window's requests in Mooncake's JSON-lines trace format (``timestamp`` ms,
+``input_length``, ``output_length``, ``hash_ids``: chained block ids, renumbered), which Mooncake's
+and other KV-cache simulators read, and ``tokentrace whatif --trace`` too:
+
+    tokentrace export mooncake --since 1h --block-size 512 -o traffic.jsonl
 """
 
 from __future__ import annotations
@@ -32,10 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                       "(default 15m)")
     perfetto.add_argument("-o", "--output", required=True, help="file to write, '-' for standard output")
     add_source_options(perfetto)
+    mooncake = sub.add_parser("mooncake", help="Mooncake's JSON-lines trace format (for KV-cache simulators)",
+                              description="The window's requests in Mooncake's JSON-lines trace format.")
+    mooncake.add_argument("--since", default="1h", help="requests that started in this window: 30m, 1h, 'all' "
+                                                        "(default 1h)")
+    mooncake.add_argument("--block-size", type=int, default=None,
+                          help="tokens per block, a multiple of the recorded block size (default: the recorded one)")
+    mooncake.add_argument("-o", "--output", required=True, help="file to write, '-' for standard output")
+    add_source_options(mooncake)
 
 
 def run(args: argparse.Namespace) -> int:
     """Build (``--db``) or fetch (``--url``) the trace and write it."""
+    if args.format == "mooncake":
+        return _mooncake(args)
     if args.db:
         from tokentrace.collector.store_duckdb import DuckDBStore
         from tokentrace.dashboards.perfetto import perfetto_trace
@@ -58,4 +74,20 @@ def run(args: argparse.Namespace) -> int:
         events = len(trace["traceEvents"])
         print(f"wrote {events} events ({trace['otherData']['requests']} requests) to {args.output}; "
               "open it at https://ui.perfetto.dev", file=sys.stderr)
+    return 0
+
+
+def _mooncake(args: argparse.Namespace) -> int:
+    from tokentrace.analyzers.whatif_cli import recorded_workload
+    from tokentrace.analyzers.workload import mooncake_lines, rechunk, write_lines
+
+    workload = recorded_workload(args)
+    workload = rechunk(workload, args.block_size)
+    if args.output == "-":
+        write_lines(mooncake_lines(workload), sys.stdout)
+        return 0
+    with open(args.output, "w", encoding="utf-8") as out:
+        count = write_lines(mooncake_lines(workload), out)
+    print(f"wrote {count} requests (block size {workload.block_size} tokens; {workload.skipped} without a prompt "
+          f"fingerprint left out) to {args.output}", file=sys.stderr)
     return 0

@@ -1,5 +1,6 @@
 """``/``: the window at a glance. Latency percentiles over every instance, output tokens/s,
 requests per slowness category, cache reuse and miss causes (from the analyzers' window report),
+attainment of the collector's service-level objectives (``--slo``) and goodput,
 queue depth over time from heartbeats, and each instance's health.
 """
 
@@ -11,7 +12,9 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
-from tokentrace.analyzers.report import percentiles, summarize_frame, with_categories
+from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
+from tokentrace.analyzers.report import declared_parts, percentiles, summarize_frame, with_categories
+from tokentrace.analyzers.slo import SloSpec
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
@@ -45,25 +48,28 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
     return lines
 
 
-def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
-    """The overview of requests that started in the last ``since``."""
+def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None = None) -> dict[str, Any]:
+    """The overview of requests that started in the last ``since`` (SLO attainment with ``slo``)."""
     window_ns = since_ns(since, now_ns, what="since")
-    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT))
-    report = summarize_frame(reader, frame, window_ns, cause_sample=0).as_dict()
+    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT), declared_parts(reader))
+    report = summarize_frame(reader, frame, window_ns, cause_sample=0, slo=slo).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
                                for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
     errors = 0
     if frame.height:
-        latency = {name: percentiles(frame[name]) for name in latency}
+        completed = frame.filter(pl.col("outcome") == COMPLETED)  # the report's rule: latency of completed only
+        latency = {name: percentiles(completed[name]) for name in latency}
         active_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
         output = int(frame["completion_tokens"].fill_null(0).sum())
         throughput = {"output_tokens": output, "input_tokens": int(frame["prompt_tokens"].fill_null(0).sum()),
                       "output_tokens_per_s": round(output / active_s, 2), "active_s": round(active_s, 3)}
         errors = int(frame.filter((pl.col("http_status").fill_null(200) >= 400)
                                   | pl.col("error_type").is_not_null()).height)
-    categories = {label: report["categories"].get(label, 0) for _, label in CATEGORIES}
+    categories = {label: report["categories"].get(label, 0) for label in [*(label for _, label in CATEGORIES),
+                                                                           UNDECOMPOSED]}
+    outcomes = {name: report["outcomes"].get(name, 0) for name in OUTCOMES}
     beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
     queue = queue_series(beats)
     chart_t0, _ = series.span(window_ns, now_ns, [beats["t_ns"]])
@@ -76,13 +82,14 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
                   for i, row in latency_of.items() if i not in known]
     return {
         "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
-        "requests": report["requests"], "errors": errors, "latency": latency, "throughput": throughput,
+        "requests": report["requests"], "errors": errors, "outcomes": outcomes, "latency": latency,
+        "throughput": throughput,
         "categories": categories,
-        "category_share": {k: round(v / report["requests"], 4) if report["requests"] else 0.0
+        "category_share": {k: round(v / outcomes[COMPLETED], 4) if outcomes[COMPLETED] else 0.0
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
-        "slowest": report["slowest"], "queue": queue, "routing": report["routing"],
+        "slowest": report["slowest"], "queue": queue, "slo": report["slo"], "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}
@@ -94,4 +101,6 @@ def overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
 @page("/", "overview.html", "Overview")
 def overview_page(request: Request, since: str = "15m") -> dict[str, Any]:
     """The overview page and its twin ``/.json``."""
-    return overview(request.app.state.reader, since, time.time_ns())
+    collector = getattr(request.app.state, "collector", None)
+    slo = getattr(collector.config, "slo", None) if collector is not None else None
+    return overview(request.app.state.reader, since, time.time_ns(), slo)

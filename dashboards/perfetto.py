@@ -64,7 +64,9 @@ def _summary_phases(row: dict) -> list[tuple[str, int, int]]:
     """Phases from the request row's summary (engines that send no phase spans)."""
     t, out = row["start_ns"], []
     for name in ("load_wait", "queue", "prefill", "decode"):
-        length = int((row.get(f"{name}_ms") or 0.0) * 1e6)
+        if row.get(f"{name}_ms") is None:
+            break  # unknown, not 0: where the later phases start is unknown too
+        length = int(row[f"{name}_ms"] * 1e6)
         if length > 0:
             out.append((name, t, min(row["end_ns"], t + length)))
         t += length
@@ -78,6 +80,7 @@ def _request_events(ev: _Events, pid: int, tid: int, row: dict, phases: list[dic
     spans = [(PHASE_NAMES[p["name"]], p["start_ns"], p["end_ns"]) for p in phases if p["name"] in PHASE_NAMES]
     spans = sorted(spans, key=lambda s: s[1]) or _summary_phases(row)
     summary = {"request_id": rid, "session_id": row.get("session_id"), "category": row.get("category"),
+               "outcome": row.get("outcome"),
                "prompt_tokens": row.get("prompt_tokens"), "cached_tokens": row.get("cached_tokens"),
                "completion_tokens": row.get("completion_tokens"), "ttft_ms": row.get("ttft_ms"),
                "tpot_ms": row.get("tpot_ms"), "e2e_ms": round((row["end_ns"] - row["start_ns"]) / 1e6, 3)}

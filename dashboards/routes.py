@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from fastapi import Request, Response
 
-from tokentrace.dashboards import cache_page, instances, overview, request_page, timeline  # noqa: F401 (pages)
+from tokentrace.dashboards import (  # noqa: F401 (pages)
+    cache_page,
+    instances,
+    overview,
+    request_page,
+    session_page,
+    timeline,
+)
 from tokentrace.dashboards.perfetto import perfetto_trace
 from tokentrace.dashboards.web import json_response, router
 from tokentrace.window import since_ns

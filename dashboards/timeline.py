@@ -16,13 +16,16 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
-from tokentrace.analyzers.report import with_categories
+from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
+from tokentrace.analyzers.report import declared_parts, with_categories
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
 from tokentrace.window import since_ns
 
 PHASES = ("load_wait", "queue", "prefill", "decode")
+#: What a request's colour says: its category when it completed, else its outcome.
+LABELS = (*(label for _, label in CATEGORIES), UNDECOMPOSED, *(o for o in OUTCOMES if o != COMPLETED))
 #: Most requests one timeline holds (the newest); the twin says when it cut.
 MAX_REQUESTS = 20_000
 
@@ -33,14 +36,14 @@ def _ms(column: str, t0_ns: int) -> pl.Expr:
 
 
 def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[str, list]:
-    codes = {label: i for i, (_, label) in enumerate(CATEGORIES)}
+    codes = {label: i for i, label in enumerate(LABELS)}
     cols = frame.select(
         pl.col("request_id").alias("id"),
         pl.col("instance_id").fill_null("").replace_strict(lanes, return_dtype=pl.Int32).alias("lane"),
         _ms("start_ns", t0_ns).alias("start"),
         _ms("end_ns", t0_ns).alias("end"),
-        *[pl.col(f"{name}_ms").fill_null(0.0).round(3).alias(name) for name in PHASES],
-        pl.col("category").replace_strict(codes, return_dtype=pl.Int8).alias("category"),
+        *[pl.col(f"{name}_ms").round(3).alias(name) for name in PHASES],  # null: unknown, never 0
+        pl.coalesce("category", "outcome").replace_strict(codes, return_dtype=pl.Int8).alias("category"),
         pl.col("ttft_ms").round(3).alias("ttft"), pl.col("tpot_ms").round(3).alias("tpot"),
         pl.col("e2e_ms").round(3).alias("e2e"),
         pl.col("prompt_tokens").alias("prompt"), pl.col("cached_tokens").alias("cached"),
@@ -83,7 +86,7 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
     window_ns = since_ns(since, now_ns, what="since")
     frame = reader.requests(since_ns=window_ns, limit=limit + 1)
     truncated = frame.height > limit
-    frame = with_categories(frame.tail(limit))
+    frame = with_categories(frame.tail(limit), declared_parts(reader))
     evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=None)
     loads = reader.frame("loads_in", since_ns=window_ns, until_ns=None)
     instances = set(frame["instance_id"].fill_null("").to_list())
@@ -95,7 +98,7 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
     return {
         "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
         "t0_ns": t0_ns, "now": round((now_ns - t0_ns) / 1e6, 3), "unit": "ms",
-        "lanes": list(lanes), "phases": list(PHASES), "categories": [label for _, label in CATEGORIES],
+        "lanes": list(lanes), "phases": list(PHASES), "categories": list(LABELS),
         "count": frame.height, "truncated": truncated,
         "requests": _requests(frame, lanes, t0_ns),
         "chunks": _chunks(reader, rows, window_ns, t0_ns),

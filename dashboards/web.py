@@ -9,8 +9,6 @@ the canvas renderers) are served from the package: nothing is fetched from a CDN
 from __future__ import annotations
 
 import functools
-import json
-import math
 import time
 import urllib.parse
 from importlib import resources
@@ -20,12 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from tokentrace import __version__
+from tokentrace import __version__, wire
 from tokentrace.analyzers.evidence import fmt_ms
-from tokentrace.errors import ConfigError, NotFound, StoreError
+from tokentrace.errors import ConfigError, NotFound, TokentraceError
 
 router = APIRouter()
 _STATIC = resources.files("tokentrace.dashboards") / "static"
+_MAX_NAME_BYTES = 255
 _MEDIA = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 #: Pages in the navigation bar: (path, label).
 NAV = (("/", "Overview"), ("/timeline", "Timeline"), ("/cache", "Cache"), ("/instances", "Instances"))
@@ -93,23 +92,9 @@ def quote_path(value: Any) -> str:
     return urllib.parse.quote(str(value), safe="")
 
 
-def clean(value: Any) -> Any:
-    """NaN and infinities (polars means of nothing) become None: JSON has no NaN."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: clean(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(item) for item in value]
-    return value
-
-
 def dumps(data: Any) -> str:
     """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
-    try:
-        return json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
-    except ValueError:
-        return json.dumps(clean(data), separators=(",", ":"), allow_nan=False, default=str)
+    return wire.dumps(data, default=str)
 
 
 _ENV = Environment(
@@ -140,17 +125,13 @@ def render(request: Request, template: str, status_code: int = 200, **context: A
     return HTMLResponse(html, status_code)
 
 
-#: What the HTML side of a page shows for each error its view may raise: (status, heading).
-_ERROR_PAGES = {NotFound: (404, "Not found"), ConfigError: (400, "Bad parameter"),
-                StoreError: (503, "Store unavailable")}
-
-
 def page(path: str, template: str, title: str):
     """Register ``view`` at ``path`` (HTML) and ``path + '.json'`` (its JSON twin).
 
     ``view`` takes FastAPI parameters (``request: Request`` first) and returns a JSON-ready dict.
-    Errors: NotFound is a 404 page, ConfigError a 400, StoreError a 503; the twin answers them with
-    the collector's JSON error envelope.
+    Errors: the page shows a TokentraceError with the status and heading its class carries
+    (core/errors.py: NotFound 404, ConfigError 400, StoreError 503); the twin answers them with the
+    collector's JSON error envelope.
     """
 
     def register(view):
@@ -163,9 +144,10 @@ def page(path: str, template: str, title: str):
             request = kwargs["request"]
             try:
                 data = view(*args, **kwargs)
-            except (NotFound, ConfigError, StoreError) as exc:
-                status, heading = _ERROR_PAGES[type(exc)]
-                return render(request, "error.html", status, title=heading, status=status, message=str(exc), twin=None)
+            except TokentraceError as exc:
+                status = exc.http_status
+                return render(request, "error.html", status, title=exc.title, status=status, message=str(exc),
+                              twin=None)
             return render(request, template, title=title, data=data, twin=request.url.path + ".json")
 
         # The twin first: "/requests/{id}" would otherwise also match "/requests/abc.json".
@@ -181,8 +163,10 @@ def page(path: str, template: str, title: str):
 @router.get("/static/{name}", include_in_schema=False)
 def static(name: str) -> Response:
     """A file of the package's static folder (CSS, JS); 404 for anything else."""
+    if len(name.encode()) > _MAX_NAME_BYTES:  # the file system would refuse it (ENAMETOOLONG)
+        raise ConfigError(f"a static file name has at most {_MAX_NAME_BYTES} bytes, received {len(name.encode())}")
     entry = _STATIC / name
     suffix = name[name.rfind("."):] if "." in name else ""
-    if "/" in name or suffix not in _MEDIA or not entry.is_file():
+    if "/" in name or "\0" in name or suffix not in _MEDIA or not entry.is_file():
         raise NotFound(f"no static file named {name!r}")
     return Response(entry.read_bytes(), media_type=_MEDIA[suffix], headers={"Cache-Control": "max-age=300"})

@@ -26,6 +26,7 @@ class Process:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / f"{label}-{self.port}.log"
+        self.headers: dict[str, str] = {}  #: sent with health checks (a gateway with --api-key)
 
     @property
     def url(self) -> str:
@@ -41,7 +42,7 @@ class Process:
         if self.proc.poll() is not None:
             pytest.fail(f"{self.log_path.name} exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
         try:
-            return httpx.get(self.url + path, timeout=2).status_code
+            return httpx.get(self.url + path, headers=self.headers, timeout=2).status_code
         except httpx.HTTPError:
             return None
 
@@ -95,6 +96,8 @@ class GatewayProcess(Process):
         for name, url in upstreams.items():
             self.cmd += ["--upstream", f"{name}={url}"]
         self.cmd += list(args)
+        if "--api-key" in args:
+            self.headers = {"Authorization": f"Bearer {args[list(args).index('--api-key') + 1]}"}
 
     def start(self, timeout: float = 120) -> GatewayProcess:
         """Start and wait until /health says an upstream is usable."""
@@ -105,7 +108,7 @@ class GatewayProcess(Process):
 
     def health(self) -> dict:
         """The gateway's /health body."""
-        return httpx.get(self.url + "/health", timeout=10).json()
+        return httpx.get(self.url + "/health", headers=self.headers, timeout=10).json()
 
     def chat(self, messages: list[dict], request_id: str, session: str | None = None, stream: bool = True,
              max_tokens: int = 8, **fields) -> dict:

@@ -131,6 +131,79 @@ def test_prefix_change_reports_the_divergent_segment(scenario):
     assert divergence["shared_segment_role"] == "user"
 
 
+def _page(scenario, path: str) -> dict:
+    response = httpx.get(f"{scenario['collector'].url}{path}", timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _segments(scenario, request_id: str) -> list[dict]:
+    return _page(scenario, f"/requests/{request_id}.json")["segments"]
+
+
+def test_edited_assistant_turn_names_the_assistant_message(scenario):
+    """Issue 11 item 8: the first differing 16-token block starts inside the previous user message,
+    but the change is in the assistant answer, and the divergence must say so."""
+    cache = verdict(scenario, "demo-edit-3", "cache")
+    assert cache["cause"] == "prefix_change"
+    assert (cache["divergence"]["segment_role"], cache["divergence"]["segment_index"]) == ("assistant", 2)
+    [divergence] = evidence(cache, "divergence")
+    assert divergence["earlier_request_id"] == "demo-edit-2"
+    edited = _segments(scenario, "demo-edit-3")[2]
+    assert edited["role"] == "assistant"
+    # The situation of the report: block granularity alone lands in the user message before it.
+    assert divergence["block_token_index"] < edited["token_start"]
+    assert edited["token_start"] <= cache["divergence"]["token_index"] < edited["token_end"]
+
+
+def test_tools_block_added_is_a_template_divergence(scenario):
+    cache = verdict(scenario, "demo-tools-after", "cache")
+    assert cache["cause"] == "prefix_change"
+    assert cache["divergence"] == {"token_index": 0, "segment_role": "template", "segment_index": None}
+    [divergence] = evidence(cache, "divergence")
+    assert divergence["earlier_request_id"] == "demo-tools-before"
+    assert [s["role"] for s in _segments(scenario, "demo-tools-after")][:3] == ["tools", "system", "user"]
+
+
+def test_shared_part_under_one_block_is_too_short(scenario):
+    cache = verdict(scenario, "demo-short-2", "cache")
+    assert (cache["result"], cache["cause"]) == ("miss", "too_short")
+    [short] = evidence(cache, "too_short")
+    assert short["earlier_request_id"] == "demo-short-1" and short["segments"] == 1
+    assert 0 < short["shared_tokens"] < cache["block_size"]
+    assert short["shared_tokens"] == _segments(scenario, "demo-short-2")[0]["token_end"]
+
+
+@pytest.mark.parametrize(("request_id", "status", "error"), [("demo-too-long", 400, "context_length_exceeded"),
+                                                              ("demo-unknown-model", 404, "model_not_found")])
+def test_refused_request_is_rejected_not_cold_start(scenario, request_id, status, error):
+    """Issue 11 item 8: a refused request was called cold_start ('waited 0.0 ms for the model to load')."""
+    slow = verdict(scenario, request_id, "slow")
+    assert (slow["outcome"], slow["category"], slow["ttft_category"]) == ("rejected", None, None)
+    [outcome] = evidence(slow, "outcome")
+    assert (outcome["http_status"], outcome["error_type"]) == (status, error)
+    assert not evidence(slow, "load")
+    assert all(value is None for key, value in slow["breakdown_ms"].items() if key != "e2e")
+    cache = verdict(scenario, request_id, "cache")
+    assert (cache["outcome"], cache["result"], cache["cause"]) == ("rejected", None, None)
+
+
+def test_report_counts_refused_requests_apart(scenario):
+    """Issue 11 item 8: the refused prompt's tokens dragged the token hit rate down."""
+    report = _page(scenario, "/api/report?since=all&causes=0")
+    assert _page(scenario, "/requests/demo-too-long.json")["request"]["prompt_tokens"] > 2048  # it would count
+    rows = _page(scenario, "/timeline.json?since=all")["requests"]
+    served = [(p or 0, c or 0) for p, c, status in zip(rows["prompt"], rows["cached"], rows["status"], strict=True)
+              if status is None or status < 400]
+    assert report["outcomes"]["rejected"] == 2
+    assert report["outcomes"]["completed"] == len(served) == sum(report["categories"].values())
+    assert report["cache"]["token_hit_rate"] == round(sum(c for _, c in served) / sum(p for p, _ in served), 4)
+    assert sum(row["requests"] for row in report["instances"]) == len(served)
+    assert "undecomposed" not in report["categories"]  # the MLX engine measures every part
+    overview = _page(scenario, "/.json?since=all")
+    assert overview["outcomes"]["rejected"] == 2 and overview["categories"]["cold_start"] == 1
+
+
 def test_follow_up_turn_is_a_clean_hit(scenario):
     cache = verdict(scenario, "demo-hit-2", "cache")
     assert (cache["result"], cache["cause"]) == ("hit", None)
@@ -147,6 +220,10 @@ def test_a_request_fast_everywhere_is_not_abnormal(scenario):
     slow = verdict(scenario, "demo-fast", "slow")
     assert slow["abnormal"] is False
     assert slow["baseline"]["samples"] >= 3
+    # Issue 11 item 8: units on every baseline figure, on the page as in the JSON.
+    base = slow["baseline"]
+    page = httpx.get(f"{scenario['collector'].url}/requests/demo-fast", timeout=60).text
+    assert f"{base['observed']} {base['unit']} against a median of {base['value']} {base['unit']} over" in page
 
 
 def test_every_shown_request_gets_the_verdict_its_scenario_shows(scenario):
@@ -160,6 +237,36 @@ def test_every_shown_request_gets_the_verdict_its_scenario_shows(scenario):
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokentrace", "analyze", *args], capture_output=True, text=True,
                           timeout=120)
+
+
+#: What ``analyze --url`` must never import: its whole start-up cost (issue 17, CLI verdicts under 300 ms).
+HEAVY = ("duckdb", "polars", "pyarrow", "numpy", "mlx", "fastapi", "opentelemetry")
+_IMPORTS = """
+import contextlib, io, json, sys
+from tokentrace.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(sys.argv[1:])
+print(json.dumps({"code": code, "out": out.getvalue(),
+                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)}))
+""".replace("HEAVY", repr(HEAVY))
+
+
+@pytest.mark.parametrize("args", [("slow", "--request-id", "demo-queued"),
+                                  ("slow", "--request-id", "demo-queued", "--slo", "ttft=2s", "--json"),
+                                  ("cache", "--request-id", "demo-evicted-2"),
+                                  ("report", "--since", "all")])
+def test_url_verdicts_import_no_store_or_frame_library(scenario, args):
+    """The --url path prints a real verdict without importing duckdb, polars, pyarrow (or the engine's libraries)."""
+    url = scenario["collector"].url
+    ran = subprocess.run([sys.executable, "-c", _IMPORTS, "analyze", *args, "--url", url], capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout.splitlines()[-1])
+    assert result["code"] == 0 and result["out"].strip()
+    if args[0] == "slow":
+        assert "queueing" in result["out"]
+    assert result["heavy"] == []
 
 
 def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
@@ -182,4 +289,7 @@ def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
     summary = json.loads(report.stdout)
     assert summary["requests"] == len(collector.sql("SELECT DISTINCT request_id FROM requests"))
     assert set(summary["categories"]) == {"cold_start", "queueing", "prefill", "decode"}
+    assert summary["outcomes"]["rejected"] == 2
+    text = _cli("report", "--since", "all", "--db", str(collector.db))
+    assert "rejected 2" in text.stdout and "null" not in text.stdout
     assert {row["instance_id"] for row in summary["instances"]} == {"scen-a", "scen-b"}

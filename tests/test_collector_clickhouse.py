@@ -102,22 +102,27 @@ class _CrashOnce:
         return self.client.insert_arrow(table, data, settings=settings)
 
 
-def test_spool_file_re_ingested_after_a_crash_mid_batch_is_stored_once(chdb_dir):
+@pytest.mark.parametrize("spooled", [True, False], ids=["spool file", "plain resend"])
+def test_a_batch_written_again_after_a_crash_mid_batch_is_stored_once(chdb_dir, spooled):
     store = _open(f"chdb://{chdb_dir}?database={unique_database('spool')}")
     try:
         batch = Pipeline(Counters(), 1 << 24, 65536).batch(
             golden.encode(golden.load("golden_engine_trace.json"), time.time_ns())[0], Encoding("protobuf", PROTOBUF))
-        record = SpoolRecord("ef" * 32, "crash.pb")
+        record = SpoolRecord("ef" * 32, "crash.pb") if spooled else None
         store._writer = _CrashOnce(store._writer, "requests")  # every table before requests is in
         with pytest.raises(Exception, match="injected"):
             store.write(batch, record)
-        assert store.counts()["spans"] == 17 and store.counts()["requests"] == 0
-        assert not store.spool_seen(record.sha256)
-        assert store.write(batch, record) is True  # the restart re-ingests the file
+        counts = store.counts()
+        assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (0, 0, 7)  # spans go last
+        assert store.write(batch, record) is True  # the restart re-ingests the file, or the sender resends
         counts = store.counts()
         assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (17, 1, 7)
-        assert store.spool_seen(record.sha256)
-        assert store.write(batch, record) is False
+        if spooled:
+            assert store.spool_seen(record.sha256)
+            assert store.write(batch, record) is False
+        else:
+            assert store.write(batch, record) is True and batch.duplicates == 17
+            assert store.counts() == counts
     finally:
         store.close()
 

@@ -51,6 +51,13 @@ def _mixed_ids() -> bytes:
     return request.SerializeToString()
 
 
+def _deep_kvlist(levels: int) -> bytes:
+    """OTLP JSON whose one attribute is a kvlist ``levels`` deep (the trial's RecursionError)."""
+    value = '{"kvlistValue":{"values":[{"key":"k","value":' * levels + '{"stringValue":"x"}' + "}]}}" * levels
+    return ('{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"' + "ab" * 16 + '","spanId":"' + "cd" * 8
+            + '","name":"deep","attributes":[{"key":"k","value":' + value + "}]}]}]}]}").encode()
+
+
 # (caption, body, content type, extra headers, status, message fragment, spans stored from it)
 CASES = [
     ("truncated protobuf", make_request(3).SerializeToString()[:-7], PB, {}, 400, "not a valid OTLP", 0),
@@ -77,6 +84,11 @@ CASES = [
      "end_time_unix_nano is before start_time_unix_nano", 0),
     ("huge attribute value", _huge_attribute(), PB, {}, 200, "1 attribute values were truncated", 1),
     ("invalid UTF-8 in a protobuf string", _bad_utf8_protobuf(), PB, {}, 400, "UTF-8", 0),
+    ("JSON nested 3,000 arrays deep", b'{"resourceSpans": ' + b"[" * 3000 + b"]" * 3000 + b"}", JSON, {}, 400,
+     "nested too deeply", 0),
+    ("kvlist 260 levels deep", _deep_kvlist(260), JSON, {}, 400, "nested too deeply", 0),
+    ("kvlist 40 levels deep (over protobuf's 100 messages)", _deep_kvlist(40), JSON, {}, 400,
+     "not an OTLP ExportTraceServiceRequest", 0),
     ("invalid UTF-8 in a JSON body", b'{"resourceSpans": [], "x": "\xff"}', JSON, {}, 400,
      "JSON body is not valid UTF-8 at byte", 0),
 ]

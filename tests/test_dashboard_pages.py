@@ -56,7 +56,8 @@ def test_golden_numbers_on_every_twin(golden_collector):
     assert overview["requests"] == 1 and overview["errors"] == 0
     assert overview["latency"]["ttft_ms"] == {"p50": 500.0, "p95": 500.0, "p99": 500.0}
     assert overview["latency"]["e2e_ms"]["p50"] == 600.0
-    assert overview["categories"] == {"cold_start": 1, "queueing": 0, "prefill": 0, "decode": 0}
+    assert overview["categories"] == {"cold_start": 1, "queueing": 0, "prefill": 0, "decode": 0, "undecomposed": 0}
+    assert overview["outcomes"] == {"completed": 1, "rejected": 0, "failed": 0, "cancelled": 0}
     assert overview["cache"]["token_hit_rate"] == 0.4
     assert overview["throughput"]["output_tokens"] == 5
     assert [row["instance_id"] for row in overview["instances"]] == ["golden-1"]
@@ -76,7 +77,7 @@ def test_golden_numbers_on_every_twin(golden_collector):
     (row,) = cache["instances"]
     # KV 1024 B/token x context (40 + 5) = 46,080 B a session; 811,000 B free but no free entry (3 of 3).
     assert (row["bytes"], row["max_bytes"], row["entries"], row["max_entries"]) == (189_000, 1_000_000, 3, 3)
-    assert (row["avg_context_tokens"], row["session_bytes"]) == (45.0, 46_080)
+    assert (row["median_session_tokens"], row["session_bytes"]) == (45.0, 46_080)
     assert (row["more_sessions"], row["sessions_in_all"]) == (0, 3)
     assert cache["evictions"]["by_reason"] == {"max_entries": 1, "memory_pressure": 1}
 

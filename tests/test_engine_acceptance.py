@@ -47,6 +47,11 @@ def conversation(tmp_path_factory, tiny_model):
                                 "stream": True}) as response:
             lines = response.iter_lines()
             run["gone-events"] = [next(lines) for _ in range(6)]
+        # A long stop string holds text back (it could still become the stop string), so the first
+        # chunk with content leaves several tokens after the first token: the two TTFTs differ.
+        run["held-back"] = engine.stream("/v1/completions", {"prompt": "Once", "max_tokens": 40, "ignore_eos": True,
+                                                             "stop": ["this stop string never appears"]},
+                                         headers={"X-Request-Id": "held-back"})[0]
         run["bad"] = engine.post("/v1/chat/completions", {"messages": TURN_1, "max_tokens": 0},
                                  headers={"X-Request-Id": "bad-1"})
         run["after-bad"] = engine.chat(TURN_1, headers={"X-Request-Id": "after-bad"}, max_tokens=2)
@@ -91,6 +96,22 @@ def test_request_row_carries_the_phase_summary(conversation):
                "engine FROM requests WHERE request_id = 'turn-1'")
     assert row == ("s-1", "/v1/chat/completions", "length", False, 200, True, True, True, True, True,
                    "engine-a", "mlx-lm")
+
+
+def test_first_content_is_recorded_next_to_the_first_token(conversation):
+    collector = conversation["collector"]
+    assert streamed_text(conversation["held-back"])
+    ttft, first_content, e2e = _one(collector, "SELECT ttft_ms, first_content_ms, (end_ns - start_ns) / 1e6 "
+                                               "FROM requests WHERE request_id = 'held-back'")
+    assert ttft < first_content <= e2e
+    (attribute,) = _one(collector, "SELECT attributes FROM spans WHERE request_id = 'held-back' "
+                                   "AND name = 'llm.request'")
+    assert json.loads(attribute)["tokentrace.request.first_content_ms"] == pytest.approx(first_content)
+    # A non-streamed answer's content leaves with the whole body, after the last token.
+    decode_end, content = _one(collector, "SELECT ttft_ms + decode_ms, first_content_ms FROM requests "
+                                          "WHERE request_id = 'turn-1'")
+    assert content >= decode_end
+    assert _one(collector, "SELECT first_content_ms FROM requests WHERE request_id = 'bad-1'") == (None,)
 
 
 def test_second_turn_reports_cached_tokens_in_usage_and_store(conversation):

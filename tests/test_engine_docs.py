@@ -23,7 +23,7 @@ def test_every_documented_option_exists():
 
 
 @pytest.mark.parametrize("route", ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
-                                   "GET /health"])
+                                   "GET /v1/models/{id}", "GET /health"])
 def test_every_route_is_documented(route):
     assert f"`{route}`" in DOC
 

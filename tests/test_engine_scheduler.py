@@ -118,3 +118,13 @@ def test_a_failing_batch_errors_its_requests_and_the_engine_serves_on(harness):
     assert record.error_type == "GenerationError"
     h.submit("after", [9] * 20, max_tokens=4)
     assert h.wait("after") == {"after": "length"}
+
+
+def test_prompt_concurrency_admits_the_next_prefill_only_after_a_first_token(harness):
+    h = harness(max_batch=4, prompt_concurrency=1, prefill_step_size=16, cache_max_entries=0)
+    jobs = [h.submit(f"p{i}", [5 + i] * 80, max_tokens=8) for i in range(3)]
+    assert h.wait("p0", "p1", "p2") == {"p0": "length", "p1": "length", "p2": "length"}
+    for before, after in itertools.pairwise(jobs):
+        # the wait for a prefill slot is queue time: admitted once the one before had its first token
+        assert after.record.admit_ns >= before.record.token_ns[0]
+        assert after.record.admit_ns < before.record.token_ns[-1]  # but decoding still overlaps

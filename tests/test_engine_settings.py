@@ -54,7 +54,7 @@ def test_every_setting_has_an_option_and_an_env_var():
     assert all(s.env.startswith("TOKENTRACE_ENGINE_") for s in SETTINGS)
 
 
-def test_cli_exits_2_with_one_line_and_1_when_the_model_cannot_load(tmp_path):
+def test_cli_exits_2_with_one_line_on_a_bad_setting_and_1_when_the_model_cannot_load(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "tokentrace", "engine", *args], capture_output=True,
                               text=True, timeout=120, env={**os.environ, "TOKENTRACE_ENGINE_MODEL": ""})
@@ -62,7 +62,8 @@ def test_cli_exits_2_with_one_line_and_1_when_the_model_cannot_load(tmp_path):
     bad = run("--model", "m", "--max-batch", "-1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().endswith("--max-batch must be an integer >= 1, received '-1'")
-    missing = run("--model", str(tmp_path / "nowhere"), "--port", str(free_port()), "--otlp-endpoint", "",
-                  "--spool-dir", str(tmp_path / "spool"))
-    assert missing.returncode == 1
-    assert "model load failed" in missing.stderr or "no config.json" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    broken = run("--model", str(tmp_path / "empty"), "--port", str(free_port()), "--otlp-endpoint", "",
+                 "--spool-dir", str(tmp_path / "spool"))
+    assert broken.returncode == 1
+    assert "has no config.json" in broken.stderr

@@ -97,3 +97,32 @@ def test_resent_files_carry_their_name(tmp_path, collector_factory):
     assert collector.stop() == 0
     assert collector.sql("SELECT name, spans FROM spool_files") == [(spooled.name, 3)]
     assert collector.sql("SELECT count(*) FROM spans") == [(3,)]
+
+
+@pytest.mark.slow
+def test_spans_refused_for_a_wrong_token_wait_in_the_spool_and_arrive_after_a_restart_with_the_right_one(
+        tmp_path, collector_factory, engine_factory):
+    """Issue 12 §4: a collector answering 401 is up, not unreachable; the refused batches are not
+    shelved as *.pb.rejected but delivered once an engine with the right token runs."""
+    collector = collector_factory(token="right-token").start()
+    spool = tmp_path / "spool"
+    wrong = engine_factory(collector=collector, spool_dir=spool)
+    assert wrong.args[-2:] == ["--otlp-token", "right-token"]
+    wrong.args[-1] = "wrong-token"
+    wrong.start()
+    for i in range(2):
+        assert wrong.chat([{"role": "user", "content": f"hi {i}"}], max_tokens=2,
+                          headers={"X-Request-Id": f"refused-{i}"}).status_code == 200
+    wait_for(lambda: "token missing or wrong (set --otlp-token)" in wrong.log_path.read_text(), 60,
+             "the engine to say the token is wrong")
+    assert wrong.stop() == 0
+    log = wrong.log_path.read_text()
+    assert "unreachable" not in log
+    assert list(spool.glob("*.pb")) and not list(spool.glob("*.rejected"))
+
+    right = engine_factory(collector=collector, spool_dir=spool, instance_id="engine-b").start()
+    wait_for(lambda: not list(spool.glob("*.pb*")), 60, "the spooled batches to be delivered")
+    assert right.stop() == 0
+    assert collector.stop() == 0
+    rows = collector.sql("SELECT request_id FROM requests WHERE request_id LIKE 'refused-%' ORDER BY 1")
+    assert rows == [("refused-0",), ("refused-1",)]

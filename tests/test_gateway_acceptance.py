@@ -179,9 +179,12 @@ def test_ttft_and_e2e_agree_with_the_client_and_responses_pass_through(gateway, 
 
 def test_failover_when_an_upstream_is_killed_mid_run(workdir, tiny_model, gateway, collector, upstreams):  # noqa: F811
     doomed = MlxLmServer(workdir, tiny_model).start()
-    gw = gateway("--route", "round_robin", upstream_urls={"mini-1": upstreams["mini-1"].url, "doomed": doomed.url})
-    before = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2)]
-    doomed.kill()
+    try:
+        gw = gateway("--route", "round_robin", upstream_urls={"mini-1": upstreams["mini-1"].url,
+                                                               "doomed": doomed.url})
+        before = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2)]
+    finally:
+        doomed.kill()
     after = [gw.chat([system("failover"), {"role": "user", "content": f"q{i}"}], f"fo-{i}") for i in range(2, 6)]
     state = {u["name"]: u for u in wait_for(lambda: gw.health()["upstreams"], 10, "gateway health")}
     gw.stop()
@@ -191,3 +194,16 @@ def test_failover_when_an_upstream_is_killed_mid_run(workdir, tiny_model, gatewa
     assert set(instances) == {"mini-1"}
     events = httpx.get(collector.url + "/instances.json", timeout=30).json()
     assert "doomed" in str(events)
+
+
+def test_admission_api_key_and_per_client_rate_limit(gateway):
+    gw = gateway("--api-key", "sesame", "--rate-limit", "0.5")
+    body = {"model": "default_model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    key = {"Authorization": "Bearer sesame"}
+    first = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=key, timeout=60)
+    second = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=key, timeout=60)
+    assert first.status_code == 200
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+    assert second.headers["x-request-id"] and second.json()["error"]["type"] == "rate_limited"

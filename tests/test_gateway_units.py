@@ -140,3 +140,11 @@ def test_slots_beyond_the_limit_wait_in_order_and_the_wait_is_measured():
         assert upstream.inflight == 0
 
     asyncio.run(scenario())
+
+
+def test_every_registered_adapter_loads_and_a_forced_kind_says_whether_it_reports_itself():
+    from tokentrace.engine_shim.gateway.adapters import adapter_class, kinds
+
+    assumed = {kind: adapter_class(kind).forced_probe() for kind in kinds()}
+    assert all(probe.kind == kind for kind, probe in assumed.items())
+    assert {kind for kind, probe in assumed.items() if probe.reports_itself} == {"tokentrace", "vllm-plugin"}

@@ -50,8 +50,9 @@ def _load(url: stores.StoreURL, payloads: dict):
 
 
 def _expected_counts(payloads: dict) -> dict[str, int]:
-    """Every row the normalizer made, packed tables expanded: what a store must hold."""
-    return {table: sum(len(batch.expanded(table)) for batch, _ in _batches(payloads)) for table in TABLES}
+    """Every row the normalizer made of each distinct payload, packed tables expanded: what a store
+    must hold (the JSON resent, and then as a spool file, is stored once)."""
+    return {table: sum(len(batch.expanded(table)) for batch, _ in _batches(payloads)[:3]) for table in TABLES}
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +96,9 @@ CASES = [
      lambda r, p: tuple(r.request("golden-req-1")), TABLES["requests"]),
     ("request of an unknown id is None", lambda r, p: r.request("no-such-request"), None),
     ("a request sent twice: request(id) gives one row", lambda r, p: r.request("json-req-1")["ttft_ms"], 120.5),
-    ("requests() without bounds: every request, oldest first",
-     lambda r, p: (r.requests().height, r.requests()["request_id"].to_list()[:3]),
-     (5, ["json-req-1", "json-req-1", "golden-req-1"])),
+    ("requests() without bounds: every request once, oldest first",
+     lambda r, p: (r.requests().height, r.requests()["request_id"].to_list()[:2]),
+     (4, ["json-req-1", "golden-req-1"])),
     ("requests() in [since, until)",
      lambda r, p: r.requests(since_ns=BASE, until_ns=BASE + 100_000_001)["request_id"].to_list(),
      ["golden-req-1"]),
@@ -158,6 +159,10 @@ PARAMS = {
     "reasons": (["max_entries", "max_bytes", "memory_pressure", "trim"], ["max_entries"], []),
     "block_indices": ([0, 1, 2, 3], [0], []),
     "inserted_ns": (BASE + 680_000_000, BASE, None),  # the golden insert span's start
+    "starts": ([BASE + 100_000_000, BASE + 110_000_000], [BASE], []),
+    "traces": (["0" * 32], ["0" * 32, "f" * 32], []),
+    "t_ns": (BASE, 0, None),
+    "session_id": ("sess-<b>1</b>", "<script>alert(1)</script>", None),
 }
 _DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
 _CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
@@ -215,7 +220,86 @@ def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded, pay
     spooled, _ = _batches(payloads)[-1]
     for backend, store in loaded.items():
         assert store.write(spooled, SPOOL) is False, backend
-        assert store.counts()["requests"] == 5, backend  # golden, 2 vLLM, the JSON plain and as spool
+        assert store.counts()["requests"] == 4, backend  # golden, 2 vLLM, the JSON (plain, then as spool)
+
+
+# --- exactly once, whatever the sender retries (issue 11 item 2) ----------------------------------
+def _deliveries(payloads: dict) -> list[tuple[str, list[tuple[Batch, SpoolRecord | None]]]]:
+    """Ways a sender delivers the same three payloads more than once, each after one clean delivery
+    (a batch object per delivery: a write leaves the stored spans out of the batch it is given)."""
+    def golden():
+        return _batches(payloads)[0][0]
+
+    def json_():
+        return _batches(payloads)[1][0]
+
+    def vllm():
+        return _batches(payloads)[2][0]
+
+    merged = Batch()
+    for batch in (vllm(), golden()):  # a group of the writer: other spans, other order
+        merged.extend(batch)
+    return [
+        ("the same batches three times", [(make(), None) for make in (golden, json_, vllm) * 2]),
+        ("as spool files after plain sends", [(golden(), SpoolRecord("01" * 32, "a.pb")),
+                                              (json_(), SpoolRecord("02" * 32, "b.json"))]),
+        ("regrouped with each other", [(merged, None), (json_(), None)]),
+    ]
+
+
+def _snapshot(store) -> dict:
+    """Every table's rows (sorted) and the window report: what must not change on a resend."""
+    from tokentrace.analyzers.report import summarize
+
+    tables = {table: sorted(map(repr, _table(store, table).rows())) for table in [*TABLES, "prefix_sightings"]
+              if table != "prefix_sightings" or hasattr(store, "_cursor")}
+    return {"tables": tables, "report": summarize(store, None).as_dict()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resent_spans_are_stored_once(payloads, backend, tmp_path, chdb_dir):
+    """A store given each payload once, then every kind of resend, and again after a restart (the
+    memory of stored keys starts from the store): every table and the report stay as one delivery."""
+    url = store_url(backend, tmp_path, chdb_dir)
+    store = stores.open_store(url)
+    for batch, _ in _batches(payloads)[:3]:
+        assert store.write(batch)
+    once = _snapshot(store)
+    assert once["report"]["requests"] == 4
+    for caption, deliveries in _deliveries(payloads):
+        for batch, spool in deliveries:
+            spans = batch.spans
+            assert store.write(batch, spool)
+            assert batch.duplicates == spans, caption
+        assert _snapshot(store) == once, caption
+    store.close()
+    store = stores.open_store(url)  # a restart: a resend of acknowledged-but-unanswered batches
+    try:
+        for batch, _ in _batches(payloads)[:3]:
+            spans = batch.spans
+            assert store.write(batch)
+            assert (batch.duplicates, batch.spans) == (spans, 0)  # write leaves them out of the batch
+        assert _snapshot(store) == once
+    finally:
+        store.close()
+
+
+def test_spans_older_than_the_memory_are_checked_in_the_store(payloads, tmp_path, chdb_dir):
+    """Spans that started before the horizon of the in-memory keys (late data) are looked up."""
+    for backend in BACKENDS:
+        store = stores.open_store(store_url(backend, tmp_path, chdb_dir))
+        try:
+            first, again = _batches(payloads)[0][0], _batches(payloads)[0][0]
+            assert store.write(first)
+            once = _snapshot(store)
+            store._keys = type(store._keys)()  # memory empty, as for spans older than it
+            store._keys.horizon = 2**40
+            spans = again.spans
+            assert store.write(again)
+            assert again.duplicates == spans, backend
+            assert _snapshot(store) == once, backend
+        finally:
+            store.close()
 
 
 # --- the analyzers' verdicts --------------------------------------------------------------------

@@ -39,7 +39,8 @@ def test_sightings_keep_the_first_appearance_of_each_key_once(tmp_path):
     batch = normalize(ExportTraceServiceRequest.FromString(body))
     store = DuckDBStore(tmp_path / "s.duckdb")
     store.write(batch)
-    store.write(batch)  # the same blocks again: recorded once
+    again, _ = golden.encode(golden.load("golden_engine_trace.json"), 1_790_000_000_000_000_000)
+    store.write(normalize(ExportTraceServiceRequest.FromString(again)))  # other spans, the same blocks
     assert store.counts()["prefix_blocks"] == 2 * sum(len(row[-1]) for row in batch.packed["prefix_blocks"])
     cursor = store._cursor()
     [(sightings,)] = cursor.execute("SELECT count(*) FROM prefix_sightings").fetchall()

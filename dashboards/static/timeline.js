@@ -125,7 +125,8 @@
     bounds(i) {
       const r = this.data.requests;
       const b = [this.start[i]];
-      for (const p of ["load_wait", "queue", "prefill", "decode"]) b.push(Math.min(this.end[i], b[b.length - 1] + r[p][i]));
+      // An unknown phase (null) draws no bar: its time stays grey with what no phase covers.
+      for (const p of ["load_wait", "queue", "prefill", "decode"]) b.push(Math.min(this.end[i], b[b.length - 1] + (r[p][i] ?? 0)));
       return b;
     }
 

@@ -6,6 +6,10 @@ collector's ``--spool-dir`` ingests. A background thread re-sends spooled files 
 the collector answers again. Files are *claimed* by renaming them to ``*.pb.sending`` first, so the
 collector (which only reads ``*.pb``) and other engines sharing the directory never send the same
 file twice. When the spool is full, batches are dropped and counted, never raised.
+
+A collector that answers 401 or 403 is up but refuses our token: that is said as such (not
+"unreachable"), and the batches stay in the spool as ``*.pb`` until a sender with the right token —
+this process later, or the next one after a restart — delivers them (issue 12).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -33,6 +36,10 @@ log = logging.getLogger(__name__)
 
 #: A claimed file older than this is assumed orphaned by a crashed sender and put back.
 STALE_CLAIM_S = 60.0
+
+#: Outcomes of one POST: delivered; try again later (down, busy); refused for our credentials
+#: (kept for a sender with the right token); refused for good (malformed, too large).
+SENT, RETRY, UNAUTHORIZED, REJECTED = "sent", "retry", "unauthorized", "rejected"
 
 
 class Spool:
@@ -97,34 +104,34 @@ class Spool:
 
 
 class SpoolingSpanExporter(SpanExporter):
-    """The SDK's ``OTLPSpanExporter`` (protobuf over HTTP) with a spool behind it.
+    """OTLP/HTTP protobuf export with a spool behind it.
 
     After a failed export the collector is considered down for ``retry_interval`` seconds: batches
-    go straight to the spool instead of each waiting out the exporter's retries, and the resend
-    thread probes the collector with the oldest spooled file.
+    go straight to the spool instead of each waiting out a timeout, and the resend thread probes
+    the collector with the oldest spooled file. ``token_hint`` is how the operator sets the token
+    (the engine's ``--otlp-token``; the vLLM plugin names its environment variable).
     """
 
     def __init__(self, endpoint: str | None, spool: Spool | None, token: str | None = None,
-                 timeout: float = 2.0, retry_interval: float = 1.0):
+                 timeout: float = 2.0, retry_interval: float = 1.0, token_hint: str = "--otlp-token"):
         self.url = endpoint.rstrip("/") + "/v1/traces" if endpoint else None
         self.spool = spool
         self.retry_interval = retry_interval
+        self.token_hint = token_hint
         self._headers = {"Content-Type": "application/x-protobuf"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._otlp = (OTLPSpanExporter(endpoint=self.url, timeout=timeout,
-                                       headers={k: v for k, v in self._headers.items() if k != "Content-Type"})
-                      if self.url else None)
         self._timeout = timeout
         self._down_until = 0.0
-        self._warned = False
+        self._warned: str | None = None  #: the outcome last warned about (one warning per outage)
         self._stop = threading.Event()
         self._kick = threading.Event()
         self.exported_spans = 0  #: spans the collector acknowledged directly
         self.spooled_batches = 0  #: batches written to the spool
         self.resent_batches = 0  #: spooled batches delivered later
         self.dropped_spans = 0  #: spans lost because the spool was full or absent
-        self.rejected_batches = 0  #: spooled batches the collector refused (kept as *.rejected)
+        self.rejected_batches = 0  #: spooled batches the collector refused for good (kept as *.rejected)
+        self.unauthorized = 0  #: answers 401/403: the token is missing or wrong
         self._thread = None
         if self.url and spool is not None:
             self._thread = threading.Thread(target=self._resend_loop, name="tokentrace-spool", daemon=True)
@@ -132,44 +139,62 @@ class SpoolingSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Send ``spans``; spool them if that fails; count them as dropped if that fails too."""
-        if self._otlp is not None and time.monotonic() >= self._down_until:
-            if self._otlp.export(spans) is SpanExportResult.SUCCESS:
+        data = None
+        if self.url is not None and time.monotonic() >= self._down_until:
+            data = encode_spans(spans).SerializeToString()
+            outcome = self._post(data)
+            if outcome == SENT:
                 self.exported_spans += len(spans)
+                self._recovered()
                 if self.spool is not None and self.spooled_batches > self.resent_batches:
                     self._kick.set()
                 return SpanExportResult.SUCCESS
-            self._mark_down()
+            self._mark_down(outcome)
         if self.spool is not None and self.url is not None:
             try:
-                if self.spool.write(encode_spans(spans).SerializeToString()):
+                if self.spool.write(data if data is not None else encode_spans(spans).SerializeToString()):
                     self.spooled_batches += 1
                     return SpanExportResult.SUCCESS
             except OSError as exc:
-                self._warn_once(f"cannot write the spool {self.spool.directory}: {exc}")
+                self._warn(f"cannot write the spool {self.spool.directory}: {exc}", "spool")
         self.dropped_spans += len(spans)
-        self._warn_once(f"span batches are being dropped (spool full or unavailable); {self.dropped_spans} so far")
+        self._warn(f"span batches are being dropped (spool full or unavailable); {self.dropped_spans} so far",
+                   "dropped")
         return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        """Stop the resend thread and the exporter."""
+        """Stop the resend thread."""
         self._stop.set()
         self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._otlp is not None:
-            self._otlp.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Nothing is buffered here beyond the spool, which is durable."""
         return True
 
-    def _mark_down(self) -> None:
+    def _mark_down(self, outcome: str) -> None:
         self._down_until = time.monotonic() + self.retry_interval
-        self._warn_once(f"collector at {self.url} unreachable; spooling spans to {self.spool and self.spool.directory}")
+        where = self.spool and self.spool.directory
+        if outcome == UNAUTHORIZED:
+            self.unauthorized += 1
+            self._warn(f"collector at {self.url} refused the spans: token missing or wrong (set {self.token_hint}); "
+                       f"spooling them to {where} until it accepts them", outcome)
+        elif outcome == REJECTED:
+            self._warn(f"collector at {self.url} refused a batch as malformed or too large; spooling it to {where}",
+                       outcome)
+        else:
+            self._warn(f"collector at {self.url} unreachable; spooling spans to {where}", outcome)
 
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _recovered(self) -> None:
+        if self._warned is not None:
+            log.info("collector at %s accepts spans again", self.url)
+        self._warned = None
+
+    def _warn(self, message: str, outcome: str) -> None:
+        """Log once per kind of trouble (a new kind, e.g. unreachable then unauthorized, logs again)."""
+        if self._warned != outcome:
+            self._warned = outcome
             log.warning(message)
 
     def _resend_loop(self) -> None:
@@ -189,11 +214,12 @@ class SpoolingSpanExporter(SpanExporter):
             if claimed is None:
                 return
             outcome = self._post(claimed.read_bytes(), claimed.name.removesuffix(".sending"))
-            if outcome == "retry":
+            if outcome in (RETRY, UNAUTHORIZED):
+                # Unauthorized: the batch is fine, our token is not; it waits for the right one.
                 self.spool.release(claimed)
-                self._down_until = time.monotonic() + self.retry_interval
+                self._mark_down(outcome)
                 return
-            if outcome == "rejected":
+            if outcome == REJECTED:
                 # The collector will never take it (malformed, too large): keep it for inspection
                 # under a name nobody ingests instead of retrying it forever.
                 os.replace(claimed, claimed.with_name(claimed.name.removesuffix(".sending") + ".rejected"))
@@ -202,7 +228,7 @@ class SpoolingSpanExporter(SpanExporter):
             claimed.unlink(missing_ok=True)
             self.resent_batches += 1
             self._down_until = 0.0
-            self._warned = False
+            self._recovered()
 
     def _collector_ingests_spool(self) -> bool | None:
         """Whether the collector watches this very spool directory (its /healthz says so); None
@@ -227,19 +253,21 @@ class SpoolingSpanExporter(SpanExporter):
         directory = spool.get("directory") if isinstance(spool, dict) else None
         return bool(directory) and Path(directory).resolve() == self.spool.directory.resolve()
 
-    def _post(self, data: bytes, name: str) -> str:
-        """POST one spooled batch: "sent", "retry" (collector down or busy) or "rejected".
+    def _post(self, data: bytes, name: str | None = None) -> str:
+        """POST one batch: SENT, RETRY (collector down or busy), UNAUTHORIZED (401/403) or REJECTED.
 
-        The file's name goes along (wire.SPOOL_FILE_HEADER): a tokentrace collector stores the
+        A spooled file's name goes along (wire.SPOOL_FILE_HEADER): a tokentrace collector stores the
         bytes once however often they arrive, so a resend whose acknowledgement was lost, or a file
         that a collector watching the directory ingests as well, is not stored twice. Other OTLP
         receivers ignore the header."""
-        headers = {**self._headers, SPOOL_FILE_HEADER: name}
+        headers = {**self._headers, SPOOL_FILE_HEADER: name} if name else self._headers
         request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self._timeout):
-                return "sent"
+                return SENT
         except urllib.error.HTTPError as exc:
-            return "retry" if exc.code in (408, 429) or exc.code >= 500 else "rejected"
+            if exc.code in (401, 403):
+                return UNAUTHORIZED
+            return RETRY if exc.code in (408, 429) or exc.code >= 500 else REJECTED
         except (urllib.error.URLError, OSError):
-            return "retry"
+            return RETRY

@@ -101,13 +101,8 @@ class Gateway:
     async def _detect(self, upstream: Upstream) -> None:
         forced = self.forced.get(upstream.name)
         if forced is not None:
-            from tokentrace.engine_shim.gateway.adapters.base import Probe
-
-            probe = Probe(kind=forced)
             cls = adapter_class(forced)
-            found = await cls.probe(self.client, upstream.base_url)
-            probe = found or Probe(kind=forced, reports_itself=cls is not None and forced in ("tokentrace",
-                                                                                              "vllm-plugin"))
+            probe = await cls.probe(self.client, upstream.base_url) or cls.forced_probe()
         else:
             probe = await detect(self.client, upstream.base_url)
             if probe is None:
@@ -240,7 +235,9 @@ class Gateway:
                        receive) -> None:
         blocks = (routing_blocks(exchange.route, exchange.body, self.settings.block_size)
                   if self.router.policy == c.POLICY_PREFIX else None)
-        tried: set[str] = set()
+        # A native route (an adapter's extra route) goes only to upstreams whose adapter declares it.
+        tried: set[str] = set() if exchange.route in (CHAT, COMPLETIONS) else {
+            u.name for u in self.upstreams if u.adapter is None or exchange.route not in u.adapter.extra_routes}
         while True:
             decision = self.router.choose(exchange.session_id, blocks, tried)
             if decision is None:

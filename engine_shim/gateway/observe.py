@@ -157,6 +157,13 @@ class Observer:
                 c.ENGINE: adapter.engine if adapter is not None else c.ENGINE_OPENAI,
                 c.OBSERVER: OBSERVER_GATEWAY,
             }
+            if adapter is None or not adapter.reports_itself:
+                # What the gateway's own request rows measure (docs/gateway.md): its queue, TTFT and
+                # decode from the stream; load and prefill only where the adapter reads them from the
+                # engine. (An upstream that reports itself sends the rows; the gateway declares none.)
+                parts = {"queue", "ttft", "decode", "tpot"}
+                parts |= {p for p in ("load_wait", "prefill") if adapter is not None and p in adapter.measures}
+                attrs[c.OBSERVER_MEASURES] = [p for p in c.OBSERVER_PARTS if p in parts]
             if adapter is not None and adapter.probe_result.version:
                 attrs[c.ENGINE_VERSION] = adapter.probe_result.version
             if adapter is not None and adapter.probe_result.models:

@@ -7,13 +7,18 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
+from tokentrace.engine_shim.mlx import mlx_server_flags
 from tokentrace.engine_shim.mlx.settings import add_setting_arguments, settings_from_args
+from tokentrace.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``tokentrace engine`` (see engine_shim/mlx/settings.py for the table)."""
+    """Options of ``tokentrace engine`` (see engine_shim/mlx/settings.py for the table), plus
+    mlx_lm.server's options that have no equivalent, so that they are refused in our words."""
     add_setting_arguments(parser)
+    mlx_server_flags.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,16 +27,28 @@ def run(args: argparse.Namespace) -> int:
 
     from tokentrace.engine_shim.mlx.engine import Engine
     from tokentrace.engine_shim.mlx.exporter_process import ExporterConfig, ExporterProcess, engine_resource
+    from tokentrace.engine_shim.mlx.loader import looks_like_path
     from tokentrace.engine_shim.mlx.records import Clock
     from tokentrace.engine_shim.mlx.server import create_app
     from tokentrace.engine_shim.mlx.telemetry import Telemetry
+    from tokentrace.listen import listen_socket
 
+    warnings = mlx_server_flags.check(args)
     settings = settings_from_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    resource = engine_resource(settings.service_instance_id, settings.served_name)
+    if looks_like_path(settings.model) and not Path(settings.model).expanduser().is_dir():
+        raise ConfigError(f"--model {settings.model}: no such model directory")
+    sock = listen_socket(settings.host, settings.port)  # a busy port is one line, before anything starts
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for warning in warnings:
+        logging.getLogger(__name__).warning(warning)
+    resource = engine_resource(settings.service_instance_id, settings.served_name, model_dir=settings.model,
+                               chat_template=settings.chat_template,
+                               memory_bandwidth_gbs=settings.memory_bandwidth_gbs)
     # Spans are built and exported in a process of their own (exporter_process.py explains why).
     exporter = ExporterProcess(ExporterConfig(
-        resource={k: str(v) for k, v in resource.attributes.items()}, endpoint=settings.otlp_endpoint or None,
+        resource={k: list(v) if isinstance(v, tuple | list) else v if isinstance(v, float) else str(v)
+                  for k, v in resource.attributes.items()},
+        endpoint=settings.otlp_endpoint or None,
         spool_dir=settings.spool_dir, spool_max_bytes=settings.spool_max_bytes, token=settings.otlp_token,
         clock_offset_ns=Clock().offset_ns,
     )).start()
@@ -51,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         telemetry.close()  # idempotent: the server's shutdown closed it unless startup failed
     lost = exporter.counters.dropped_spans

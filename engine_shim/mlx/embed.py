@@ -57,7 +57,8 @@ class Instrumentation:
         spawn: guard your script's entry point with ``if __name__ == "__main__":``)."""
         resource = engine_resource(instance_id, model)
         exporter = ExporterProcess(ExporterConfig(
-            {k: str(v) for k, v in resource.attributes.items()}, endpoint, spool_dir, 256 << 20, token,
+            {k: list(v) if isinstance(v, tuple | list) else str(v) for k, v in resource.attributes.items()},
+            endpoint, spool_dir, 256 << 20, token,
             Clock().offset_ns)).start()
         return cls(capture_content=capture_content, sink=exporter)
 

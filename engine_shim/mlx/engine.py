@@ -5,25 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tokentrace.contract import EVENT_STARTED, EVENT_STOPPED
 from tokentrace.engine_shim.mlx.jobs import Job
-from tokentrace.engine_shim.mlx.prompts import Prompt, build_chat_prompt, build_text_prompt
-from tokentrace.engine_shim.mlx.protocol import (
-    BadRequest,
+from tokentrace.engine_shim.mlx.params import (
     ChatRequest,
     CompletionRequest,
+    SamplingDefaults,
     chat_messages,
+    check_for_model,
     max_tokens_of,
     sampling_of,
 )
+from tokentrace.engine_shim.mlx.prompts import Prompt, build_chat_prompt, build_text_prompt
+from tokentrace.engine_shim.mlx.protocol import BadRequest
 from tokentrace.engine_shim.mlx.records import LifecycleRecord, LoadRecord, RequestRecord
 from tokentrace.engine_shim.mlx.scheduler import LOAD_FAILED, LOAD_READY, Scheduler
 from tokentrace.engine_shim.mlx.settings import EngineSettings
 from tokentrace.engine_shim.mlx.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -40,6 +47,14 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        # Chat templates are rendered and prompts tokenized here, off the event loop, two at a time:
+        # a 2,000-message chat takes a while, and /health must still answer (issue 12).
+        self._prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-prompt")
+        self._defaults = SamplingDefaults(settings.temp, settings.top_p, settings.top_k, settings.min_p)
+        self._template_kwargs = settings.template_kwargs
+        # mlx_lm.server's names for its model: "default_model", --model as given, its resolved path.
+        self._model_names = {settings.served_name, settings.model, "default_model",
+                             str(Path(settings.model).expanduser().resolve())}
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -58,6 +73,7 @@ class Engine:
             await asyncio.to_thread(self._thread.join, 30)
         self.telemetry.submit(LifecycleRecord(EVENT_STOPPED, time.perf_counter_ns()))
         await asyncio.to_thread(self.telemetry.close)
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def state(self) -> str:
@@ -85,12 +101,20 @@ class Engine:
 
     def check_model(self, name: str | None) -> None:
         """Refuse requests naming another model (404, as OpenAI does)."""
-        accepted = {self.settings.served_name, self.settings.model, "default_model"}
+        accepted = self._model_names
         if name is not None and name not in accepted:
             raise BadRequest(f"The model '{name}' does not exist; this engine serves '{self.settings.served_name}'",
                              param="model", status=404, code="model_not_found")
 
-    def new_job(self, kind: str, request: ChatRequest | CompletionRequest, record: RequestRecord) -> Job:
+    async def new_job(self, kind: str, request: ChatRequest | CompletionRequest, record: RequestRecord) -> Job:
+        """The request as a job, its prompt rendered and tokenized on the prompt threads."""
+        return await self.off_loop(self._new_job, kind, request, record)
+
+    async def off_loop(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` on the prompt threads (request work too heavy for the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, function, *args)
+
+    def _new_job(self, kind: str, request: ChatRequest | CompletionRequest, record: RequestRecord) -> Job:
         """Tokenize the request into a job; refuses prompts over the context limit."""
         runtime = self.scheduler.runtime
         prompt = self._prompt(kind, request, runtime.tokenizer)
@@ -114,19 +138,24 @@ class Engine:
                 f"for the completion). Please reduce the length of the prompt or the completion.",
                 param="max_tokens", code="context_length_exceeded")
         max_tokens = requested or min(self.settings.default_max_tokens, context - len(prompt.tokens))
-        return Job(record=record, tokens=prompt.tokens, max_tokens=max_tokens, sampling=sampling_of(request))
+        sampling = sampling_of(request, self._defaults)
+        check_for_model(sampling, vocab)
+        return Job(record=record, tokens=prompt.tokens, max_tokens=max_tokens, sampling=sampling)
 
     def _prompt(self, kind: str, request: Any, tokenizer: Any) -> Prompt:
         capture = self.settings.capture_content
         try:
             if kind == "chat":
-                return build_chat_prompt(tokenizer, chat_messages(request), request.tools, capture)
+                kwargs = {**self._template_kwargs, **(request.chat_template_kwargs or {})}
+                return build_chat_prompt(tokenizer, chat_messages(request), request.tools, capture, kwargs)
             prompt = request.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 prompt = prompt[0]
             return build_text_prompt(tokenizer, prompt, capture)
         except BadRequest:
             raise
+        except RecursionError:
+            raise BadRequest("cannot render the prompt: nested too deeply", param="messages") from None
         except Exception as exc:  # a chat template's own complaint, e.g. roles out of order
             raise BadRequest(f"cannot render the prompt: {exc}", param="messages") from None
 
@@ -159,4 +188,7 @@ class Engine:
 
 def _dispatch(items: list[tuple[Job, int, str | None]]) -> None:
     for job, token, reason in items:
-        job.sink.push(token, reason)
+        try:
+            job.sink.push(token, reason)
+        except Exception:  # one consumer's error must not keep this step's tokens from the others
+            log.exception("delivering a token to request %s failed", job.record.request_id)

@@ -18,6 +18,8 @@ benchmark use. It is never called on import and never installs a global provider
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -25,6 +27,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -33,6 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
+from tokentrace.hardware import chip_name
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +51,57 @@ EXPORT_QUEUE = 32768
 MAX_EVENTS = 4096
 
 
-def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine") -> Resource:
-    """The contract's resource attributes for an mlx-lm engine instance."""
+def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine",
+                    model_dir: str | None = None, chat_template: str | None = None,
+                    memory_bandwidth_gbs: float | None = None) -> Resource:
+    """The contract's resource attributes for an mlx-lm engine instance: it measures every request
+    part, and names the weights (``model_dir``) and chat template (``chat_template``, else the
+    model's own) it serves with, when it can read them; the chip where macOS names it, and the
+    declared peak memory bandwidth (``memory_bandwidth_gbs``) when given."""
     try:
         from mlx_lm import __version__ as engine_version
     except ImportError:  # pragma: no cover - the engine needs mlx-lm anyway
         engine_version = "unknown"
-    return Resource.create({
+    attributes = {
         c.SERVICE_NAME: service_name,
         c.SERVICE_INSTANCE_ID: instance_id,
         c.HOST_NAME: socket.gethostname(),
         c.ENGINE: c.ENGINE_MLX,
         c.ENGINE_VERSION: engine_version,
         c.MODEL: model,
-    })
+        c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
+    }
+    if chip := chip_name():
+        attributes[c.HOST_CHIP] = chip
+    if memory_bandwidth_gbs:
+        attributes[c.HOST_MEMORY_BANDWIDTH_GBS] = float(memory_bandwidth_gbs)
+    if model_dir is not None:
+        attributes.update(model_identity(Path(model_dir), chat_template))
+    return Resource.create(attributes)
+
+
+def model_identity(directory: Path, chat_template: str | None = None) -> dict[str, str]:
+    """``tokentrace.model.revision`` (config.json, and each weight file's name and size) and
+    ``tokentrace.chat_template.hash`` (the template given, else tokenizer_config.json's or
+    chat_template.jinja's), each the first 16 hex digits of a SHA-256 (docs/telemetry.md); a part
+    that cannot be read (a hub id not yet downloaded) is left out."""
+    identity: dict[str, str] = {}
+    config = directory / "config.json"
+    if config.is_file():
+        digest = hashlib.sha256(config.read_bytes())
+        for weights in sorted(directory.glob("*.safetensors")):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        identity[c.MODEL_REVISION] = digest.hexdigest()[:16]
+    if chat_template is None:
+        jinja, tokenizer_config = directory / "chat_template.jinja", directory / "tokenizer_config.json"
+        if jinja.is_file():
+            chat_template = jinja.read_text(encoding="utf-8")
+        elif tokenizer_config.is_file():
+            template = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("chat_template")
+            chat_template = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    if chat_template is not None:
+        identity[c.CHAT_TEMPLATE_HASH] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
+    return identity
 
 
 def build_tracer_provider(
@@ -80,7 +121,7 @@ def build_tracer_provider(
 class ExporterConfig:
     """What the exporter process needs to wire its SDK."""
 
-    resource: dict[str, str]  #: resource attributes (service.instance.id, ...)
+    resource: dict[str, str | list[str]]  #: resource attributes (service.instance.id, ...)
     endpoint: str | None  #: collector base URL; None or '' disables export
     spool_dir: str | None  #: spool directory; None disables spooling
     spool_max_bytes: int  #: spool size limit

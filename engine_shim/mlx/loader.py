@@ -34,6 +34,16 @@ class Runtime:
     eos_token_ids: frozenset[int]  #: tokens that end a generation
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load, as mlx_lm.server's options say (each maps to an ``mlx_lm.load`` argument)."""
+
+    adapter_path: str | None = None  #: LoRA adapters applied after the weights (--adapter-path)
+    trust_remote_code: bool = False  #: allow model/tokenizer code from the model directory
+    chat_template: str | None = None  #: a chat template replacing the tokenizer's (--chat-template)
+    use_default_chat_template: bool = False  #: the tokenizer's default template when it has none
+
+
 def new_load_record(path: str, lazy: bool) -> LoadRecord:
     """A load record stamped now, with a fresh id."""
     return LoadRecord(load_id=uuid.uuid4().hex, path=path, lazy=lazy, start_ns=time.perf_counter_ns())
@@ -50,14 +60,14 @@ def kv_bytes_per_token(config: dict[str, Any], fallback_dtype_bytes: int = 2) ->
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, fallback_dtype_bytes)
 
 
-def load_runtime(record: LoadRecord) -> Runtime:
+def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Runtime:
     """Load ``record.path`` stage by stage, appending each stage to ``record``.
 
     Raises ``EngineError`` with the failing stage named; ``record.error`` says the same.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_adapters, load_model, load_tokenizer
 
     stage = SPAN_LOAD_RESOLVE
     try:
@@ -66,14 +76,22 @@ def load_runtime(record: LoadRecord) -> Runtime:
         record.stages.append((stage, start, time.perf_counter_ns(), {}))
 
         stage, start = SPAN_LOAD_WEIGHTS, time.perf_counter_ns()
-        model, config = load_model(path, lazy=True)
+        model, config = load_model(path, lazy=True, trust_remote_code=options.trust_remote_code)
+        if options.adapter_path:
+            model = load_adapters(model, options.adapter_path)
+            model.eval()
         params = [array for _, array in tree_flatten(model.parameters())]
         mx.eval(params)  # the safetensors bytes are paged in here (notes §1: U:602)
         weight_bytes = sum(array.nbytes for array in params)
         record.stages.append((stage, start, time.perf_counter_ns(), {LOAD_BYTES: weight_bytes}))
 
         stage, start = SPAN_LOAD_TOKENIZER, time.perf_counter_ns()
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        extra: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+        if options.chat_template:
+            extra["chat_template"] = options.chat_template
+        tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
+        if options.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
         record.stages.append((stage, start, time.perf_counter_ns(), {}))
 
         stage, start = SPAN_LOAD_WARMUP, time.perf_counter_ns()
@@ -96,12 +114,22 @@ def load_runtime(record: LoadRecord) -> Runtime:
     )
 
 
+def looks_like_path(model: str) -> bool:
+    """Whether ``--model`` names a local path rather than a Hugging Face repo id (``owner/name``):
+    it exists, is absolute or relative (./, ../, ~), or has more than one slash."""
+    return (Path(model).expanduser().exists() or model.startswith(("/", ".", "~"))
+            or model.count("/") > 1 or "\\" in model)
+
+
 def _resolve(path_or_repo: str) -> Path:
-    path = Path(path_or_repo)
+    path = Path(path_or_repo).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json")
+            raise FileNotFoundError(f"{path} has no config.json (not an mlx-lm model directory)")
         return path
+    if looks_like_path(path_or_repo):
+        # Not a hub id: no download attempt, no HFValidationError about repo id syntax.
+        raise FileNotFoundError(f"{path_or_repo}: no such model directory")
     # A hub id: mlx-lm's own resolver (private, hence looked up at call time and checked).
     from mlx_lm import utils
 

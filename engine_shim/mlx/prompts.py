@@ -20,6 +20,13 @@ from tokentrace.contract import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_SYSTEM, ROLE_T
 
 #: Characters kept per segment snippet with --capture-content (head and tail halves).
 SNIPPET_CHARS = 96
+#: Messages that get a segment of their own, counted from the front of a long chat; the last
+#: ``TAIL_SEGMENTS`` messages always get theirs. Finding a cut means rendering the chat up to it, so
+#: cutting at every message of an n-message chat costs O(n²) (a 3,000-message chat: 18-20 s, issue
+#: 12); this bounds it to about three renders of the whole chat. The messages in between share one
+#: segment (role: its last message's).
+HEAD_SEGMENTS = 64
+TAIL_SEGMENTS = 2
 
 _ROLES = {ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL}
 #: Roles some clients send that the contract folds into its closed set.
@@ -125,7 +132,7 @@ def _render_pieces(
         with_tools, without = render(1, False), render(1, False, with_tools=False)
         if with_tools and without and with_tools.endswith(without) and len(with_tools) > len(without):
             cuts.append((len(with_tools) - len(without), ROLE_TOOLS))
-    for k in range(1, len(messages) + 1):
+    for k in _cut_points(len(messages)):
         text = render(k, False)
         if text is not None and full.startswith(text):
             cuts.append((len(text), contract_role(str(messages[k - 1].get("role", "")))))
@@ -139,3 +146,11 @@ def _render_pieces(
         # The generation prompt (e.g. "<|im_start|>assistant\n") opens the answer's turn.
         pieces.append((ROLE_ASSISTANT if pieces else ROLE_USER, full[done:]))
     return pieces
+
+
+def _cut_points(n: int) -> list[int]:
+    """Message counts to cut the rendered chat after: every one for short chats, else the first
+    ``HEAD_SEGMENTS`` and the last ``TAIL_SEGMENTS``."""
+    if n <= HEAD_SEGMENTS + TAIL_SEGMENTS:
+        return list(range(1, n + 1))
+    return [*range(1, HEAD_SEGMENTS + 1), *range(n - TAIL_SEGMENTS + 1, n + 1)]

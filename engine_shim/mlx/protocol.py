@@ -1,174 +1,30 @@
-"""The OpenAI-compatible wire format: request validation, answer text and response bodies.
+"""The OpenAI-compatible wire format: errors, answer text, log-probabilities and response bodies.
 
-Requests are validated strictly (a string where a number belongs is an error, not a coercion) and
-every failure becomes an OpenAI-style 400 whose message names the field, what was expected and
-what arrived. Unknown fields are ignored, as OpenAI-compatible servers do. Answer text leaves out
-special tokens (vLLM's ``skip_special_tokens`` default) and ends before a stop string.
+Requests are decoded and validated in params.py; every refusal is a ``BadRequest`` here, which
+becomes an OpenAI-style error body. Answer text leaves out special tokens (vLLM's
+``skip_special_tokens`` default) and ends before a stop string.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from tokentrace.engine_shim.mlx.jobs import Sampling
+from tokentrace.errors import RequestRefused
 
 
-class BadRequest(Exception):
-    """A request the engine refuses, with the HTTP status and OpenAI error fields."""
+class BadRequest(RequestRefused):
+    """A request the engine refuses, with the HTTP status and OpenAI error fields (core/errors.py)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  error_type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
+        super().__init__(message, status)
         self.message, self.param, self.status, self.error_type, self.code = message, param, status, error_type, code
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error envelope."""
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class ContentPart(_Strict):
-    """One part of a message's content; only text parts are understood."""
-
-    type: str  #: "text" (other kinds are refused)
-    text: str | None = None  #: the text of a text part
-
-
-class Message(_Strict):
-    """A chat message."""
-
-    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls etc. reach the chat template
-    role: str  #: system, user, assistant, tool (developer is read as system)
-    content: str | list[ContentPart] | None = None  #: text, or text parts
-
-
-class StreamOptions(_Strict):
-    """OpenAI stream options."""
-
-    include_usage: bool = False  #: send a final chunk with usage
-
-
-class _Generation(_Strict):
-    model: str | None = None  #: model id; must match the served one when given
-    max_tokens: int | None = None  #: completion limit
-    max_completion_tokens: int | None = None  #: newer name of max_tokens
-    temperature: float | None = None  #: 0 = greedy (default, as in mlx_lm.server)
-    top_p: float | None = None  #: nucleus sampling
-    top_k: int | None = None  #: top-k sampling (extra)
-    min_p: float | None = None  #: min-p sampling (extra)
-    n: int = 1  #: only 1 is supported
-    stream: bool = False  #: stream server-sent events
-    stream_options: StreamOptions | None = None  #: include_usage
-    stop: str | list[str] | None = None  #: stop strings
-    user: str | None = None  #: end-user id; used as session id when X-Session-Id is absent
-    seed: int | None = None  #: accepted for compatibility; batched sampling shares one generator
-    ignore_eos: bool = False  #: vLLM extra: generate through EOS up to max_tokens
-    min_tokens: int = 0  #: vLLM extra: suppress EOS before this many tokens
-
-
-class ChatRequest(_Generation):
-    """POST /v1/chat/completions."""
-
-    messages: list[Message]  #: the conversation
-    tools: list[dict[str, Any]] | None = None  #: tool definitions, rendered by the chat template
-
-
-class CompletionRequest(_Generation):
-    """POST /v1/completions."""
-
-    prompt: str | list[int] | list[str]  #: text, token ids, or a one-element list of text
-
-
-def parse_request(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
-    """Decode and validate a request body; raises BadRequest with a precise message."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"Request body must be a JSON object, got {type(data).__name__}")
-    model = ChatRequest if kind == "chat" else CompletionRequest
-    try:
-        request = model.model_validate(data)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        got = error.get("input")
-        detail = "is required" if error["type"] == "missing" else f"{error['msg'].lower()}, got {got!r:.80}"
-        raise BadRequest(f"'{where}': {detail}", param=str(error["loc"][0])) from None
-    _check_values(request)
-    return request
-
-
-def _check_values(request: ChatRequest | CompletionRequest) -> None:
-    limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    if limit is not None and limit <= 0:
-        raise BadRequest(f"'max_tokens' must be at least 1, got {limit}", param="max_tokens")
-    if request.n != 1:
-        raise BadRequest(f"'n' must be 1 (one choice per request), got {request.n}", param="n")
-    if request.temperature is not None and not 0 <= request.temperature <= 2:
-        raise BadRequest(f"'temperature' must be between 0 and 2, got {request.temperature}", param="temperature")
-    if request.top_p is not None and not 0 < request.top_p <= 1:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {request.top_p}", param="top_p")
-    if request.min_tokens < 0:
-        raise BadRequest(f"'min_tokens' must be >= 0, got {request.min_tokens}", param="min_tokens")
-    if limit is not None and request.min_tokens > limit:
-        raise BadRequest(f"'min_tokens' ({request.min_tokens}) must not exceed max_tokens ({limit})",
-                         param="min_tokens")
-    if isinstance(request, ChatRequest):
-        if not request.messages:
-            raise BadRequest("'messages' must contain at least one message", param="messages")
-        for i, message in enumerate(request.messages):
-            for part in message.content if isinstance(message.content, list) else ():
-                if part.type != "text":
-                    raise BadRequest(f"'messages.{i}.content': only text parts are supported, got {part.type!r}",
-                                     param="messages")
-    elif isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], str) \
-            and len(request.prompt) != 1:
-        raise BadRequest(f"'prompt': one prompt per request, got {len(request.prompt)}", param="prompt")
-
-
-def max_tokens_of(request: ChatRequest | CompletionRequest) -> int | None:
-    """The completion limit the request asked for, if any."""
-    return request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-
-
-def sampling_of(request: ChatRequest | CompletionRequest) -> Sampling:
-    """The decoding settings of a request."""
-    return Sampling(
-        temperature=request.temperature or 0.0,
-        top_p=request.top_p if request.top_p is not None else 1.0,
-        top_k=request.top_k or 0,
-        min_p=request.min_p or 0.0,
-        min_tokens=request.min_tokens,
-        ignore_eos=request.ignore_eos,
-    )
-
-
-def stop_strings(request: ChatRequest | CompletionRequest) -> list[str]:
-    """The request's stop strings (empty ones dropped)."""
-    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return [s for s in stops if s]
-
-
-def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them (text parts joined)."""
-    messages = []
-    for message in request.messages:
-        data = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            data["content"] = "".join(part.text or "" for part in message.content)
-        data.setdefault("content", "")
-        messages.append(data)
-    return messages
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -182,31 +38,72 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def response_body(kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
-                  usage_body: dict[str, Any]) -> dict[str, Any]:
+                  usage_body: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A complete (non-streamed) response."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage_body}
 
 
 def chunk_body(kind: str, request_id: str, model: str, text: str | None, finish_reason: str | None,
-               first: bool = False) -> dict[str, Any]:
+               first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk (a delta, or the final one carrying finish_reason)."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+class LogprobFormatter:
+    """Log-probabilities in OpenAI's shapes, for the tokens of one answer (or one streamed chunk).
+
+    Each token is ``(token id, logprob, [(alternative id, logprob), ...])`` as the generation
+    thread recorded it (mlx-lm's log-softmax after logits processors: mlx_lm.server's numbers).
+    A token's text is its own decoding; ``bytes`` are that text's UTF-8 bytes.
+    """
+
+    def __init__(self, tokenizer: Any, kind: str):
+        self._tokenizer = tokenizer
+        self._kind = kind
+        self._offset = 0  #: characters of token text before the next token (completions' text_offset)
+
+    def _text(self, token: int) -> str:
+        return self._tokenizer.decode([token])
+
+    def format(self, tokens: list[tuple[int, float, list[tuple[int, float]]]]) -> dict[str, Any]:
+        """The ``logprobs`` object of a choice for these tokens."""
+        if self._kind == "chat":
+            return {"content": [self._chat_entry(token, logprob, top) for token, logprob, top in tokens],
+                    "refusal": None}
+        texts = [self._text(token) for token, _, _ in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [logprob for _, logprob, _ in tokens],
+            "top_logprobs": [{self._text(alt): value for alt, value in top} for _, _, top in tokens],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (alt_text := self._text(alt)), "logprob": value,
+                                  "bytes": list(alt_text.encode())} for alt, value in top]}
 
 
 def usage_chunk(kind: str, request_id: str, model: str, usage_body: dict[str, Any]) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class RequestRecord:
     insert_start_ns: int = 0  #: insert began
     insert_end_ns: int = 0  #: insert done
     # response
+    first_content_ns: int = 0  #: the first response chunk carrying answer text was sent (0: none)
     end_ns: int = 0  #: last byte sent
     http_status: int = 200  #: status sent
     error_type: str | None = None  #: error class when the request failed

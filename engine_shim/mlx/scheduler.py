@@ -22,7 +22,7 @@ from typing import Any
 
 from tokentrace.contract import MATCH_NONE
 from tokentrace.engine_shim.mlx.jobs import Job, SamplingObjects
-from tokentrace.engine_shim.mlx.loader import Runtime, load_runtime, new_load_record
+from tokentrace.engine_shim.mlx.loader import LoadOptions, Runtime, load_runtime, new_load_record
 from tokentrace.engine_shim.mlx.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
 from tokentrace.engine_shim.mlx.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
 from tokentrace.engine_shim.mlx.settings import EngineSettings
@@ -48,6 +48,7 @@ class Scheduler:
                  on_load_done: Callable[[LoadRecord], None] = lambda record: None):
         self.settings = settings
         self.max_batch = settings.max_batch
+        self.prompt_concurrency = settings.prompt_concurrency or settings.max_batch
         self.runtime: Runtime | None = None
         self.cache: PrefixCache | None = None
         self.load_state = LOAD_IDLE
@@ -131,7 +132,8 @@ class Scheduler:
             except Exception:
                 # Whatever broke (an mlx error in admission, a cache insert), the thread must live
                 # on: a dead generation thread means every later request hangs.
-                log.exception("generation loop error; failing the running requests")
+                log.exception("generation step failed and no single request could be blamed; failing the "
+                              "running requests and serving on with a fresh batch")
                 self._fail_running()
         self._shutdown()
 
@@ -151,7 +153,10 @@ class Scheduler:
     def _load(self) -> None:
         record = self.load_record
         try:
-            runtime = load_runtime(record)
+            settings = self.settings
+            runtime = load_runtime(record, LoadOptions(
+                settings.adapter_path, settings.trust_remote_code, settings.chat_template,
+                settings.use_default_chat_template))
         except Exception as exc:
             log.error("model load failed: %s", exc)
             self.load_state = LOAD_FAILED
@@ -167,7 +172,8 @@ class Scheduler:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.runtime = runtime
-        self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]))
+        self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
+                                         runtime.tokenizer.encode("\n"))
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
             log.info("prompt cache off (--cache-max-entries/--cache-max-bytes 0); lookups still report fingerprints")
         elif is_cacheable(make_prompt_cache(runtime.model)):
@@ -198,8 +204,13 @@ class Scheduler:
                 self._waiting.append(job)
         while self._cancels:
             self._cancel(self._cancels.popleft())
-        while self._waiting and len(self._running) < self.max_batch:
+        while self._waiting and len(self._running) < self.max_batch and self._prefilling() < self.prompt_concurrency:
             self._admit(self._waiting.popleft())
+
+    def _prefilling(self) -> int:
+        """Admitted sequences without a first token yet (--prompt-concurrency bounds them, so the
+        wait for a prefill slot is queue time, not prefill time)."""
+        return sum(1 for job in self._running.values() if not job.record.token_ns)
 
     def _admit(self, job: Job) -> None:
         try:
@@ -221,15 +232,16 @@ class Scheduler:
         lookup = cache.lookup(job.tokens) if cache is not None else Lookup(None, 0, MATCH_NONE, None, 0, 0)
         record.lookup_end_ns = time.perf_counter_ns()
         record.lookup = lookup_record(lookup)
-        sampling, objects = job.sampling, self._sampling
+        objects = self._sampling
+        job.sampler = objects.sampler(job.sampling)
         job.uid = self._generator.insert(
             [job.tokens[lookup.reused:]],
             max_tokens=[job.max_tokens],
             caches=[lookup.layers] if lookup.layers is not None else None,
             all_tokens=[job.tokens[: lookup.reused]],
-            samplers=[objects.sampler(sampling)],
-            logits_processors=[objects.logits_processors(sampling, len(job.tokens))],
-            stop_sequences=[objects.stop_sequences(sampling)],
+            samplers=[job.sampler],
+            logits_processors=[objects.logits_processors(job)],
+            stop_sequences=[objects.stop_sequences(job.sampling)],
         )[0]
         self._running[job.uid] = job
 
@@ -250,8 +262,10 @@ class Scheduler:
 
     def _step(self) -> None:
         start = time.perf_counter_ns()
-        prompt_responses, generated = self._generator.next()  # errors: run() fails the batch
+        # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
+        prompt_responses, generated = self._generator.next()
         end = time.perf_counter_ns()
+        faulty = self._faulty()
         try:
             self._record_step(start, end, prompt_responses, generated)
         except Exception:
@@ -259,15 +273,36 @@ class Scheduler:
         deliveries = []
         for response in generated:
             job = self._running.get(response.uid)
-            if job is None:
+            if job is None or job in faulty:
                 continue
             reason = response.finish_reason
+            if job.sampling.top_logprobs is not None:
+                job.logprobs.append(_logprobs(response, job.sampling.top_logprobs))
             if reason is not None:
                 del self._running[response.uid]
                 self._finish(job, reason, end, response.prompt_cache, response.all_tokens)
             deliveries.append((job, response.token, reason))
+        if faulty:
+            deliveries += self._remove_faulty(faulty, end)
         if deliveries:
             self._deliver(deliveries)
+
+    def _faulty(self) -> list[Job]:
+        """Sequences whose own sampler or logits processors failed during the last step."""
+        return [job for job in self._running.values()
+                if job.fault is not None or getattr(job.sampler, "error", None) is not None]
+
+    def _remove_faulty(self, faulty: list[Job], now: int) -> list[tuple[Job, int, str]]:
+        """Take the failed sequences out of the batch with an error; the others go on."""
+        self._generator.remove([job.uid for job in faulty])
+        for job in faulty:
+            self._running.pop(job.uid, None)
+            error = job.fault or job.sampler.error
+            log.error("request %s failed in generation (removed; the batch goes on): %s",
+                      job.record.request_id, error)
+            job.record.error_type = "GenerationError"
+            self._finish(job, "error", now)
+        return [(job, -1, "error") for job in faulty]
 
     def _record_step(self, start: int, end: int, prompt_responses: list, generated: list) -> None:
         window, running = self._window, self._running
@@ -361,3 +396,18 @@ class Scheduler:
         self._flush_window()
         if self._generator is not None:
             self._generator.close()
+
+
+def _logprobs(response: Any, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, its logprob, the ``top`` most likely tokens with theirs) from one generated response;
+    mlx-lm's logprobs are the log-softmax after logits processors, as mlx_lm.server reports them."""
+    import mlx.core as mx
+
+    logprobs = response.logprobs
+    chosen = logprobs[response.token].item()
+    if top <= 0:
+        return response.token, chosen, []
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[ids]
+    pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda pair: -pair[1])
+    return response.token, chosen, pairs

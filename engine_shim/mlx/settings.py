@@ -4,6 +4,7 @@ CLI options and validated at startup in one clear line each (STYLE §15)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -55,7 +56,33 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lazy-load", bool, False, "load the model on the first request instead of at start"),
     Setting("capture-content", bool, False, "attach bounded prompt snippets to spans (off: no text leaves)"),
     Setting("heartbeat-interval", float, 5.0, "seconds between instance.heartbeat spans", minimum=0.1),
+    Setting("api-key", str, None, "clients must send 'Authorization: Bearer KEY' (vLLM's --api-key)"),
+    Setting("insecure-bind", bool, False, "allow a --host beyond loopback without --api-key"),
+    Setting("allowed-origins", str, "*", "CORS origins allowed, comma-separated ('*': any)"),
+    Setting("max-request-bytes", int, 8 << 20, "largest request body accepted (413 beyond)", minimum=1),
+    Setting("max-messages", int, 2048, "most chat messages in one request (400 beyond)", minimum=1),
+    Setting("keepalive-interval", float, 5.0, "seconds between SSE keep-alive comments while no token comes",
+            minimum=0.01),
+    Setting("prompt-concurrency", int, None, "sequences prefilling at once (default: --max-batch)", minimum=1),
+    Setting("temp", float, 0.0, "default sampling temperature (0: greedy)", minimum=0),
+    Setting("top-p", float, 1.0, "default nucleus sampling top-p", minimum=0),
+    Setting("top-k", int, 0, "default top-k sampling (0: off)", minimum=0),
+    Setting("min-p", float, 0.0, "default min-p sampling (0: off)", minimum=0),
+    Setting("memory-bandwidth-gbs", float, None, "peak memory bandwidth of this machine in GB/s, for the decode "
+            "verdict (default: the chip's published figure; none on Linux)", minimum=0.001),
+    Setting("chat-template", str, None, "chat template (Jinja text) to render chats with instead of the model's "
+            "(as mlx_lm.server's --chat-template)"),
+    Setting("chat-template-args", str, None, "JSON object of extra chat-template arguments, e.g. "
+            "'{\"enable_thinking\":false}'"),
+    Setting("use-default-chat-template", bool, False, "use the tokenizer's default chat template when it has none"),
+    Setting("adapter-path", str, None, "LoRA adapter directory applied to the model"),
+    Setting("trust-remote-code", bool, False, "allow code from the model directory (model and tokenizer)"),
+    Setting("log-level", str, "INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 )
+
+#: Options of mlx_lm.server with another name here (docs/engine.md, "Coming from mlx_lm.server").
+ALIASES = {"max-tokens": "default-max-tokens", "decode-concurrency": "max-batch",
+           "prompt-cache-size": "cache-max-entries", "prompt-cache-bytes": "cache-max-bytes"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,24 @@ class EngineSettings:
     lazy_load: bool = False  #: load on the first request
     capture_content: bool = False  #: prompt snippets in spans
     heartbeat_interval: float = 5.0  #: seconds between heartbeats
+    api_key: str | None = None  #: bearer key clients must send
+    insecure_bind: bool = False  #: allow a non-loopback bind without an API key
+    allowed_origins: str = "*"  #: CORS origins, comma-separated
+    max_request_bytes: int = 8 << 20  #: request body limit
+    max_messages: int = 2048  #: chat message limit
+    keepalive_interval: float = 5.0  #: SSE keep-alive period
+    prompt_concurrency: int | None = None  #: sequences prefilling at once
+    temp: float = 0.0  #: default temperature
+    top_p: float = 1.0  #: default top-p
+    top_k: int = 0  #: default top-k
+    min_p: float = 0.0  #: default min-p
+    chat_template: str | None = None  #: chat template override
+    chat_template_args: str | None = None  #: JSON object of chat template arguments
+    use_default_chat_template: bool = False  #: tokenizer's default template when it has none
+    adapter_path: str | None = None  #: LoRA adapters
+    trust_remote_code: bool = False  #: allow model code
+    log_level: str = "INFO"  #: logging level
+    memory_bandwidth_gbs: float | None = None  #: declared peak memory bandwidth (GB/s)
 
     @property
     def served_name(self) -> str:
@@ -94,17 +139,32 @@ class EngineSettings:
 
         return f"{socket.gethostname()}:{self.port}"
 
+    @property
+    def origins(self) -> list[str]:
+        """Allowed CORS origins."""
+        return [origin.strip() for origin in self.allowed_origins.split(",") if origin.strip()]
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """--chat-template-args, decoded (validated at startup)."""
+        return json.loads(self.chat_template_args) if self.chat_template_args else {}
+
 
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per setting; environment variables provide the defaults."""
+    """One option per setting (plus mlx_lm.server's name for it); environment variables provide
+    the defaults."""
+    aliases: dict[str, list[str]] = {}
+    for theirs, ours in ALIASES.items():
+        aliases.setdefault(ours, []).append(f"--{theirs}")
     for setting in SETTINGS:
         help_text = f"{setting.help} [env {setting.env}]"
+        names = [f"--{setting.option}", *aliases.get(setting.option, [])]
         if setting.type is bool:
-            parser.add_argument(f"--{setting.option}", action="store_true", default=None, help=help_text)
+            parser.add_argument(*names, dest=setting.attr, action="store_true", default=None, help=help_text)
         else:
             shown = "" if setting.default is None else f" (default: {setting.default})"
-            parser.add_argument(f"--{setting.option}", default=None, metavar=setting.option.upper().replace("-", "_"),
-                                help=help_text + shown)
+            parser.add_argument(*names, dest=setting.attr, default=None,
+                                metavar=setting.option.upper().replace("-", "_"), help=help_text + shown)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> EngineSettings:
@@ -119,11 +179,51 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         values[setting.attr] = setting.default if raw is None else _parse(setting, raw, source)
     if not values["model"]:
         raise ConfigError("--model is required (a model directory; `tokentrace make-model DIR` writes one)")
+    _check(values)
     known = {f.name for f in fields(EngineSettings)}
     return EngineSettings(**{k: v for k, v in values.items() if k in known})
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check(values: dict[str, Any]) -> None:
+    """Checks across settings, and of values beyond a type and a minimum."""
+    values["log_level"] = str(values["log_level"]).upper()
+    if values["log_level"] not in _LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, received {values['log_level']!r}")
+    if values["top_p"] > 1 or values["min_p"] > 1:
+        raise ConfigError("--top-p and --min-p must be in [0, 1]")
+    if values["chat_template_args"]:
+        try:
+            decoded = json.loads(values["chat_template_args"])
+        except ValueError as exc:
+            raise ConfigError(f"--chat-template-args must be a JSON object, received invalid JSON: {exc}") from None
+        if not isinstance(decoded, dict):
+            raise ConfigError(f"--chat-template-args must be a JSON object, received {values['chat_template_args']!r}")
+    host = values["host"]
+    if host not in _LOOPBACK and not host.startswith("127.") and not values["api_key"] and not values["insecure_bind"]:
+        raise ConfigError(f"--host {host} serves beyond this machine: give --api-key KEY (clients send "
+                          f"'Authorization: Bearer KEY'), or --insecure-bind to serve without one")
+
+
 _KINDS = {int: "an integer", float: "a number", str: "text"}
+_SIZES = {"": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 10**6, "MB": 10**6, "MIB": 1 << 20,
+          "G": 10**9, "GB": 10**9, "GIB": 1 << 30}
+
+
+def parse_size(raw: Any) -> int:
+    """A byte count: an integer, or a number with a unit as mlx_lm.server's --prompt-cache-bytes
+    takes it (10GB, 512M, 1.5G; GiB/MiB for powers of two)."""
+    if isinstance(raw, int):
+        return raw
+    text = str(raw).strip().upper()
+    digits = text.rstrip("KMGIB ")
+    unit = text[len(digits):].strip()
+    if unit not in _SIZES:
+        raise ValueError(raw)
+    return int(float(digits) * _SIZES[unit])
 
 
 def _parse(setting: Setting, raw: Any, source: str) -> Any:
@@ -137,7 +237,7 @@ def _parse(setting: Setting, raw: Any, source: str) -> Any:
             return False
         raise ConfigError(f"{source} must be true or false, received {raw!r}")
     try:
-        value = setting.type(raw)
+        value = parse_size(raw) if setting.option.endswith("-bytes") else setting.type(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{source} must be {_KINDS[setting.type]}, received {raw!r}") from None
     if setting.minimum is not None and value < setting.minimum:

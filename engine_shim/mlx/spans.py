@@ -219,7 +219,12 @@ def _request_attributes(record: RequestRecord) -> dict[str, Any]:
         c.CLIENT_DISCONNECTED: record.client_disconnected,
         c.HTTP_STATUS: record.http_status,
         c.OUTPUT_TOKENS: record.completion_tokens,
+        c.PROVIDER_NAME: c.ENGINE_MLX,
+        c.RESPONSE_ID: record.request_id,
     }
+    if record.endpoint.endswith("completions"):
+        attributes[c.OPERATION_NAME] = (c.OPERATION_CHAT if record.endpoint.endswith("chat/completions")
+                                        else c.OPERATION_TEXT_COMPLETION)
     optional = {
         c.SESSION_ID: record.session_id,
         c.MODEL: record.model,
@@ -233,6 +238,8 @@ def _request_attributes(record: RequestRecord) -> dict[str, Any]:
         attributes[c.CACHED_TOKENS] = record.cached_tokens
     if record.finish_reason is not None:
         attributes[c.FINISH_REASONS] = [record.finish_reason]
+    if record.first_content_ns:
+        attributes[c.FIRST_CONTENT_MS] = (record.first_content_ns - record.arrival_ns) * _MS
     if record.enqueue_ns:
         attributes[c.LOAD_WAIT_MS] = (record.load_wait_end_ns - record.load_wait_start_ns) * _MS
         queue_end = record.admit_ns or record.finish_ns

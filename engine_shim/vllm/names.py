@@ -34,6 +34,26 @@ LATENCY_TO_CONTRACT_MS: dict[str, str] = {
     LATENCY_TTFT: c.TTFT_MS,
 }
 
+#: Legacy GenAI usage names (vLLM still sends them) -> the current ones (the contract's).
+LEGACY_USAGE: dict[str, str] = {USAGE_PROMPT_TOKENS: c.INPUT_TOKENS, USAGE_COMPLETION_TOKENS: c.OUTPUT_TOKENS}
+
+
+def with_both_names(attributes: dict) -> dict:
+    """A request span's attributes with each GenAI usage value under both its current and its
+    legacy name (the current one wins), and vLLM's ``gen_ai.latency.*`` seconds as the contract's ms
+    summaries where those are absent: a span in either spelling normalizes to the same row."""
+    out = dict(attributes)
+    for legacy, current in LEGACY_USAGE.items():
+        value = out[current] if current in out else out.get(legacy)
+        if value is not None:
+            out[current] = out[legacy] = value
+    for legacy, ms_key in LATENCY_TO_CONTRACT_MS.items():
+        seconds = out.get(legacy)
+        if ms_key not in out and isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            out[ms_key] = seconds * 1e3
+    return out
+
+
 # --- vLLM's loading spans (PR #31162) -> contract load stages ---------------------------------------
 #: Span name -> the contract stage it belongs to. Spans not listed (``Overall Loading``, ``Executor
 #: init``, ``Worker init``, ...) are containers of these; they stay in the generic ``spans`` table.

@@ -49,6 +49,7 @@ from tokentrace.engine_shim.vllm.kv_events import (
 )
 from tokentrace.engine_shim.vllm.names import client_request_id
 from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
+from tokentrace.hardware import vllm_resource
 
 # A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no
 # propagation), so a logger outside it says nothing in vLLM's log while it serves.
@@ -91,6 +92,9 @@ class _Runtime:
                 c.ENGINE: c.ENGINE_VLLM,
                 c.ENGINE_VERSION: self.compat.version,
                 c.MODEL: self.model,
+                # vLLM's FinishedRequestStats time every part; load_wait is 0 by construction (docs/vllm.md).
+                c.OBSERVER_MEASURES: list(c.OBSERVER_PARTS),
+                **vllm_resource(),
             }
             pump = SpanPump(self.collector, resource, spool_dir=self.spool_dir)
             pump.start()

@@ -46,6 +46,7 @@ def request_record(
         c.OUTPUT_TOKENS: output_tokens,
         c.CACHED_TOKENS: int(finished.num_cached_tokens),
         c.FINISH_REASONS: [FINISH_REASONS.get(reason, reason)],
+        c.PROVIDER_NAME: c.ENGINE_VLLM,
         # vLLM's server starts listening only after the model is loaded and warmed up.
         c.LOAD_WAIT_MS: 0.0,
         c.QUEUE_MS: max(float(finished.queued_time), 0.0) * 1e3,

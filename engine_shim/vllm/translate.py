@@ -8,7 +8,7 @@ so the collector core holds no vLLM name (STYLE §20). No vLLM import: the colle
 from __future__ import annotations
 
 from tokentrace import contract as c
-from tokentrace.collector.normalize import Scope, as_int, as_num, as_str
+from tokentrace.collector.normalize import Scope, as_int, as_ms, as_str
 from tokentrace.engine_shim.vllm.names import (
     LATENCY_TO_CONTRACT_MS,
     LOAD_STAGE_BY_SPAN,
@@ -18,6 +18,7 @@ from tokentrace.engine_shim.vllm.names import (
     USAGE_COMPLETION_TOKENS,
     USAGE_PROMPT_TOKENS,
     client_request_id,
+    with_both_names,
 )
 
 
@@ -30,8 +31,8 @@ def request_row(scope: Scope, span, a: dict, ids: tuple) -> None:
     """
     if scope.engine is not None:
         return
-    ms = {key: as_num(a.get(name)) for name, key in LATENCY_TO_CONTRACT_MS.items()}
-    ms = {key: None if value is None else value * 1e3 for key, value in ms.items()}
+    a = with_both_names(a)
+    ms = {key: as_ms(scope, a, name, 1e3) for name, key in LATENCY_TO_CONTRACT_MS.items()}
     outputs = as_int(a.get(USAGE_COMPLETION_TOKENS))
     decode = ms[c.DECODE_MS]
     tpot = decode / (outputs - 1) if decode is not None and outputs is not None and outputs > 1 else None
@@ -41,8 +42,9 @@ def request_row(scope: Scope, span, a: dict, ids: tuple) -> None:
         scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
         span.start_time_unix_nano, span.end_time_unix_nano,
         ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
-        as_int(a.get(USAGE_PROMPT_TOKENS)), None, outputs, as_int(a.get(REQUEST_MAX_TOKENS)),
-        None, None, None, None, None, c.OBSERVER_NATIVE, None,
+        as_int(a.get(USAGE_PROMPT_TOKENS)), as_int(a.get(c.CACHED_TOKENS)), outputs,
+        as_int(a.get(REQUEST_MAX_TOKENS)),
+        None, None, None, None, None, None, c.OBSERVER_NATIVE, None,
     ))
 
 

@@ -29,11 +29,14 @@ from typing import Any, ClassVar
 
 import httpx
 
-#: Who observed a row (the ``observer`` column; docs/telemetry.md).
-OBSERVER_ENGINE = "engine"  #: a tokentrace engine measured it inside
-OBSERVER_PLUGIN = "plugin"  #: the tokentrace vLLM plugin measured it inside vLLM
-OBSERVER_NATIVE = "native"  #: the engine's own OpenTelemetry spans (e.g. vLLM's llm_request)
-OBSERVER_GATEWAY = "gateway"  #: the gateway measured it from outside
+from tokentrace import contract as c
+
+#: Who observed a row (the ``observer`` column; docs/telemetry.md): a tokentrace engine measured it
+#: inside, the vLLM plugin inside vLLM, the engine's own OpenTelemetry spans, or the gateway outside.
+OBSERVER_ENGINE = c.OBSERVER_ENGINE
+OBSERVER_PLUGIN = c.OBSERVER_PLUGIN
+OBSERVER_NATIVE = c.OBSERVER_NATIVE
+OBSERVER_GATEWAY = c.OBSERVER_GATEWAY
 
 #: What an adapter can declare it measures (``Adapter.measures``). The gateway itself always measures
 #: ``ttft``, ``e2e``, ``itl`` (streamed chunk times) and ``gateway_wait``.
@@ -169,6 +172,12 @@ class Adapter:
         the classes in its DETECT_ORDER, most specific first, and the generic OpenAI adapter last.
         """
         return None
+
+    @classmethod
+    def forced_probe(cls) -> Probe:
+        """What to assume when the operator names this kind (``--adapter NAME=KIND``) and probing
+        finds nothing (the upstream is down at start, or hides its markers)."""
+        return Probe(kind=cls.kind)
 
     @property
     def reports_itself(self) -> bool:

@@ -36,3 +36,8 @@ class TokentraceEngineAdapter(Adapter):
         if not data or not all(isinstance(m, dict) and m.get("owned_by") == OWNED_BY for m in data):
             return None
         return Probe(kind=cls.kind, models=model_ids(models), reports_itself=True, observer=OBSERVER_ENGINE)
+
+    @classmethod
+    def forced_probe(cls) -> Probe:
+        """A tokentrace engine reports itself."""
+        return Probe(kind=cls.kind, reports_itself=True, observer=OBSERVER_ENGINE)

@@ -107,6 +107,11 @@ class VllmPluginAdapter(VllmAdapter):
     kind: ClassVar[str] = "vllm-plugin"
 
     @classmethod
+    def forced_probe(cls) -> Probe:
+        """The plugin reports itself (its instance id unknown until a probe reads /metrics)."""
+        return Probe(kind=cls.kind, reports_itself=True, observer=OBSERVER_PLUGIN)
+
+    @classmethod
     def _probe(cls, version: str | None, instance: str | None, block: int) -> Probe:
         return Probe(kind=cls.kind, version=version, reports_itself=True, observer=OBSERVER_PLUGIN,
                      instance_id=instance or None, cache_block_tokens=block)

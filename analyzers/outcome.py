@@ -1,0 +1,103 @@
+"""What became of a request, and which of its parts are known (docs/analyzers.md, "Outcome").
+
+Definitions (the contract; tests check them), from the request row, the first that holds:
+- ``cancelled``: the client went away (``client_disconnected``), the answer was HTTP 499, or the
+  engine's finish reason says it was cancelled or aborted;
+- ``rejected``: any other 4xx answer (the engine refused it: context too long, unknown model, bad
+  input, rate limit);
+- ``failed``: a 5xx answer, an ``error.type``, or the finish reason ``error``;
+- ``completed``: everything else.
+Only completed requests get a slowness category, enter latency percentiles and cache hit rates.
+
+Unknown is not zero: a phase a request row does not carry stays missing. Each resource may declare
+the parts its observer measures (``tokentrace.observer.measures``, docs/telemetry.md); a part the
+declaration leaves out is unknown even when a row carries a value for it. A completed request with
+any of load_wait, queue, prefill, decode unknown is ``undecomposed``: its largest part cannot be
+named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from tokentrace import contract as c
+
+if TYPE_CHECKING:  # polars only where frames are built: ``analyze --url`` never imports it (issue 17)
+    import polars as pl
+
+COMPLETED, REJECTED, FAILED, CANCELLED = "completed", "rejected", "failed", "cancelled"
+OUTCOMES = (COMPLETED, REJECTED, FAILED, CANCELLED)
+#: Finish reasons that mean the request was stopped before it ended on its own (ours, vLLM's).
+CANCEL_REASONS = ("cancelled", "abort", "aborted")
+#: The slowness category of a completed request whose four components are not all known.
+UNDECOMPOSED = "undecomposed"
+#: The per-request parts an observer can declare (``tokentrace.observer.measures``).
+PARTS = c.OBSERVER_PARTS
+
+
+def outcome_of(row: dict) -> str:
+    """The outcome of one request row (definition in the module docstring)."""
+    status, reason = row.get("http_status"), row.get("finish_reason")
+    if row.get("client_disconnected") or status == 499 or reason in CANCEL_REASONS:
+        return CANCELLED
+    if status is not None and 400 <= status < 500:
+        return REJECTED
+    if (status is not None and status >= 500) or row.get("error_type") or reason == "error":
+        return FAILED
+    return COMPLETED
+
+
+def outcome_expr() -> pl.Expr:
+    """``outcome_of`` over a requests frame, vectorized (same rule)."""
+    import polars as pl
+
+    status, reason = pl.col("http_status"), pl.col("finish_reason")
+    cancelled = (pl.col("client_disconnected").fill_null(False) | (status == 499).fill_null(False)
+                 | reason.is_in(list(CANCEL_REASONS)).fill_null(False))
+    rejected = status.is_between(400, 499).fill_null(False)
+    failed = ((status >= 500).fill_null(False) | pl.col("error_type").is_not_null()
+              | (reason == "error").fill_null(False))
+    return (pl.when(cancelled).then(pl.lit(CANCELLED)).when(rejected).then(pl.lit(REJECTED))
+            .when(failed).then(pl.lit(FAILED)).otherwise(pl.lit(COMPLETED)))
+
+
+def measures_of(attributes: str | dict | None) -> frozenset[str] | None:
+    """The parts a resource declares its observer measures; None when it declares nothing."""
+    if isinstance(attributes, str):
+        try:
+            attributes = json.loads(attributes)
+        except ValueError:
+            return None
+    value = (attributes or {}).get(c.OBSERVER_MEASURES)
+    if not isinstance(value, list):
+        return None
+    return frozenset(str(part) for part in value if part in PARTS)
+
+
+def observers(rows: Iterable[dict]) -> dict[str | None, frozenset[str] | None]:
+    """instance id -> declared parts, from the ``observers`` named query's rows."""
+    return {row["instance_id"]: measures_of(row["attributes"]) for row in rows}
+
+
+def known_parts(row: dict, measures: frozenset[str] | None) -> dict[str, float | None]:
+    """The row's ``{part}_ms`` values, None where unknown: missing, or not declared measured."""
+    return {part: (None if measures is not None and part not in measures else row.get(f"{part}_ms"))
+            for part in PARTS}
+
+
+def mask_unmeasured(frame: pl.DataFrame, declared: dict[str | None, frozenset[str] | None]) -> pl.DataFrame:
+    """A requests frame with each ``{part}_ms`` nulled on rows whose instance declares it does not
+    measure that part (instances that declare nothing keep their values)."""
+    import polars as pl
+
+    columns = []
+    for part in PARTS:
+        blind = [instance for instance, parts in declared.items()
+                 if instance is not None and parts is not None and part not in parts]
+        if blind and f"{part}_ms" in frame.columns:
+            column = pl.col(f"{part}_ms")
+            columns.append(pl.when(pl.col("instance_id").is_in(blind)).then(None).otherwise(column)
+                           .alias(f"{part}_ms"))
+    return frame.with_columns(columns) if columns else frame

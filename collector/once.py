@@ -1,0 +1,172 @@
+"""Exactly once per span, whatever the sender retries (issue 11 item 2).
+
+An OTLP exporter that lost an acknowledgement sends the same request again; the engine shim resends
+a spool file over HTTP that the collector may also find in its spool directory; a sender retries a
+batch that a collector killed with -9 had committed. Each carries the same spans, so the store keeps
+a span only if no span with its **(trace id, span id)** is stored yet: the OTLP identity of a span
+(trace.proto: "span_id ... unique within a trace"). Every typed table derives from spans, so the
+check runs once per span, before any row is written, and the rows of a known span are all dropped
+(``select``): requests, phases, steps, heartbeats, block hashes, sightings, resources alike.
+
+Finding out cheaply which spans are stored (``SpanKeys``): a B-tree or ART index on 48 hex
+characters per span costs more than the rest of the write (measured with DuckDB 1.x on this
+machine: 55k keys/s with a primary key, and 1.8 s per batch of 10k known keys through ON CONFLICT).
+A resent span has the span's own start time, so the collector keeps, in memory, a 64-bit hash of the
+key of every stored span that started after a horizon, grouped by minute of start time (8 bytes a
+span; ``capacity`` spans, the oldest minutes dropped first). Then:
+
+- a span starting after the horizon whose hash is not in memory is new: no query at all (the
+  common case);
+- a span whose hash is in memory, or that starts before the horizon (late data, an old spool file),
+  is looked up in the store by its trace id and exact start time (named query ``span_keys``),
+  and compared by its full ids: a hash collision never drops a span.
+
+At start the memory is filled from the store's newest minutes (named queries ``span_key_minutes``
+and ``span_keys_since``), so a resend after a restart is recognised too. Spans repeated within one
+batch keep their first copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import polars as pl
+
+from tokentrace.collector.normalize import MARKED, Batch
+
+MINUTE_NS = 60_000_000_000
+DEFAULT_CAPACITY = 4_000_000
+#: Spans looked up in the store per query (each binds its start times and trace ids as values).
+LOOKUP_SPANS = 2_000
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9))
+
+#: (start times, trace ids) -> the (trace id, span id) pairs stored with those.
+Lookup = Callable[[list[int], list[str]], set[tuple[str, str]]]
+
+
+def key_hashes(trace_ids: list[str], span_ids: list[str]) -> np.ndarray:
+    """64-bit hashes of the keys (lower-case hex ids, as every store keeps them), vectorized."""
+    words = np.concatenate([
+        np.frombuffer(np.array(trace_ids, dtype="S32").tobytes(), dtype="<u8").reshape(-1, 4),
+        np.frombuffer(np.array(span_ids, dtype="S16").tobytes(), dtype="<u8").reshape(-1, 2),
+    ], axis=1)
+    h = np.zeros(len(words), dtype=np.uint64)
+    for column in range(words.shape[1]):
+        h = (h ^ words[:, column]) * _MIX[column % 3]
+        h ^= h >> np.uint64(29)
+    return h
+
+
+class SpanKeys:
+    """The keys of stored spans that started after ``horizon`` (in memory, module docstring)."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        self.capacity = capacity
+        self._minutes: dict[int, list[np.ndarray]] = {}  # minute -> sorted hash chunks
+        self._size = 0
+        #: Spans starting before this minute may be stored without being in memory.
+        self.horizon = -(2**62)
+
+    def load(self, minute_counts: pl.DataFrame, since: Callable[[int], pl.DataFrame]) -> None:
+        """Fill from a store: its newest minutes (``minute, spans``) up to half the capacity."""
+        taken, horizon = 0, None
+        for minute, spans in minute_counts.sort("minute", descending=True).iter_rows():
+            if taken + spans > self.capacity // 2:
+                break
+            taken, horizon = taken + spans, minute
+        if horizon is None:
+            self.horizon = minute_counts["minute"].max() + 1 if minute_counts.height else -(2**62)
+            return
+        rows = since(horizon * MINUTE_NS)
+        self.add(rows["trace_id"].to_list(), rows["span_id"].to_list(), rows["start_ns"].to_numpy())
+        self.horizon = horizon
+
+    def fresh(self, batch: Batch, stored: Lookup) -> np.ndarray:
+        """Mask of the spans of ``batch`` to store: not stored yet, and first of their key in it."""
+        spans = batch.rows["spans"]
+        if not spans:
+            return np.zeros(0, dtype=bool)
+        traces, ids = [row[0] for row in spans], [row[1] for row in spans]
+        starts = np.array([row[5] for row in spans], dtype=np.int64)
+        hashes = key_hashes(traces, ids)
+        keep = _first_of_each(hashes, traces, ids)
+        doubt = keep & (self._known(hashes, starts) | (starts // MINUTE_NS < self.horizon))
+        for where in np.array_split(np.flatnonzero(doubt), max(1, -(-int(doubt.sum()) // LOOKUP_SPANS))):
+            if not len(where):
+                continue
+            found = stored(sorted({int(starts[i]) for i in where}), sorted({traces[i] for i in where}))
+            for i in where:
+                if (traces[i], ids[i]) in found:
+                    keep[i] = False
+        return keep
+
+    def add(self, traces: list[str], ids: list[str], starts: np.ndarray) -> None:
+        """Record the keys of spans just committed; drop the oldest minutes beyond capacity."""
+        if not len(traces):
+            return
+        hashes, minutes = key_hashes(traces, ids), np.asarray(starts, dtype=np.int64) // MINUTE_NS
+        for minute in np.unique(minutes):
+            if minute < self.horizon:
+                continue
+            chunk = np.sort(hashes[minutes == minute])
+            chunks = self._minutes.setdefault(int(minute), [])
+            chunks.append(chunk)
+            if len(chunks) > 8:  # fold, so a probe costs one search per minute
+                self._minutes[int(minute)] = [np.sort(np.concatenate(chunks))]
+            self._size += len(chunk)
+        while self._size > self.capacity and self._minutes:
+            oldest = min(self._minutes)
+            self._size -= sum(len(chunk) for chunk in self._minutes.pop(oldest))
+            self.horizon = oldest + 1
+
+    def _known(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        known = np.zeros(len(hashes), dtype=bool)
+        minutes = starts // MINUTE_NS
+        for minute in np.unique(minutes):
+            chunks = self._minutes.get(int(minute))
+            if not chunks:
+                continue
+            at = np.flatnonzero(minutes == minute)
+            for chunk in chunks:
+                probe = np.minimum(np.searchsorted(chunk, hashes[at]), len(chunk) - 1)
+                known[at] |= chunk[probe] == hashes[at]
+        return known
+
+
+def _first_of_each(hashes: np.ndarray, traces: list[str], ids: list[str]) -> np.ndarray:
+    """Mask of the first span of each key in a batch (hashes equal, ids compared exactly)."""
+    keep = np.ones(len(hashes), dtype=bool)
+    _, first, counts = np.unique(hashes, return_index=True, return_counts=True)
+    if (counts == 1).all():
+        return keep
+    seen: set[tuple[str, str]] = set()
+    repeated = np.isin(hashes, np.unique(hashes[first[counts > 1]]))
+    for i in np.flatnonzero(repeated):
+        key = (traces[i], ids[i])
+        keep[i] = key not in seen
+        seen.add(key)
+    return keep
+
+
+def drop_stored(batch: Batch, keys: SpanKeys, stored: Lookup) -> None:
+    """Leave out of ``batch``, in place, the spans already stored and every row they made; after
+    it the batch holds what the store writes (what counters and /metrics then see) and
+    ``duplicates`` how many spans were left out."""
+    fresh = select(batch, keys.fresh(batch, stored))
+    batch.duplicates = batch.spans - fresh.spans
+    batch.rows, batch.packed, batch.marks, batch.spans = fresh.rows, fresh.packed, fresh.marks, fresh.spans
+
+
+def select(batch: Batch, keep: np.ndarray) -> Batch:
+    """The batch with only the spans of ``keep`` and the rows they made (``Batch.marks``)."""
+    if keep.all():
+        return batch
+    out = Batch(spans=int(keep.sum()), rejected=batch.rejected, truncated=batch.truncated,
+                problems=batch.problems)
+    counts = np.diff(batch.marks, axis=0, prepend=np.zeros((1, len(MARKED)), dtype=np.int64))
+    for column, (rows, kept) in enumerate(zip(batch.lists(), out.lists(), strict=True)):
+        origin = np.repeat(np.arange(len(keep)), counts[:, column])
+        kept.extend(rows[i] for i in np.flatnonzero(keep[origin]))
+    out.marks = np.cumsum(counts[keep], axis=0)
+    return out

@@ -1,0 +1,476 @@
+"""``GET /metrics``: the store's numbers in Prometheus text format, kept up to date incrementally.
+
+What is counted is what this collector wrote: every batch the writer commits is handed to
+``MetricsState.observe`` (a list append on the writer thread). A scrape folds the batches handed over
+since the last one into running totals and histograms (vectorized, proportional to the new rows,
+never to the store), then prints them. Per-request verdicts that need the store (the cache cause,
+the slowness baseline) are computed off the scrape by one background thread over a bounded queue;
+``tokentrace_verdicts_pending`` says how far behind it is. Counters start at zero when the
+collector starts, as an engine's own counters do; Prometheus's ``rate`` and ``increase`` handle
+the reset. docs/metrics.md lists every series, its labels and where it comes from.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import logging
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import polars as pl
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.outcome import COMPLETED, measures_of
+from tokentrace.analyzers.report import with_categories
+from tokentrace.analyzers.slo import SloSpec, judge
+from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
+from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.store import TraceReader
+
+log = logging.getLogger("tokentrace.metrics")
+router = APIRouter()
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py, PrometheusStatLogger), so that its dashboards'
+# histogram_quantile queries read the same boundaries.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: vLLM histogram -> (requests column in ms, buckets, help). A request without the value (an engine
+#: that cannot measure it) is not observed, so an instance that never knows it has no such series.
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("ttft_ms", TTFT_BUCKETS, "Histogram of time to first token in seconds."),
+    "vllm:request_time_per_output_token_seconds": (
+        "tpot_ms", TOKEN_LATENCY_BUCKETS, "Histogram of time_per_output_token_seconds per request."),
+    "vllm:e2e_request_latency_seconds": (
+        "e2e_ms", REQUEST_LATENCY_BUCKETS, "Histogram of e2e request latency in seconds."),
+    "vllm:request_queue_time_seconds": (
+        "queue_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in WAITING phase for request."),
+    "vllm:request_prefill_time_seconds": (
+        "prefill_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in PREFILL phase for request."),
+    "vllm:request_decode_time_seconds": (
+        "decode_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in DECODE phase for request."),
+}
+ITL = "vllm:inter_token_latency_seconds"
+
+#: Every series: name -> (type, help). Order is the exposition's.
+SERIES = {
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches (latest heartbeat)."),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed (latest heartbeat)."),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage (latest heartbeat)."),
+    "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
+    "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
+    "vllm:request_success": ("counter", "Count of successfully processed requests."),
+    **{name: ("histogram", spec[2]) for name, spec in HISTOGRAMS.items()},
+    ITL: ("histogram", "Histogram of inter-token latency in seconds."),
+    "tokentrace_instance_info": ("gauge", "One per instance: its engine, engine version and host."),
+    "tokentrace_kv_cache_bytes": ("gauge", "Bytes held by the instance's prefix cache (latest heartbeat)."),
+    "tokentrace_kv_cache_max_bytes": ("gauge", "The prefix cache's byte limit (latest heartbeat)."),
+    "tokentrace_requests": ("counter", "Requests by slowness category (the analyzers' category of each request)."),
+    "tokentrace_abnormal_requests": ("counter", "Requests whose category component is abnormal for their instance."),
+    "tokentrace_cache_lookups": ("counter", "Requests by cache verdict result and cause ('none': nothing to explain)."),
+    "tokentrace_cache_evictions": ("counter", "Prefix-cache entries evicted, by reason."),
+    "tokentrace_avoidable_prefill_tokens": (
+        "counter", "Prompt tokens prefilled on one instance while another held them (routing regret)."),
+    "tokentrace_slo_requests": ("counter", "Requests per objective, met or not; slo=all: met every objective."),
+    "tokentrace_verdicts_pending": ("gauge", "Requests whose cache cause and abnormal test are not computed yet."),
+    "tokentrace_verdicts_skipped": ("counter", "Requests left out of the per-request verdicts (queue full)."),
+    "tokentrace_metrics_fold_errors": ("counter", "Groups of written batches that could not be counted (a bug)."),
+    "tokentrace_ingest_spans_accepted": ("counter", "Spans this collector stored."),
+    "tokentrace_ingest_rejected": ("counter", "Refused spans or payloads, by reason."),
+    "tokentrace_ingest_queue_batches": ("gauge", "Batches waiting for the writer."),
+    "tokentrace_ingest_queue_capacity": ("gauge", "Batches the write queue holds before senders get 503."),
+    "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
+}
+MAX_PENDING_VERDICTS = 50_000
+FOLD_AT_ROWS = 50_000
+_REQUEST_COLUMNS = TABLES["requests"]
+_COMPONENT = {label: name for name, label in CATEGORIES}
+
+
+@dataclass
+class Histogram:
+    """Cumulative-at-render bucket counts, their sum and count."""
+
+    bounds: tuple[float, ...]
+    counts: np.ndarray = field(default=None)  # type: ignore[assignment]
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = np.zeros(len(self.bounds) + 1, dtype=np.int64)
+
+    def observe(self, values: np.ndarray) -> None:
+        """Add observations (seconds); a value equal to a bound falls in that bound's bucket (le)."""
+        if values.size:
+            self.counts += np.bincount(np.searchsorted(self.bounds, values, side="left"),
+                                       minlength=len(self.bounds) + 1)
+            self.total += float(values.sum())
+
+
+#: Columns of a queued request (tuples, in this order): the requests row and its category.
+_ROW = (*_REQUEST_COLUMNS, "category")
+_AT = {name: i for i, name in enumerate(_ROW)}
+
+
+class _History:
+    """Recent requests of one instance ordered by start (``_ROW`` tuples): the slowness baseline's
+    candidates."""
+
+    def __init__(self, keep: int = 4 * BASELINE_LIMIT):
+        self.starts: list[int] = []
+        self.rows: list[tuple] = []
+        self.keep = keep
+
+    def add(self, row: tuple) -> None:
+        start = row[_AT["start_ns"]]
+        at = bisect.bisect_right(self.starts, start)
+        self.starts.insert(at, start)
+        self.rows.insert(at, row)
+        if len(self.rows) > self.keep:
+            del self.starts[0], self.rows[0]
+
+    def before(self, row: dict) -> pl.DataFrame:
+        """baseline.sql over what is held: same instance, the window before, successful, newest first."""
+        lo = bisect.bisect_left(self.starts, row["start_ns"] - BASELINE_WINDOW_NS)
+        hi = bisect.bisect_left(self.starts, row["start_ns"])
+        rid, status = _AT["request_id"], _AT["http_status"]
+        picked = [r for r in reversed(self.rows[lo:hi]) if r[rid] != row["request_id"]
+                  and (r[status] is None or r[status] < 400)][:BASELINE_LIMIT]
+        return pl.DataFrame(picked, schema=list(_ROW), orient="row", infer_schema_length=None) if picked \
+            else pl.DataFrame()
+
+
+class MetricsState:
+    """Running totals of what the writer stored (module docstring)."""
+
+    def __init__(self, reader: TraceReader, slo: SloSpec | None = None,
+                 max_pending_verdicts: int = MAX_PENDING_VERDICTS):
+        self.reader, self.slo = reader, slo
+        self._lock = threading.Lock()
+        self._pending: list[Batch] = []
+        self._pending_rows = 0
+        self.counters: dict[tuple[str, tuple], float] = defaultdict(float)
+        self.histograms: dict[tuple[str, tuple], Histogram] = {}
+        self.gauges: dict[tuple[str, tuple], float] = {}
+        self._beat_t: dict[str, int] = {}
+        self._model_of: dict[str, str] = {}
+        self._info: dict[str, tuple] = {}
+        self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
+        self._history: dict[str, _History] = defaultdict(_History)
+        self._verdicts: deque = deque()
+        self._max_verdicts = max_pending_verdicts
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._verdict_loop, name="tokentrace-metrics", daemon=True)
+        self._thread.start()
+
+    # -- writer side ---------------------------------------------------------------------------
+    def observe(self, batch: Batch) -> None:
+        """Called by the writer thread after ``batch`` is committed: keep it for the next fold."""
+        with self._lock:
+            self._pending.append(batch)
+            self._pending_rows += len(batch.rows["requests"]) + len(batch.packed["decode_steps"])
+            if self._pending_rows >= FOLD_AT_ROWS:  # nobody scraping: keep memory bounded
+                self._fold()
+
+    def close(self) -> None:
+        """Stop the verdict thread."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(10)
+
+    # -- fold (under the lock) -----------------------------------------------------------------
+    def _fold(self) -> None:
+        batches, self._pending, self._pending_rows = self._pending, [], 0
+        if not batches:
+            return
+        try:
+            self._fold_batches(batches)
+        except Exception:  # a bug must not fail every later scrape; what was lost is counted
+            log.exception("metrics: folding %d batches failed", len(batches))
+            self.counters[("tokentrace_metrics_fold_errors", ())] += 1
+
+    def _fold_batches(self, batches: list[Batch]) -> None:
+        rows = {name: [row for b in batches for row in b.rows[name]]
+                for name in ("requests", "resources", "heartbeats", "cache_evictions", "routes")}
+        for row in rows["resources"]:
+            r = dict(zip(TABLES["resources"], row, strict=True))
+            if r["instance_id"]:
+                if r["model"]:
+                    self._model_of[r["instance_id"]] = r["model"]
+                self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "",
+                                                r["host_name"] or "")
+                self._declared[r["instance_id"]] = measures_of(r["attributes"])
+        if rows["requests"]:
+            self._fold_requests(pl.DataFrame(rows["requests"], schema=list(_REQUEST_COLUMNS), orient="row",
+                                             infer_schema_length=None))
+        self._fold_itl([row for b in batches for row in b.packed["decode_steps"]])
+        self._fold_heartbeats(rows["heartbeats"])
+        self._fold_routes(rows["routes"])
+        for row in rows["cache_evictions"]:
+            r = dict(zip(TABLES["cache_evictions"], row, strict=True))
+            self.counters[("tokentrace_cache_evictions", self._labels(r["instance_id"], reason=r["reason"]))] += 1
+
+    def _fold_routes(self, rows: list[tuple]) -> None:
+        """The gateway's routing decisions (``routes``): prompt tokens the chosen upstream prefilled
+        that another upstream held (``avoidable_from``); a decision that does not know is left out."""
+        for row in rows:
+            r = dict(zip(TABLES["routes"], row, strict=True))
+            if r["avoidable_prefill_tokens"] is not None:
+                labels = self._labels(r["instance_id"], held_by=r["avoidable_from"] or "")
+                self.counters[("tokentrace_avoidable_prefill_tokens", labels)] += r["avoidable_prefill_tokens"]
+
+    def _labels(self, instance: str | None, model: str | None = None, **extra: Any) -> tuple:
+        model = model or self._model_of.get(instance or "") or "unknown"
+        return (("model_name", model), ("engine", "0"), ("instance_id", instance or "unknown"),
+                *((k, "" if v is None else str(v)) for k, v in extra.items()))
+
+    def _fold_requests(self, frame: pl.DataFrame) -> None:
+        frame = with_categories(frame, self._declared)
+        for row in frame.select("instance_id", "model").unique().iter_rows():
+            if row[0] and row[1]:
+                self._model_of.setdefault(row[0], row[1])
+        keyed = frame.with_columns(pl.col("model").fill_null(pl.col("instance_id").replace_strict(
+            self._model_of, default="unknown")).fill_null("unknown"), pl.col("instance_id").fill_null("unknown"))
+        c = self.counters
+        # category: the slowness category of a completed request, else its outcome (rejected, ...).
+        labelled = keyed.with_columns(pl.col("category").fill_null(pl.col("outcome")).alias("label"))
+        for instance, model, outcome, category, n in labelled.group_by(
+                "instance_id", "model", "outcome", "label").len().iter_rows():
+            c[("tokentrace_requests", self._labels(instance, model, outcome=outcome, category=category))] += n
+        for (instance, model, reason), n in _counts(keyed.filter(pl.col("finish_reason").is_not_null()),
+                                                    "finish_reason"):
+            c[("vllm:request_success", self._labels(instance, model, finished_reason=reason))] += n
+        if self.slo is not None:
+            self._fold_slo(keyed)
+        # Latency and cache numbers are the completed requests', as in the report.
+        keyed = keyed.filter(pl.col("outcome") == COMPLETED)
+        sums = keyed.group_by("instance_id", "model").agg(
+            pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
+            # Prefix-cache tokens over the rows that know both counts (report.reuse_known).
+            pl.col("prompt_tokens").filter(pl.col("cached_tokens").is_not_null()).sum().alias("queried"),
+            pl.col("cached_tokens").filter(pl.col("prompt_tokens").is_not_null()).sum().alias("hits"),
+            (pl.col("cached_tokens").is_not_null() & pl.col("prompt_tokens").is_not_null()).any().alias("knows_cache"),
+            pl.col("prompt_tokens").is_not_null().any().alias("knows_prompt"),
+            pl.col("completion_tokens").is_not_null().any().alias("knows_completion"))
+        for r in sums.iter_rows(named=True):
+            labels = self._labels(r["instance_id"], r["model"])
+            if r["knows_prompt"]:
+                c[("vllm:prompt_tokens", labels)] += r["prompt_tokens"] or 0
+            if r["knows_completion"]:
+                c[("vllm:generation_tokens", labels)] += r["completion_tokens"] or 0
+            if r["knows_cache"]:
+                c[("vllm:prefix_cache_queries", labels)] += r["queried"] or 0
+                c[("vllm:prefix_cache_hits", labels)] += r["hits"] or 0
+        self._fold_histograms(keyed)
+        self._queue_verdicts(keyed)
+
+    def _fold_histograms(self, frame: pl.DataFrame) -> None:
+        """Every latency histogram in one pass per column: bucket indexes for the whole column, then a
+        bincount per label set (no per-group frame)."""
+        if frame.height == 0:
+            return
+        pairs = list(zip(frame["instance_id"].to_list(), frame["model"].to_list(), strict=True))
+        keys = {pair: i for i, pair in enumerate(dict.fromkeys(pairs))}
+        key = np.fromiter((keys[pair] for pair in pairs), dtype=np.int64, count=len(pairs))
+        labels = [self._labels(instance, model) for instance, model in keys]
+        for name, (column, bounds, _) in HISTOGRAMS.items():
+            values = frame[column].cast(pl.Float64).to_numpy()
+            known = ~np.isnan(values)
+            if not known.any():
+                continue
+            seconds, owner = values[known] / 1000.0, key[known]
+            bucket = np.searchsorted(bounds, seconds, side="left")
+            counts = np.zeros((len(labels), len(bounds) + 1), dtype=np.int64)
+            np.add.at(counts, (owner, bucket), 1)
+            sums = np.bincount(owner, weights=seconds, minlength=len(labels))
+            for i in np.unique(owner):
+                histogram = self.histograms.setdefault((name, labels[i]), Histogram(bounds))
+                histogram.counts += counts[i]
+                histogram.total += float(sums[i])
+
+    def _fold_slo(self, frame: pl.DataFrame) -> None:
+        judged = judge(frame, self.slo)
+        for name in [*self.slo.names(), "good"]:
+            column = f"slo_{name}"
+            for (instance, model, met), n in _counts(judged.filter(pl.col(column).is_not_null()), column):
+                labels = self._labels(instance, model, slo="all" if name == "good" else name,
+                                      met="true" if met else "false")
+                self.counters[("tokentrace_slo_requests", labels)] += n
+
+    def _fold_itl(self, packed: list[tuple]) -> None:
+        """Gaps between consecutive decode-step offsets, per instance: one flat array per instance,
+        differences taken across it, the differences that span two requests dropped."""
+        by_instance: dict[str, list[list[int]]] = defaultdict(list)
+        for _rid, instance, _start, offsets in packed:
+            if len(offsets) > 1:
+                by_instance[instance].append(offsets)
+        for instance, rows in by_instance.items():
+            lengths = np.fromiter((len(o) for o in rows), dtype=np.int64, count=len(rows))
+            flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+            gaps = np.diff(flat)
+            keep = np.ones(gaps.size, dtype=bool)
+            keep[np.cumsum(lengths)[:-1] - 1] = False  # last offset of one request -> first of the next
+            key = (ITL, self._labels(instance))
+            self.histograms.setdefault(key, Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps[keep] / 1e9)
+
+    def _fold_heartbeats(self, rows: list[tuple]) -> None:
+        for row in rows:
+            b = dict(zip(TABLES["heartbeats"], row, strict=True))
+            instance = b["instance_id"]
+            if instance is None or b["t_ns"] < self._beat_t.get(instance, -1):
+                continue
+            self._beat_t[instance] = b["t_ns"]
+            labels = self._labels(instance)
+            values = {"vllm:num_requests_running": b["running"], "vllm:num_requests_waiting": b["queue_depth"],
+                      "tokentrace_kv_cache_bytes": b["cache_bytes"],
+                      "tokentrace_kv_cache_max_bytes": b["cache_max_bytes"],
+                      "vllm:kv_cache_usage_perc": b["cache_bytes"] / b["cache_max_bytes"]
+                      if b["cache_bytes"] is not None and b["cache_max_bytes"] else None}
+            for name, value in values.items():
+                if value is None:
+                    self.gauges.pop((name, labels), None)
+                else:
+                    self.gauges[(name, labels)] = float(value)
+
+    def _queue_verdicts(self, frame: pl.DataFrame) -> None:
+        for instance, model, category in frame.select("instance_id", "model", "category").unique().iter_rows():
+            # Present at 0 from the first request of a category on, as a client library's counter is.
+            self.counters[("tokentrace_abnormal_requests", self._labels(instance, model, category=category))] += 0
+        for row in frame.select(*_ROW).rows():
+            self._history[row[_AT["instance_id"]]].add(row)
+            if len(self._verdicts) >= self._max_verdicts:
+                self.counters[("tokentrace_verdicts_skipped", ())] += 1
+                continue
+            self._verdicts.append(row)
+        self._wake.notify_all()
+
+    # -- verdict thread ------------------------------------------------------------------------
+    def _verdict_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._verdicts and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                row = dict(zip(_ROW, self._verdicts[0], strict=True))
+                history = self._history[row["instance_id"]].before(row) if row["category"] in _COMPONENT else None
+            try:
+                result, cause, abnormal = self._verdict(row, history)
+            except Exception:  # one bad row must not stop the counting of the others
+                log.exception("metrics: verdict of request %s failed", row["request_id"])
+                result, cause, abnormal = "unknown", "error", None
+            with self._lock:
+                self._verdicts.popleft()
+                labels = self._labels(row["instance_id"], row["model"])
+                self.counters[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
+                if abnormal:
+                    self.counters[("tokentrace_abnormal_requests", (*labels, ("category", row["category"])))] += 1
+
+    def _verdict(self, row: dict, history: pl.DataFrame | None) -> tuple[str, str, bool | None]:
+        prompt, cached = row["prompt_tokens"], row["cached_tokens"]
+        if prompt and cached is not None and cached >= prompt - 1:
+            result, cause = "hit", NO_CAUSE  # the report's rule: a whole-prompt reuse has nothing to explain
+        else:
+            verdict = analyze_cache(self.reader, row["request_id"])
+            result, cause = verdict.result or "no_lookup", verdict.cause or NO_CAUSE
+        component = _COMPONENT.get(row["category"])
+        abnormal = _baseline(component, row, history)["abnormal"] if component and history is not None else None
+        return result, cause, abnormal
+
+    def drain_verdicts(self) -> int:
+        """Verdicts still queued (for tests and the pending gauge)."""
+        with self._lock:
+            return len(self._verdicts)
+
+    # -- exposition ----------------------------------------------------------------------------
+    def render(self, ingest: dict[str, Any]) -> str:
+        """The exposition text: fold what is pending, then print every series."""
+        with self._lock:
+            self._fold()
+            counters, gauges = dict(self.counters), dict(self.gauges)
+            histograms = {key: (h.bounds, h.counts.copy(), h.total) for key, h in self.histograms.items()}
+            info = dict(self._info)
+            pending = len(self._verdicts)
+        samples: dict[str, list[str]] = defaultdict(list)
+        for (name, labels), value in counters.items():
+            samples[name].append(_sample(name + "_total", labels, value))
+        for (name, labels), value in gauges.items():
+            samples[name].append(_sample(name, labels, value))
+        for (name, labels), (bounds, counts, total) in histograms.items():
+            cumulative = np.cumsum(counts)
+            lines = [_sample(name + "_bucket", (*labels, ("le", _number(b))), cumulative[i])
+                     for i, b in enumerate(bounds)]
+            lines.append(_sample(name + "_bucket", (*labels, ("le", "+Inf")), cumulative[-1]))
+            lines += [_sample(name + "_sum", labels, total), _sample(name + "_count", labels, cumulative[-1])]
+            samples[name].append("\n".join(lines))
+        for instance, (engine, version, host) in info.items():
+            labels = (*self._labels(instance), ("engine_kind", engine), ("engine_version", version),
+                      ("host_name", host))
+            samples["tokentrace_instance_info"].append(_sample("tokentrace_instance_info", labels, 1))
+        samples["tokentrace_verdicts_pending"].append(_sample("tokentrace_verdicts_pending", (), pending))
+        samples["tokentrace_ingest_spans_accepted"].append(
+            _sample("tokentrace_ingest_spans_accepted_total", (), ingest["accepted_spans"]))
+        for reason, n in sorted(ingest["rejected"].items()):
+            samples["tokentrace_ingest_rejected"].append(
+                _sample("tokentrace_ingest_rejected_total", (("reason", reason),), n))
+        for key in ("queue_batches", "queue_capacity", "queue_bytes"):
+            if ingest.get(key) is not None:
+                samples[f"tokentrace_ingest_{key}"].append(_sample(f"tokentrace_ingest_{key}", (), ingest[key]))
+        out = []
+        for name, (kind, help_text) in SERIES.items():
+            if samples.get(name):
+                family = name + "_total" if kind == "counter" else name  # text format 0.0.4 names counters so
+                out += [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}", *sorted(samples[name])]
+        return "\n".join(out) + "\n"
+
+
+def _counts(frame: pl.DataFrame, column: str) -> list[tuple[tuple, int]]:
+    grouped = frame.group_by("instance_id", "model", column).len()
+    return [((i, m, v), n) for i, m, v, n in grouped.iter_rows()]
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value != int(value) or abs(value) >= 1e15 else f"{value:.1f}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+@functools.lru_cache(maxsize=65_536)
+def _label_text(labels: tuple) -> str:
+    return ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels)
+
+
+def _sample(name: str, labels: tuple, value: float) -> str:
+    text = _label_text(labels)
+    number = int(value) if float(value).is_integer() and abs(value) < 2**53 else float(value)
+    return f"{name}{{{text}}} {number}" if text else f"{name} {number}"
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    """The exposition, behind the collector's token like every other path."""
+    collector = request.app.state.collector
+    state: MetricsState = request.app.state.metrics
+    ingest = collector.counters.snapshot()
+    queue = collector.queue
+    if queue is not None:
+        ingest.update(queue_batches=queue.depth(), queue_capacity=queue.capacity,
+                      queue_bytes=queue.pending_bytes() if hasattr(queue, "pending_bytes") else None)
+    return Response(state.render(ingest), media_type=CONTENT_TYPE)

@@ -1,0 +1,75 @@
+"""Backpressure with bounded memory (issue 11 item 3), bounded: concurrent senders of large bodies
+against a real collector with a small byte budget get 503 + Retry-After instead of being held, the
+collector's peak RSS (VmHWM, /proc/PID/status) stays within the budget's bound, and every batch
+acknowledged after its retries is stored once. bench/overload.py is the full-size run."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from test_collector_errors import make_request
+
+MIB = 1 << 20
+BUDGET = 24 * MIB
+STORE_MEMORY = 64 * MIB
+SENDERS, BODIES_EACH, SPANS = 12, 2, 2000
+
+
+def _status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _body() -> bytes:
+    """About 2 MiB: SPANS spans with fresh ids and a 1 KB attribute each."""
+    request = make_request(SPANS, name="heavy")
+    for span in request.resource_spans[0].scope_spans[0].spans:
+        span.attributes.add(key="pad").value.string_value = os.urandom(512).hex()
+    return request.SerializeToString()
+
+
+def test_a_full_budget_answers_503_and_memory_stays_bounded(collector_factory):
+    collector = collector_factory("--max-pending-bytes", str(BUDGET), "--store-memory-bytes", str(STORE_MEMORY),
+                                  "--parse-workers", "0").start()
+    assert collector.post(make_request(10).SerializeToString(), "application/x-protobuf").status_code == 200
+    idle = _status(collector.proc.pid, "VmRSS")
+    bodies = [[_body() for _ in range(BODIES_EACH)] for _ in range(SENDERS)]
+    refusals: list[str] = []
+    accepted: list[int] = []
+    deadline = time.monotonic() + 240
+
+    def send(mine: list[bytes]) -> None:
+        with httpx.Client(timeout=120) as client:
+            for body in mine:
+                while time.monotonic() < deadline:
+                    response = client.post(collector.url + "/v1/traces", content=body,
+                                           headers={"Content-Type": "application/x-protobuf"})
+                    if response.status_code == 200:
+                        accepted.append(len(body))
+                        break
+                    assert response.status_code == 503, response.text
+                    refusals.append(response.headers["Retry-After"])
+                    time.sleep(float(response.headers["Retry-After"]))
+
+    threads = [threading.Thread(target=send, args=(mine,)) for mine in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    peak = _status(collector.proc.pid, "VmHWM")
+    health = collector.health()
+    assert collector.stop() == 0
+    assert len(accepted) == SENDERS * BODIES_EACH, "every sender got its batches in after retrying"
+    assert refusals and all(value.isdigit() for value in refusals), "a full budget answers 503 + Retry-After"
+    assert health["rejected"]["overloaded"] == len(refusals)
+    assert health["pending"]["peak_bytes"] <= BUDGET
+    # The requests' bytes (2 x budget) and DuckDB's own memory (--store-memory-bytes) bound the growth.
+    assert peak - idle <= 2 * BUDGET + STORE_MEMORY, f"peak RSS {peak / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB"
+    assert collector.sql("SELECT count(*), count(DISTINCT span_id) FROM spans WHERE name = 'heavy'") == [
+        (SENDERS * BODIES_EACH * SPANS, SENDERS * BODIES_EACH * SPANS)]

@@ -1,0 +1,164 @@
+"""Issue 15: the --slo syntax, the met/missed/unknown rules, and the metrics state's arithmetic on
+rows the normalizer produced (the end-to-end check is tests/test_metrics_prometheus.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from tokentrace.analyzers.report import with_categories
+from tokentrace.analyzers.slo import attainment, missed_objectives, parse_slo
+from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.dashboards.prometheus import ITL, MetricsState
+from tokentrace.errors import ConfigError
+
+
+def test_scoped_groups_override_per_objective():
+    spec = parse_slo("ttft=2s,tpot=50ms,e2e=1m; model=qwen:ttft=1s ;instance=mini-3:tpot=80ms")
+    assert spec.objectives_for(None, None) == {"ttft": 2000.0, "tpot": 50.0, "e2e": 60000.0}
+    assert spec.objectives_for("qwen", "mini-1") == {"ttft": 1000.0, "tpot": 50.0, "e2e": 60000.0}
+    assert spec.objectives_for("qwen", "mini-3") == {"ttft": 1000.0, "tpot": 80.0, "e2e": 60000.0}
+    assert spec.names() == ["ttft", "tpot", "e2e"]
+    assert parse_slo("") is None and parse_slo(None) is None
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("ttft=2", "must be a duration such as 500ms"),
+    ("latency=2s", "objectives are ttft=, tpot= and e2e="),
+    ("gpu=a:ttft=1s", "starts with model=NAME: or instance=NAME:"),
+    (";", "names no objective"),
+])
+def test_bad_specs_say_what_was_expected(text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_slo(text)
+
+
+def test_collector_refuses_a_bad_slo_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tokentrace", "collector", "--db", str(tmp_path / "x.duckdb"),
+                          "--slo", "ttft=fast"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--slo must be objectives like ttft=2s" in out.stderr and "'ttft=fast'" in out.stderr
+
+
+def _frame(rows: list[dict]) -> pl.DataFrame:
+    base = dict.fromkeys(TABLES["requests"])
+    full = [{**base, "request_id": f"r{i}", "trace_id": "t", "span_id": "s", "instance_id": "a", "model": "m",
+             "start_ns": 0, "end_ns": 1_000_000_000, **row} for i, row in enumerate(rows)]
+    return with_categories(pl.DataFrame(full, schema_overrides={"http_status": pl.Int64,
+                                                                 "error_type": pl.Utf8, "finish_reason": pl.Utf8,
+                                                                 "client_disconnected": pl.Boolean}))
+
+
+def test_met_missed_unknown_and_good():
+    spec = parse_slo("ttft=100ms,tpot=10ms")
+    frame = _frame([
+        {"ttft_ms": 50.0, "tpot_ms": 5.0},            # meets both: good
+        {"ttft_ms": 150.0, "tpot_ms": 5.0},           # misses ttft
+        {"ttft_ms": 50.0, "tpot_ms": None},           # tpot unknown (one token): still good
+        {"ttft_ms": 50.0, "tpot_ms": 5.0, "http_status": 500},  # failed: never good
+    ])
+    result = attainment(frame, spec, active_s=2.0)
+    assert result["objectives"]["ttft"] == {"met": 3, "missed": 1, "unknown": 0, "attainment": 0.75}
+    assert result["objectives"]["tpot"] == {"met": 3, "missed": 0, "unknown": 1, "attainment": 1.0}
+    assert result["all"] == {"requests": 4, "good": 2, "attainment": 0.5, "goodput_rps": 1.0}
+    row = frame.row(1, named=True)
+    assert missed_objectives(row, spec) == [{"slo": "ttft", "objective_ms": 100.0, "observed_ms": 150.0}]
+    assert missed_objectives(row, None) == []
+
+
+def _request_row(rid: str, instance: str, ttft_ms: float, start_ns: int = 0) -> tuple:
+    row = dict.fromkeys(TABLES["requests"])
+    row.update(request_id=rid, trace_id="t" + rid, span_id="s" + rid, instance_id=instance, model="m",
+               start_ns=start_ns, end_ns=start_ns + 3_000_000_000, ttft_ms=ttft_ms, queue_ms=1.0, load_wait_ms=0.0,
+               prefill_ms=ttft_ms - 1, decode_ms=10.0, tpot_ms=5.0, prompt_tokens=10, cached_tokens=9,
+               completion_tokens=3, finish_reason="stop")
+    return tuple(row[name] for name in TABLES["requests"])
+
+
+def test_histograms_and_inter_token_gaps(tmp_path):
+    store = DuckDBStore(tmp_path / "m.duckdb")
+    state = MetricsState(store, parse_slo("ttft=100ms"))
+    try:
+        batch = Batch()
+        # 1 ms and 100 ms fall on bucket bounds (le is inclusive); 3 s lands in the 5 s bucket.
+        batch.rows["requests"] += [_request_row("a", "i1", 1.0), _request_row("b", "i1", 100.0),
+                                   _request_row("c", "i2", 3000.0)]
+        # Two requests' step offsets on one instance: gaps are taken within each request only.
+        eviction = dict.fromkeys(TABLES["cache_evictions"])
+        eviction.update(instance_id="i1", t_ns=5, reason="max_bytes")
+        batch.rows["cache_evictions"] += [tuple(eviction[name] for name in TABLES["cache_evictions"])] * 2
+        batch.packed["decode_steps"] += [("a", "i1", 0, [0, 10_000_000, 30_000_000]),
+                                         ("b", "i1", 0, [5_000_000_000, 5_050_000_000]), ("c", "i2", 0, [7])]
+        state.observe(batch)
+        text = state.render({"accepted_spans": 0, "rejected": {}})
+        assert state.drain_verdicts() in (0, 1, 2, 3)
+    finally:
+        state.close()
+        store.close()
+    lines = set(text.splitlines())
+    labels = 'model_name="m",engine="0",instance_id="i1"'
+    assert f'vllm:time_to_first_token_seconds_bucket{{{labels},le="0.001"}} 1' in lines
+    assert f'vllm:time_to_first_token_seconds_bucket{{{labels},le="0.08"}} 1' in lines
+    assert f'vllm:time_to_first_token_seconds_bucket{{{labels},le="0.1"}} 2' in lines
+    assert f'vllm:time_to_first_token_seconds_count{{{labels}}} 2' in lines
+    i2 = 'model_name="m",engine="0",instance_id="i2"'
+    assert f'vllm:time_to_first_token_seconds_bucket{{{i2},le="2.5"}} 0' in lines
+    assert f'vllm:time_to_first_token_seconds_bucket{{{i2},le="5.0"}} 1' in lines
+    # Gaps 10 ms, 20 ms (request a) and 50 ms (request b); nothing across the two requests.
+    assert f"{ITL}_count{{{labels}}} 3" in lines
+    assert f"{ITL}_bucket{{{labels},le=\"0.01\"}} 1" in lines and f"{ITL}_bucket{{{labels},le=\"0.025\"}} 2" in lines
+    assert not any(line.startswith(f"{ITL}_count{{{i2}") for line in lines)  # one token: no gap known
+    assert f'tokentrace_slo_requests_total{{{labels},slo="ttft",met="true"}} 2' in lines
+    assert f'tokentrace_slo_requests_total{{{i2},slo="ttft",met="false"}} 1' in lines
+    assert f'vllm:prefix_cache_hits_total{{{labels}}} 18' in lines
+    assert f'tokentrace_cache_evictions_total{{{labels},reason="max_bytes"}} 2' in lines
+
+
+def test_rows_that_know_little_are_counted_without_inventing_values(tmp_path):
+    """A gateway or vLLM-native row: no queue, no cached tokens, no phases, no finish reason."""
+    row = dict.fromkeys(TABLES["requests"])
+    row.update(request_id="g-1", trace_id="t", span_id="s", instance_id="gw", start_ns=0, end_ns=2_000_000_000,
+               ttft_ms=None, prompt_tokens=None)
+    store = DuckDBStore(tmp_path / "g.duckdb")
+    state = MetricsState(store, parse_slo("ttft=1s,e2e=10s"))
+    try:
+        batch = Batch()
+        batch.rows["requests"].append(tuple(row[name] for name in TABLES["requests"]))
+        state.observe(batch)
+        text = state.render({"accepted_spans": 1, "rejected": {}})
+    finally:
+        state.close()
+        store.close()
+    assert "tokentrace_metrics_fold_errors" not in text
+    gw = 'model_name="unknown",engine="0",instance_id="gw"'
+    assert f'tokentrace_requests_total{{{gw},outcome="completed",category="undecomposed"}} 1' in text
+    assert f"vllm:e2e_request_latency_seconds_count{{{gw}}} 1" in text
+    for absent in ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds", "vllm:prefix_cache_hits",
+                   "vllm:prompt_tokens_total", 'slo="ttft"'):
+        assert absent not in text, absent
+    assert f'tokentrace_slo_requests_total{{{gw},slo="e2e",met="true"}} 1' in text
+
+
+def test_avoidable_prefill_comes_from_the_gateways_routing_decisions(tmp_path):
+    def route(rid: str, tokens: int | None, held_by: str | None) -> tuple:
+        row = dict.fromkeys(TABLES["routes"])
+        row.update(request_id=rid, trace_id="t", span_id="s", instance_id="up-b", start_ns=0, end_ns=1,
+                   avoidable_prefill_tokens=tokens, avoidable_from=held_by)
+        return tuple(row[name] for name in TABLES["routes"])
+
+    store = DuckDBStore(tmp_path / "r.duckdb")
+    state = MetricsState(store, None)
+    try:
+        batch = Batch()
+        batch.rows["routes"] += [route("1", 96, "up-a"), route("2", 32, "up-a"), route("3", None, None)]
+        state.observe(batch)
+        text = state.render({"accepted_spans": 0, "rejected": {}})
+    finally:
+        state.close()
+        store.close()
+    labels = 'model_name="unknown",engine="0",instance_id="up-b",held_by="up-a"'
+    assert f"tokentrace_avoidable_prefill_tokens_total{{{labels}}} 128" in text.splitlines()
