@@ -29,7 +29,7 @@ from tokentrace import contract as c
 from tokentrace.engine_shim import translations
 
 # The legacy GenAI spellings a contract llm.request may carry (gen_ai.usage.prompt_tokens, vLLM's
-# gen_ai.latency.* seconds); they live with vLLM's names, which use them.
+# latency attributes in seconds); they live with vLLM's names, which use them.
 from tokentrace.engine_shim.vllm import names as v
 
 TABLES: dict[str, tuple[str, ...]] = {
