@@ -262,6 +262,12 @@ class Observer:
             outputs = facts.completion_tokens or len(measured.token_ns)
             if outputs > 1:
                 attrs[c.TPOT_MS] = decode / (outputs - 1)
+        elif facts.decode_ms is not None:
+            # A non-streamed answer has no token times at the gateway; the engine's own decode time
+            # (Ollama eval_duration, llama.cpp predicted_ms) is the phase.
+            attrs[c.DECODE_MS] = facts.decode_ms
+            if facts.completion_tokens and facts.completion_tokens > 1:
+                attrs[c.TPOT_MS] = facts.decode_ms / (facts.completion_tokens - 1)
         if facts.evidence:
             attrs[c.UPSTREAM_EVIDENCE] = json.dumps(facts.evidence, separators=(",", ":"), sort_keys=True)
         return tracer.start_span(c.SPAN_REQUEST, kind=trace.SpanKind.SERVER, attributes=attrs,
