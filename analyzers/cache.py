@@ -37,6 +37,7 @@ import polars as pl
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import NO_CAUSE, Evidence  # noqa: F401 - NO_CAUSE is re-exported
 from tokentrace.analyzers.outcome import COMPLETED, outcome_of
+from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
@@ -310,6 +311,7 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
             or _prefix_change(verdict, facts, block, cached) or _identity_change(verdict, facts, block, cached)):
         _new_or_reused(verdict, facts, block)
     verdict.result = "hit" if verdict.cause is None else ("partial" if cached > 0 else "miss")
+    verdict.evidence.extend(upstream_evidence(request, "cache"))
     return verdict
 
 
@@ -341,6 +343,7 @@ def _unknown(request: dict) -> CacheVerdict:
                        "fingerprint, so the cause of a miss cannot be determined.",
         {"engine": request.get("engine")},
     ))
+    verdict.evidence.extend(upstream_evidence(request, "cache"))
     return verdict
 
 

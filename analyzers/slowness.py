@@ -34,6 +34,7 @@ from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
 from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
+from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
@@ -166,6 +167,7 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
             # The parts that are known still explain themselves: a gateway's queue is measured
             # even where the engine's prefill is not (docs/gateway.md).
             _queueing(verdict, facts)
+        verdict.evidence.extend(upstream_evidence(r, "slow"))
         return verdict
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
@@ -174,6 +176,7 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         baseline, tokens,
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
+    verdict.evidence.extend(upstream_evidence(r, "slow"))
     return verdict
 
 

@@ -26,7 +26,11 @@ import numpy as np
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
-from tokentrace import vllm_names as v
+from tokentrace.engine_shim import translations
+
+# The legacy GenAI spellings a contract llm.request may carry (gen_ai.usage.prompt_tokens, vLLM's
+# latency attributes in seconds); they live with vLLM's names, which use them.
+from tokentrace.engine_shim.vllm import names as v
 
 TABLES: dict[str, tuple[str, ...]] = {
     "spans": (
@@ -44,7 +48,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
         "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
         "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
-        "first_content_ms", "observer",
+        "first_content_ms", "observer", "upstream_evidence",
     ),
     "routes": (
         "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
@@ -65,7 +69,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "cache_lookups": (
         "request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "matched_tokens", "match",
-        "matched_entry", "cache_entries", "cache_bytes", "block_size",
+        "matched_entry", "cache_entries", "cache_bytes", "block_size", "cache_unit",
     ),
     "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "block_index", "hash", "fingerprint"),
     "segments": (
@@ -88,7 +92,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "heartbeats": (
         "instance_id", "t_ns", "queue_depth", "running", "max_batch", "cache_entries", "cache_bytes",
-        "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes",
+        "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes", "cache_unit",
     ),
 }
 
@@ -272,7 +276,7 @@ def _normalize_span(scope: _Scope, span, end_ns: int, span_events, scope_id: tup
     attrs = {kv.key: _value(kv.value, scope.max_len, counter) for kv in span.attributes}
     ids = (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex() or None)
     name = span.name
-    builder = _BUILDERS.get(name)
+    builder = _BUILDERS.get(name) or translations.builder(name)
     if builder is not None:
         try:
             builder(scope, span, attrs, ids)
@@ -348,7 +352,7 @@ def _request(scope: _Scope, span, a: dict, ids: tuple) -> None:
         _int(a.get(c.INPUT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), _int(a.get(c.OUTPUT_TOKENS)),
         _int(a.get(c.MAX_TOKENS)), finish, _bool(a.get(c.STREAMED)), _bool(a.get(c.CLIENT_DISCONNECTED)),
         _int(a.get(c.HTTP_STATUS)), _str(a.get(c.ERROR_TYPE)), _ms(scope, a, c.FIRST_CONTENT_MS),
-        _observer(scope),
+        _observer(scope), _str(a.get(c.UPSTREAM_EVIDENCE)),
     ))
 
 
@@ -411,6 +415,7 @@ def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
         rid, scope.instance_id, t_ns, span.end_time_unix_nano, _int(a.get(c.CACHE_PROMPT_TOKENS)),
         _int(a.get(c.CACHE_MATCHED_TOKENS)), _str(a.get(c.CACHE_MATCH)), _int(a.get(c.CACHE_MATCHED_ENTRY)),
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_BLOCK_SIZE)),
+        _str(a.get(c.CACHE_UNIT)),
     ))
     _blocks(scope, rid, t_ns, "lookup", hashes, None)
     roles, snippets = _list(a.get(c.SEGMENT_ROLES)), _list(a.get(c.SEGMENT_SNIPPETS))
@@ -484,47 +489,7 @@ def _heartbeat(scope: _Scope, span, a: dict, ids: tuple) -> None:
         scope.instance_id, span.end_time_unix_nano, _int(a.get(c.QUEUE_DEPTH)), _int(a.get(c.QUEUE_RUNNING)),
         _int(a.get(c.MAX_BATCH)), _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)),
         _int(a.get(c.CACHE_MAX_ENTRIES)), _int(a.get(c.CACHE_MAX_BYTES)), _int(a.get(c.KV_BYTES_PER_TOKEN)),
-        _int(a.get(c.MEMORY_BYTES)),
-    ))
-
-
-# --- vLLM's native spans (docs/vllm.md) --------------------------------------------------------------
-def _vllm_request(scope: _Scope, span, a: dict, ids: tuple) -> None:
-    """vLLM's ``llm_request`` span (``--otlp-traces-endpoint``) as a request row.
-
-    Latencies arrive in seconds. A resource naming ``tokentrace.engine`` comes from a vLLM running
-    the tokentrace plugin, whose own ``llm.request`` (with cached tokens) is the row; this span then
-    stays in ``spans`` only, so that a request is never counted twice.
-    """
-    if scope.engine is not None:
-        return
-    a = v.with_both_names(a)
-    ms = {key: _ms(scope, a, name, 1e3) for name, key in v.LATENCY_TO_CONTRACT_MS.items()}
-    outputs = _int(a.get(v.USAGE_COMPLETION_TOKENS))
-    decode = ms[c.DECODE_MS]
-    tpot = decode / (outputs - 1) if decode is not None and outputs is not None and outputs > 1 else None
-    raw_id = _str(a.get(v.REQUEST_ID))
-    scope.batch.rows["requests"].append((
-        v.client_request_id(raw_id) if raw_id else ids[1], ids[0], ids[1], scope.instance_id,
-        scope.service_name, c.ENGINE_VLLM, scope.model, None, None,
-        span.start_time_unix_nano, span.end_time_unix_nano,
-        ms[c.QUEUE_MS], 0.0, ms[c.PREFILL_MS], decode, ms[c.TTFT_MS], tpot,
-        _int(a.get(v.USAGE_PROMPT_TOKENS)), _int(a.get(c.CACHED_TOKENS)), outputs,
-        _int(a.get(v.REQUEST_MAX_TOKENS)),
-        None, None, None, None, None, None, c.OBSERVER_NATIVE,
-    ))
-
-
-def _vllm_load_stage(scope: _Scope, span, a: dict, ids: tuple) -> None:
-    """One of vLLM's loading spans as a stage of the ``model.load`` its trace belongs to.
-
-    The vLLM plugin starts that trace for ``model.load`` and uses the trace id as the load id, so
-    the stage needs no join; the row is named by the contract stage, the vLLM name stays in
-    ``spans``.
-    """
-    scope.batch.rows["load_stages"].append((
-        ids[0], scope.instance_id, *ids, v.LOAD_STAGE_BY_SPAN[span.name], span.start_time_unix_nano,
-        span.end_time_unix_nano, None,
+        _int(a.get(c.MEMORY_BYTES)), _str(a.get(c.CACHE_UNIT)),
     ))
 
 
@@ -546,8 +511,6 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
     c.SPAN_ROUTE: _route,
-    v.SPAN_LLM_REQUEST: _vllm_request,
-    **dict.fromkeys(v.LOAD_STAGE_BY_SPAN, _vllm_load_stage),
 }
 
 
@@ -679,3 +642,9 @@ def _list(value) -> list:
 
 def _at(values: list, index: int):
     return values[index] if 0 <= index < len(values) else None
+
+
+# --- for engine translations (tokentrace.engine_shim.translations) ---------------------------------
+#: A translation's builder gets the same scope and reads values with the normalizer's own rules.
+Scope = _Scope
+as_str, as_int, as_ms = _str, _int, _ms

@@ -51,6 +51,7 @@ SPAN_HEARTBEAT = "instance.heartbeat"
 SPAN_LIFECYCLE = "instance.lifecycle"
 SPAN_CACHE_TRIM = "llm.cache.trim"
 SPAN_ROUTE = "gateway.route"
+SPAN_CLUSTER_STATE = "cluster.state"
 
 # --- Event names ----------------------------------------------------------------------------------
 EVENT_CACHE_EVICT = "llm.cache.evict"
@@ -116,6 +117,9 @@ CACHE_MATCHED_TOKENS = "tokentrace.cache.matched_tokens"
 CACHE_MATCH = "tokentrace.cache.match"
 CACHE_MATCHED_ENTRY = "tokentrace.cache.matched_entry"
 CACHE_ENTRIES = "tokentrace.cache.entries"
+CACHE_UNIT = "tokentrace.cache.unit"
+CLUSTER_INSTANCES = "tokentrace.cluster.instances"
+CLUSTER_FINDINGS = "tokentrace.cluster.findings"
 CACHE_BYTES = "tokentrace.cache.bytes"
 CACHE_MAX_ENTRIES = "tokentrace.cache.max_entries"
 CACHE_MAX_BYTES = "tokentrace.cache.max_bytes"
@@ -164,6 +168,11 @@ ENGINE_MLX = "mlx-lm"
 ENGINE_VLLM = "vllm"
 ENGINE_MLX_LM_SERVER = "mlx_lm.server"
 ENGINE_OPENAI = "openai-compatible"
+ENGINE_LLAMA_CPP = "llama.cpp"
+ENGINE_OLLAMA = "ollama"
+ENGINE_EXO = "exo"
+ENGINE_SGLANG = "sglang"
+ENGINE_LMSTUDIO = "lmstudio"
 MATCH_EXACT = "exact"
 MATCH_PREFIX = "prefix"
 MATCH_NONE = "none"
@@ -178,6 +187,12 @@ ROLE_ASSISTANT = "assistant"
 ROLE_TOOL = "tool"
 ROLE_TOOLS = "tools"
 ROLE_PROMPT = "prompt"
+#: What one of ``tokentrace.cache.entries`` is: a prompt entry (MLX prefix cache), a KV block (vLLM
+#: paged cache), a slot (llama.cpp, one cached sequence per slot) or a token.
+UNIT_ENTRY = "entry"
+UNIT_BLOCK = "block"
+UNIT_SLOT = "slot"
+UNIT_TOKEN = "token"
 OBSERVER_ENGINE = "engine"
 OBSERVER_PLUGIN = "plugin"
 OBSERVER_NATIVE = "native"
@@ -192,12 +207,14 @@ POLICY_PREFIX = "prefix"
 OBSERVER_PARTS = ("load_wait", "queue", "prefill", "decode", "ttft", "tpot")
 
 ENUMS: dict[str, tuple[str, ...]] = {
-    ENGINE: (ENGINE_MLX, ENGINE_VLLM, ENGINE_MLX_LM_SERVER, ENGINE_OPENAI),
+    ENGINE: (ENGINE_MLX, ENGINE_VLLM, ENGINE_MLX_LM_SERVER, ENGINE_OPENAI, ENGINE_LLAMA_CPP, ENGINE_OLLAMA,
+             ENGINE_EXO, ENGINE_SGLANG, ENGINE_LMSTUDIO),
     CACHE_MATCH: (MATCH_EXACT, MATCH_PREFIX, MATCH_NONE),
     EVICT_REASON: (
         EVICT_MAX_ENTRIES, EVICT_MAX_BYTES, EVICT_MEMORY_PRESSURE, EVICT_TRIM, EVICT_SUPERSEDED,
     ),
     SEGMENT_ROLES: (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_TOOLS, ROLE_PROMPT),
+    CACHE_UNIT: (UNIT_ENTRY, UNIT_BLOCK, UNIT_SLOT, UNIT_TOKEN),
     OBSERVER: (OBSERVER_ENGINE, OBSERVER_PLUGIN, OBSERVER_NATIVE, OBSERVER_GATEWAY),
     ROUTE_POLICY: (POLICY_ROUND_ROBIN, POLICY_LEAST_LOADED, POLICY_SESSION, POLICY_PREFIX),
     OBSERVER_MEASURES: OBSERVER_PARTS,
@@ -252,6 +269,7 @@ def _a(key: str, type_: str, unit: str, doc: str) -> Attr:
 _RID = _a(REQUEST_ID, "string", "", "request id (X-Request-Id or generated); on every span of the trace")
 _CACHE_STATE = (
     _a(CACHE_ENTRIES, "int", "count", "entries in the prompt cache (at lookup; after insert/evict)"),
+    _a(CACHE_UNIT, "string", "", "what one of those entries (and the entry limit) counts (enum)"),
     _a(CACHE_BYTES, "int", "bytes", "bytes held by the prompt cache (same moment)"),
 )
 _SEGMENTS = (
@@ -459,6 +477,15 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the prompt cache"),
             _a(KV_BYTES_PER_TOKEN, "int", "bytes", "2 x layers x kv_heads x head_dim x dtype bytes"),
             _a(MEMORY_BYTES, "int", "bytes", "memory the engine holds (device or process)"),
+        ),
+    ),
+    SpanSpec(
+        SPAN_CLUSTER_STATE, "INTERNAL", "", "a multi-node upstream's placement and readiness (Exo), when it changed",
+        (
+            _a(CLUSTER_INSTANCES, "string", "", "JSON: per instance its model, nodes, layers, runner stage and "
+               "the four readiness stages"),
+            _a(CLUSTER_FINDINGS, "string[]", "", "contradictions between the cluster's views, each with the "
+               "time first seen"),
         ),
     ),
 )

@@ -8,8 +8,10 @@ Capacity estimate, per instance, from its latest heartbeat and the window's requ
                       is a session of its own)
     more sessions   = min(free bytes / session bytes, free entries)
     sessions in all = min(byte limit / session bytes, entry limit)
-Cluster totals add the instances up: caches are per instance, so one instance's room does not help
-a session pinned to another (the field report's "position boundary").
+Entries bound sessions only where one entry holds one sequence (unit ``entry`` or ``slot``); a
+vLLM entry is a KV block (unit ``block``), which the byte figures already cover. Cluster totals add
+the instances up: caches are per instance, so one instance's room does not help a session pinned to
+another (the field report's "position boundary"); entries are totalled per unit, never across units.
 
 Hit rate against capacity, per instance: the window's latest ``CURVE_REQUESTS`` requests replayed where they were served
 (``whatif``'s default block model, docs/whatif.md) at ``CURVE_POINTS`` capacities evenly spaced up
@@ -26,6 +28,7 @@ from typing import Any
 import polars as pl
 from fastapi import Request
 
+from tokentrace import contract as c
 from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.analyzers.report import reuse_known, token_hit_rate
 from tokentrace.analyzers.whatif import Capacity, assign, replay
@@ -98,6 +101,9 @@ def _replay_curve(workload) -> dict[str, Any]:
              "empty": "no requests with a prompt fingerprint in this window"}
     return {"chart": chart, "instances": rows}
 
+#: Cache units whose entries each hold one sequence, so that free entries bound the sessions that fit.
+SEQUENCE_UNITS = (c.UNIT_ENTRY, c.UNIT_SLOT)
+
 
 def _fit(free: float | None, per_session: float | None) -> int | None:
     if free is None or not per_session:
@@ -131,23 +137,36 @@ def capacity(beat: dict, requests: pl.DataFrame) -> dict[str, Any]:
     session = per_token * context if per_token and context else None
     free_bytes = max(0, limit - used) if limit is not None and used is not None else None
     free_entries = max(0, max_entries - entries) if max_entries is not None and entries is not None else None
+    unit = beat["cache_unit"]
+    per_sequence = unit in SEQUENCE_UNITS
     return {
         "instance_id": beat["instance_id"], "heartbeat_ns": beat["t_ns"],
         "bytes": used, "max_bytes": limit,
         "bytes_share": round(used / limit, 4) if limit and used is not None else None,
-        "entries": entries, "max_entries": max_entries,
+        "entries": entries, "max_entries": max_entries, "unit": unit,
         "entries_share": round(entries / max_entries, 4) if max_entries and entries is not None else None,
         "kv_bytes_per_token": per_token, "memory_bytes": beat["memory_bytes"],
         "requests": mine.height, "median_session_tokens": None if context is None else round(context, 1),
         "session_bytes": None if session is None else round(session),
-        "more_sessions": _least(_fit(free_bytes, session), free_entries),
-        "sessions_in_all": _least(_fit(limit, session), max_entries),
+        "more_sessions": _least(_fit(free_bytes, session), free_entries if per_sequence else None),
+        "sessions_in_all": _least(_fit(limit, session), max_entries if per_sequence else None),
     }
 
 
 def _total(rows: list[dict], key: str) -> int | None:
     values = [row[key] for row in rows if row[key] is not None]
     return sum(values) if values else None
+
+
+def entries_by_unit(rows: list[dict]) -> list[dict[str, Any]]:
+    """Cache entries and limits added up per unit (an MLX entry and a vLLM block never add up);
+    instances that sent no unit (older engines) form their own group, ``unit`` None."""
+    groups: dict[str | None, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["unit"], []).append(row)
+    return [{"unit": unit, "entries": _total(group, "entries"), "max_entries": _total(group, "max_entries"),
+             "instances": len(group)}
+            for unit, group in sorted(groups.items(), key=lambda item: item[0] or "")]
 
 
 def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
@@ -177,7 +196,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
         "instances": rows,
         "cluster": {"bytes": used, "max_bytes": limit,
                     "bytes_share": round(used / limit, 4) if used is not None and limit else None,
-                    "entries": _total(rows, "entries"), "max_entries": _total(rows, "max_entries"),
+                    "entries": entries_by_unit(rows),
                     "more_sessions": _total(rows, "more_sessions"), "sessions_in_all": _total(rows, "sessions_in_all")},
         "evictions": {"total": evictions.height, "by_reason": dict(sorted(
             evictions.group_by("reason").len().iter_rows())) if evictions.height else {},

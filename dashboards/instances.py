@@ -8,12 +8,14 @@ seconds: six missed heartbeats at the engine's default interval of 5 s.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import polars as pl
 from fastapi import Request
 
+from tokentrace import contract as c
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
 
@@ -108,10 +110,24 @@ def instance_health(reader: TraceReader, now_ns: int) -> list[dict[str, Any]]:
     return result
 
 
+def clusters(reader: TraceReader) -> list[dict[str, Any]]:
+    """Per upstream that manages a cluster (Exo, behind the gateway): its instances as of the latest
+    ``cluster.state`` (model, per node its layers, runner stage and the four readiness stages) and the
+    contradictions its views showed, each with the time first seen."""
+    found = []
+    for row in reader.frame("cluster_states").to_dicts():
+        attrs = json.loads(row["attributes"] or "{}")
+        found.append({"upstream": row["instance_id"], "t_ns": row["t_ns"],
+                      "instances": json.loads(attrs.get(c.CLUSTER_INSTANCES) or "[]"),
+                      "findings": attrs.get(c.CLUSTER_FINDINGS) or []})
+    return found
+
+
 @page("/instances", "instances.html", "Instances")
 def instances_page(request: Request) -> dict[str, Any]:
     """Readiness per instance."""
     now = time.time_ns()
     rows = instance_health(request.app.state.reader, now)
     return {"now_ns": now, "stale_after_s": STALE_AFTER_S, "instances": rows,
-            "stale": [row["instance_id"] for row in rows if row["status"] == "stale"]}
+            "stale": [row["instance_id"] for row in rows if row["status"] == "stale"],
+            "clusters": clusters(request.app.state.reader)}

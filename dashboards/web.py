@@ -74,6 +74,14 @@ def fmt_age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
+def unit_plural(unit: str | None) -> str:
+    """A cache unit (tokentrace.cache.unit) as a column label: 'block' -> 'blocks'; None -> 'entries
+    (unit unknown)', for engines that predate the unit."""
+    if unit is None:
+        return "entries (unit unknown)"
+    return "entries" if unit == "entry" else f"{unit}s"
+
+
 def share_pct(share: float | None) -> str:
     """A 0..1 share as a CSS width, clamped: '45.60%'."""
     return f"{min(1.0, max(0.0, share or 0.0)) * 100:.2f}%"
@@ -97,7 +105,7 @@ _ENV = Environment(
     lstrip_blocks=True,
 )
 _ENV.filters.update(ms=fmt_ms, bytes=fmt_bytes, pct=fmt_pct, num=fmt_num, clock=fmt_clock, age=fmt_age,
-                    q=quote_path)
+                    q=quote_path, unit_plural=unit_plural)
 _ENV.globals.update(nav=NAV, windows=WINDOWS, version=__version__, share_pct=share_pct)
 # tojson escapes <, >, & and ' for HTML on top of this function's output (jinja2.utils.htmlsafe_json_dumps).
 _ENV.policies["json.dumps_function"] = dumps

@@ -12,9 +12,9 @@ import pytest
 from tokentrace import contract as c
 from tokentrace.engine_shim.vllm.compat import check_vllm, parse_version
 from tokentrace.engine_shim.vllm.kv_events import KvCacheTracker, subscriber_endpoint
+from tokentrace.engine_shim.vllm.names import client_request_id
 from tokentrace.engine_shim.vllm.steps import StepWindow, steps_record
 from tokentrace.fingerprint import block_hashes
-from tokentrace.vllm_names import client_request_id
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

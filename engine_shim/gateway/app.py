@@ -125,6 +125,9 @@ class Gateway:
             if upstream.adapter is None:
                 return
         state = await upstream.adapter.poll()
+        view = upstream.adapter.cluster_view()
+        if view is not None:
+            self.observer.cluster(upstream.name, upstream.adapter, view, state.findings)
         if state.reachable and state.ready is not False:
             if upstream.succeed():
                 self.observer.lifecycle(upstream.name, upstream.adapter, c.EVENT_READY, "healthy again")

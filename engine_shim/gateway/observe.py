@@ -69,6 +69,7 @@ class Observer:
         self.handled = 0  #: exchanges turned into spans
         self.errors = 0  #: exchanges lost to an exception (logged once)
         self._providers: dict[str, TracerProvider] = {}
+        self._clusters: dict[str, str] = {}  #: upstream -> the cluster.state last sent (JSON)
         self._held: dict[str, collections.OrderedDict[int, None]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._tasks: set[asyncio.Task] = set()
@@ -95,6 +96,14 @@ class Observer:
     def lifecycle(self, name: str, adapter: Adapter | None, event: str, detail: str) -> None:
         """Record a lifecycle event of an upstream (instance.down, instance.ready)."""
         self._queue.put(("lifecycle", name, adapter, event, detail, time.time_ns()))
+
+    def cluster(self, name: str, adapter: Adapter, view: list[dict[str, Any]], findings: tuple[str, ...]) -> None:
+        """Record a multi-node upstream's placement and readiness (a ``cluster.state`` span) when it
+        differs from what was last sent for that upstream."""
+        key = json.dumps([view, list(findings)], sort_keys=True, separators=(",", ":"))
+        if self._clusters.get(name) != key:
+            self._clusters[name] = key
+            self._queue.put(("cluster", name, adapter, view, findings, time.time_ns()))
 
     async def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted exchange is exported (tests, shutdown)."""
@@ -123,6 +132,8 @@ class Observer:
                     self.handled += 1
                 elif item[0] == "lifecycle":
                     self._lifecycle(*item[1:])
+                elif item[0] == "cluster":
+                    self._cluster(*item[1:])
                 else:
                     for provider in self._providers.values():
                         provider.force_flush(5000)
@@ -171,6 +182,11 @@ class Observer:
             span.set_status(trace.Status(trace.StatusCode.ERROR if event == c.EVENT_DOWN else trace.StatusCode.OK,
                                          detail if event == c.EVENT_DOWN else None))
         span.end(end_time=t_ns)
+
+    def _cluster(self, name: str, adapter: Adapter, view: list[dict[str, Any]], findings: tuple[str, ...],
+                 t_ns: int) -> None:
+        attrs = {c.CLUSTER_INSTANCES: json.dumps(view, separators=(",", ":")), c.CLUSTER_FINDINGS: list(findings)}
+        self._tracer(name, adapter).start_span(c.SPAN_CLUSTER_STATE, start_time=t_ns, attributes=attrs).end(t_ns)
 
     def _exchange(self, exchange: Exchange, adapter: Adapter | None, printed: PromptPrint | None) -> None:
         decision = exchange.decision
@@ -246,6 +262,12 @@ class Observer:
             outputs = facts.completion_tokens or len(measured.token_ns)
             if outputs > 1:
                 attrs[c.TPOT_MS] = decode / (outputs - 1)
+        elif facts.decode_ms is not None:
+            # A non-streamed answer has no token times at the gateway; the engine's own decode time
+            # (Ollama eval_duration, llama.cpp predicted_ms) is the phase.
+            attrs[c.DECODE_MS] = facts.decode_ms
+            if facts.completion_tokens and facts.completion_tokens > 1:
+                attrs[c.TPOT_MS] = facts.decode_ms / (facts.completion_tokens - 1)
         if facts.evidence:
             attrs[c.UPSTREAM_EVIDENCE] = json.dumps(facts.evidence, separators=(",", ":"), sort_keys=True)
         return tracer.start_span(c.SPAN_REQUEST, kind=trace.SpanKind.SERVER, attributes=attrs,

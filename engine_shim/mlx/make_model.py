@@ -53,12 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    parser.add_argument("--gguf", action="store_true",
+                        help="also write the model as model.gguf, which llama.cpp's llama-server loads")
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the model and print where it went."""
     out = write_model(args.dir, size=args.size, seed=args.seed, force=args.force)
     print(f"wrote {args.size} model to {out}")
+    if args.gguf:
+        from tokentrace.engine_shim.mlx.make_gguf import write_gguf
+
+        print(f"wrote GGUF to {write_gguf(out)}")
     return 0
 
 

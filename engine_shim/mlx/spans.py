@@ -14,6 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokentrace import contract as c
+from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.mlx.records import (
     Clock,
     HeartbeatRecord,
@@ -102,8 +103,7 @@ class SpanBuilder:
             c.CACHE_PROMPT_TOKENS: prompt.length,
             c.CACHE_MATCHED_TOKENS: lookup.reused,
             c.CACHE_MATCH: lookup.kind,
-            c.CACHE_ENTRIES: lookup.entries,
-            c.CACHE_BYTES: lookup.nbytes,
+            **encode.cache_state(c.UNIT_ENTRY, lookup.entries, lookup.nbytes),
         }
         if not prompt.unknown_prefix:
             attributes.update({
@@ -155,22 +155,18 @@ class SpanBuilder:
             c.ENTRY_BYTES: insertion.nbytes,
             c.CACHE_BLOCK_SIZE: self.block_size,
             c.CACHE_BLOCK_HASHES: hashes,
-            c.CACHE_ENTRIES: insertion.entries_after,
-            c.CACHE_BYTES: insertion.bytes_after,
+            **encode.cache_state(c.UNIT_ENTRY, insertion.entries_after, insertion.bytes_after),
             c.CACHE_MAX_ENTRIES: insertion.max_entries,
             c.CACHE_MAX_BYTES: insertion.max_bytes,
         }, root)
         at = self.clock.epoch(record.insert_end_ns)
         for eviction in insertion.evictions:
-            span.add_event(c.EVENT_CACHE_EVICT, timestamp=at, attributes={
-                c.ENTRY_FINGERPRINT: self.fingerprint(eviction.tokens),
-                c.ENTRY_TOKENS: len(eviction.tokens),
-                c.ENTRY_BYTES: eviction.nbytes,
-                c.ENTRY_REQUEST_ID: eviction.request_id,
-                c.EVICT_REASON: eviction.reason,
-                c.CACHE_ENTRIES: eviction.entries_after,
-                c.CACHE_BYTES: eviction.bytes_after,
-            })
+            span.add_event(c.EVENT_CACHE_EVICT, timestamp=at, attributes=encode.eviction(
+                unit=c.UNIT_ENTRY, tokens=len(eviction.tokens), reason=eviction.reason,
+                fingerprint=self.fingerprint(eviction.tokens), nbytes=eviction.nbytes,
+                request_id=eviction.request_id, entries_after=eviction.entries_after,
+                bytes_after=eviction.bytes_after,
+            ))
         self._close(span, record.insert_start_ns, record.insert_end_ns)
 
     def fingerprint(self, tokens: Sequence[int]) -> int:
@@ -181,21 +177,10 @@ class SpanBuilder:
     # --- instance ------------------------------------------------------------------------------
     def steps(self, window: StepWindow) -> None:
         """One engine.steps span for a window of steps."""
-        start = window.start_ns[0]
-        index: dict[str, int] = {}
-        members = [index.setdefault(rid, len(index)) for rid in window.members]
-        end = window.start_ns[-1] + window.duration_ns[-1]
-        self._leaf(c.SPAN_ENGINE_STEPS, start, end, {
-            c.STEPS_COUNT: len(window),
-            c.STEPS_START_OFFSETS: [t - start for t in window.start_ns],
-            c.STEPS_DURATIONS: list(window.duration_ns),
-            c.STEPS_PREFILL_SEQS: list(window.prefill_seqs),
-            c.STEPS_DECODE_SEQS: list(window.decode_seqs),
-            c.STEPS_PREFILL_TOKENS: list(window.prefill_tokens),
-            c.STEPS_DECODE_TOKENS: list(window.decode_tokens),
-            c.STEPS_REQUESTS: list(index),
-            c.STEPS_MEMBERS: members,
-        })
+        start, end, attributes = encode.steps_window(
+            window.start_ns, window.duration_ns, window.prefill_seqs, window.decode_seqs,
+            window.prefill_tokens, window.decode_tokens, window.members)
+        self._leaf(c.SPAN_ENGINE_STEPS, start, end, attributes)
 
     def load(self, record: LoadRecord) -> None:
         """model.load with its stages; instance.ready when it succeeded."""
@@ -218,17 +203,12 @@ class SpanBuilder:
 
     def heartbeat(self, record: HeartbeatRecord) -> None:
         """An instance.heartbeat span (zero length)."""
-        self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, {
-            c.QUEUE_DEPTH: record.queue_depth,
-            c.QUEUE_RUNNING: record.running,
-            c.MAX_BATCH: record.max_batch,
-            c.CACHE_ENTRIES: record.cache_entries,
-            c.CACHE_BYTES: record.cache_bytes,
-            c.CACHE_MAX_ENTRIES: record.cache_max_entries,
-            c.CACHE_MAX_BYTES: record.cache_max_bytes,
-            c.KV_BYTES_PER_TOKEN: record.kv_bytes_per_token,
-            c.MEMORY_BYTES: record.memory_bytes,
-        })
+        self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, encode.heartbeat(
+            unit=c.UNIT_ENTRY, queue_depth=record.queue_depth, running=record.running,
+            max_batch=record.max_batch, cache_entries=record.cache_entries, cache_bytes=record.cache_bytes,
+            cache_max_entries=record.cache_max_entries, cache_max_bytes=record.cache_max_bytes,
+            kv_bytes_per_token=record.kv_bytes_per_token, memory_bytes=record.memory_bytes,
+        ))
 
 
 def _request_attributes(record: RequestRecord) -> dict[str, Any]:

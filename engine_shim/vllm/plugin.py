@@ -29,6 +29,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokentrace import contract as c
+from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.emit.defaults import default_spool_dir
 from tokentrace.engine_shim.vllm.coldstart import (
     DEFAULT_COLLECTOR,
@@ -46,9 +47,9 @@ from tokentrace.engine_shim.vllm.kv_events import (
     KvEventSubscriber,
     subscriber_endpoint,
 )
+from tokentrace.engine_shim.vllm.names import client_request_id
 from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
 from tokentrace.hardware import vllm_resource
-from tokentrace.vllm_names import client_request_id
 
 # A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no
 # propagation), so a logger outside it says nothing in vLLM's log while it serves.
@@ -267,20 +268,11 @@ class TokentraceStatLogger(StatLoggerBase):
         assert runtime is not None
         block_bytes = (runtime.block_bytes_per_token or 0) * evictions[0].tokens or None
         entries = evictions[-1].entries_after
-        state = {c.CACHE_ENTRIES: entries}
-        if block_bytes:
-            state[c.CACHE_BYTES] = entries * block_bytes
-        events = []
-        for ev in evictions:
-            attrs: dict[str, Any] = {
-                c.ENTRY_TOKENS: ev.tokens, c.EVICT_REASON: c.EVICT_MAX_BYTES,
-                c.CACHE_ENTRIES: ev.entries_after,
-            }
-            if ev.fingerprint is not None:
-                attrs[c.ENTRY_FINGERPRINT] = ev.fingerprint
-            if block_bytes:
-                attrs[c.ENTRY_BYTES] = block_bytes
-                attrs[c.CACHE_BYTES] = ev.entries_after * block_bytes
-            events.append(SpanEvent(c.EVENT_CACHE_EVICT, ev.time_ns, attrs))
+        state = encode.cache_state(c.UNIT_BLOCK, entries, entries * block_bytes if block_bytes else None)
+        events = [SpanEvent(c.EVENT_CACHE_EVICT, ev.time_ns, encode.eviction(
+            unit=c.UNIT_BLOCK, tokens=ev.tokens, reason=c.EVICT_MAX_BYTES, fingerprint=ev.fingerprint,
+            nbytes=block_bytes, entries_after=ev.entries_after,
+            bytes_after=ev.entries_after * block_bytes if block_bytes else None,
+        )) for ev in evictions]
         time_ns = evictions[0].time_ns
         self._pump.submit(SpanRecord(c.SPAN_CACHE_TRIM, time_ns, time_ns, dict(state), events))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace import contract as c
+from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord
 
 #: vLLM FinishReason strings (vllm/v1/engine/__init__.py::FINISH_REASON_STRINGS) -> contract values.
@@ -102,18 +103,7 @@ def steps_record(steps: list[tuple[int, int, int, int, int, int]]) -> SpanRecord
     """One ``engine.steps`` span over (start ns, duration ns, prefill seqs, decode seqs,
     prefill tokens, decode tokens) tuples sorted by start. vLLM names no requests per step, so
     ``tokentrace.steps.requests`` and ``.members`` are left out."""
-    start = steps[0][0]
-    end = max(s + d for s, d, *_ in steps)
-    columns = list(zip(*steps, strict=True))
-    attrs: dict[str, Any] = {
-        c.STEPS_COUNT: len(steps),
-        c.STEPS_START_OFFSETS: [s - start for s in columns[0]],
-        c.STEPS_DURATIONS: list(columns[1]),
-        c.STEPS_PREFILL_SEQS: list(columns[2]),
-        c.STEPS_DECODE_SEQS: list(columns[3]),
-        c.STEPS_PREFILL_TOKENS: list(columns[4]),
-        c.STEPS_DECODE_TOKENS: list(columns[5]),
-    }
+    start, end, attrs = encode.steps_window(*zip(*steps, strict=True))
     return SpanRecord(c.SPAN_ENGINE_STEPS, start, end, attrs)
 
 
@@ -129,26 +119,22 @@ def heartbeat_record(
     ``cached_blocks`` comes from the KV-event stream (None without it). Memory is the KV cache in use
     by running requests (``kv_cache_usage`` x pool), the only memory figure a stat logger sees.
     """
-    attrs: dict[str, Any] = {
-        c.QUEUE_DEPTH: int(stats.num_waiting_reqs) + int(getattr(stats, "num_skipped_waiting_reqs", 0)),
-        c.QUEUE_RUNNING: int(stats.num_running_reqs),
-    }
     scheduler = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
-    if getattr(scheduler, "max_num_seqs", None):
-        attrs[c.MAX_BATCH] = int(scheduler.max_num_seqs)
-    blocks = getattr(cache, "num_gpu_blocks", None)
+    max_seqs = getattr(scheduler, "max_num_seqs", None)
+    blocks = int(getattr(cache, "num_gpu_blocks", None) or 0) or None
     block_size = getattr(cache, "block_size", None)
     block_bytes = bytes_per_token * block_size if bytes_per_token and block_size else None
-    if bytes_per_token:
-        attrs[c.KV_BYTES_PER_TOKEN] = bytes_per_token
-    if blocks:
-        attrs[c.CACHE_MAX_ENTRIES] = int(blocks)
-        if block_bytes:
-            attrs[c.CACHE_MAX_BYTES] = int(blocks) * block_bytes
-            attrs[c.MEMORY_BYTES] = int(float(stats.kv_cache_usage) * int(blocks) * block_bytes)
-    if cached_blocks is not None:
-        attrs[c.CACHE_ENTRIES] = cached_blocks
-        if block_bytes:
-            attrs[c.CACHE_BYTES] = cached_blocks * block_bytes
+    attrs = encode.heartbeat(
+        unit=c.UNIT_BLOCK,
+        queue_depth=int(stats.num_waiting_reqs) + int(getattr(stats, "num_skipped_waiting_reqs", 0)),
+        running=int(stats.num_running_reqs),
+        max_batch=int(max_seqs) if max_seqs else None,
+        cache_entries=cached_blocks,
+        cache_bytes=cached_blocks * block_bytes if cached_blocks is not None and block_bytes else None,
+        cache_max_entries=blocks,
+        cache_max_bytes=blocks * block_bytes if blocks and block_bytes else None,
+        kv_bytes_per_token=bytes_per_token or None,
+        memory_bytes=int(float(stats.kv_cache_usage) * blocks * block_bytes) if blocks and block_bytes else None,
+    )
     return SpanRecord(c.SPAN_HEARTBEAT, now_ns, now_ns, attrs)

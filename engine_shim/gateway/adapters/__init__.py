@@ -20,12 +20,19 @@ _CLASSES: dict[str, str] = {
     "vllm-plugin": "tokentrace.engine_shim.gateway.adapters.vllm:VllmPluginAdapter",
     "vllm": "tokentrace.engine_shim.gateway.adapters.vllm:VllmAdapter",
     "mlx_lm": "tokentrace.engine_shim.gateway.adapters.mlx_lm:MlxLmAdapter",
+    "llama.cpp": "tokentrace.engine_shim.gateway.adapters.llama_cpp:LlamaCppAdapter",
+    "ollama": "tokentrace.engine_shim.gateway.adapters.ollama:OllamaAdapter",
+    "exo": "tokentrace.engine_shim.gateway.adapters.exo:ExoAdapter",
+    "sglang": "tokentrace.engine_shim.gateway.adapters.sglang:SglangAdapter",
+    "lmstudio": "tokentrace.engine_shim.gateway.adapters.lmstudio:LmStudioAdapter",
     "openai": "tokentrace.engine_shim.gateway.adapters.openai:OpenAIAdapter",
 }
 
 #: The order ``detect()`` probes in: engines that identify themselves unambiguously first, the
 #: generic OpenAI-compatible adapter (which accepts anything answering /v1/models) last.
-DETECT_ORDER: tuple[str, ...] = ("tokentrace", "vllm-plugin", "vllm", "mlx_lm", "openai")
+DETECT_ORDER: tuple[str, ...] = (
+    "tokentrace", "vllm-plugin", "vllm", "exo", "ollama", "sglang", "lmstudio", "mlx_lm", "llama.cpp", "openai",
+)
 
 
 def adapter_class(kind: str) -> type[Adapter]:

@@ -252,6 +252,12 @@ class Adapter:
         """
         return None
 
+    def cluster_view(self) -> list[dict[str, Any]] | None:
+        """A multi-node upstream's instances as of the latest poll (model, nodes, layers, runner stage,
+        readiness stages), sent as a ``cluster.state`` span when it changes; None (the default) for an
+        engine that is one process."""
+        return None
+
     async def poll(self) -> InstanceState:
         """The upstream's state now. The base GETs ``/health`` (then ``/v1/models``): reachable and
         ready when it answers 2xx. Must not raise for a down upstream: ``reachable=False``."""

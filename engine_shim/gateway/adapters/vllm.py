@@ -9,7 +9,7 @@ appears when vLLM runs with ``--enable-prompt-tokens-details``.
 With the plugin (``VllmPluginAdapter``; ``--adapter NAME=vllm-plugin``, or detected by the
 ``tokentrace_plugin_info{instance="..."}`` line the plugin adds to ``/metrics``) vLLM reports every
 request itself: the gateway emits no request row, only its hop, joined on the ``X-Request-Id`` it
-forwards (vLLM builds its request id from that header; ``tokentrace.vllm_names.client_request_id``).
+forwards (vLLM builds its request id from that header; ``tokentrace.engine_shim.vllm.names.client_request_id``).
 The plugin sends no prompt fingerprint, so the gateway still sends the lookup (fingerprint from
 ``/tokenize``, segments) and what the upstream then holds, under the plugin's instance id (the
 metric's label), where the plugin's block evictions are.

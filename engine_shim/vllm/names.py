@@ -3,8 +3,9 @@
 vLLM (0.30–0.32, V1 engine) emits, with ``--otlp-traces-endpoint``, one ``llm_request`` span per
 finished request (``vllm/v1/engine/output_processor.py::OutputProcessor.do_tracing``; durations in
 *seconds*) and model-loading spans named after the stage (``@instrument(span_name=...)`` across
-``vllm/v1`` and ``vllm/model_executor``). Both the vLLM plugin (``tokentrace.engine_shim``) and the
-collector's normalizer read these names from here, so the two paths agree on request ids and stages.
+``vllm/v1`` and ``vllm/model_executor``). Both the vLLM plugin and the collector (through this
+engine's translation, ``translate.py``) read these names from here, so the two paths agree on
+request ids and stages. Imports neither vLLM nor the collector.
 """
 
 from __future__ import annotations
