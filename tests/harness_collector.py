@@ -38,6 +38,18 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
+def terminate(proc: subprocess.Popen | None, timeout: float = 30) -> None:
+    """SIGTERM a helper process (a third-party server) and wait; SIGKILL when it does not stop."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 class CollectorProcess:
     """One ``tokentrace collector`` subprocess on a free port."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness_collector import free_port, wait_for
+from harness_collector import free_port, terminate, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,13 +62,7 @@ class LlamaServer:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         if self.proc is not None:
             self._log.close()
 

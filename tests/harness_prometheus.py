@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness_collector import free_port, wait_for
+from harness_collector import free_port, terminate, wait_for
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -65,13 +65,7 @@ class PrometheusProcess:
 
     def stop(self) -> None:
         """SIGTERM and wait."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
 
     def target(self) -> dict | None:
         """The one active target's state (health, lastScrape, lastError)."""

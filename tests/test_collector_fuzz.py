@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from harness_collector import CollectorProcess
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from test_collector_errors import make_request
-from test_collector_validation import BASE, contract_request
+from test_collector_validation import BASE, contract_request, set_any
 
 from tokentrace import contract as c
 
@@ -64,23 +64,6 @@ def _seeds() -> list[ExportTraceServiceRequest]:
     ]
 
 
-def _set_any(any_value, value, rng: random.Random, depth: int = 0) -> None:
-    if isinstance(value, bool):
-        any_value.bool_value = value
-    elif isinstance(value, int):
-        any_value.int_value = value
-    elif isinstance(value, float):
-        any_value.double_value = value
-    elif isinstance(value, str):
-        any_value.string_value = value
-    elif value is None:
-        any_value.SetInParent()
-    elif isinstance(value, list):
-        any_value.array_value.SetInParent()
-        for item in value:
-            _set_any(any_value.array_value.values.add(), item, rng, depth + 1)
-
-
 def _mutate_message(request: ExportTraceServiceRequest, rng: random.Random) -> None:
     span = request.resource_spans[0].scope_spans[0].spans[0]
     for _ in range(rng.randint(1, 3)):
@@ -90,7 +73,7 @@ def _mutate_message(request: ExportTraceServiceRequest, rng: random.Random) -> N
             span.end_time_unix_nano = rng.choice([*_EXTREME_TIMES, span.start_time_unix_nano])
         elif choice == 1:
             value = rng.choice(_ODD_VALUES + _EXTREME_INTS + [[rng.choice(_EXTREME_INTS) for _ in range(3)]])
-            _set_any(span.attributes.add(key=rng.choice(_KEYS)).value, value, rng)
+            set_any(span.attributes.add(key=rng.choice(_KEYS)).value, value)
         elif choice == 2 and span.events:
             span.events[0].time_unix_nano = rng.choice(_EXTREME_TIMES)
         elif choice == 3:
@@ -105,7 +88,7 @@ def _mutate_message(request: ExportTraceServiceRequest, rng: random.Random) -> N
             nested.string_value = "leaf"
         elif choice == 6:
             link = span.links.add(trace_id=os.urandom(16), span_id=os.urandom(8), trace_state="a=b")
-            _set_any(link.attributes.add(key="la").value, rng.choice(_ODD_VALUES), rng)
+            set_any(link.attributes.add(key="la").value, rng.choice(_ODD_VALUES))
         elif choice == 7:
             span.status.message = "m" * rng.choice([0, 10, 5000])
             span.status.code = rng.choice([0, 1, 2, 99])

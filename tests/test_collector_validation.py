@@ -35,17 +35,18 @@ def contract_request(name: str, attributes: dict, *, start: int = BASE, end: int
         trace_id=os.urandom(16), span_id=os.urandom(8), name=name, start_time_unix_nano=start,
         end_time_unix_nano=end)
     for key, value in attributes.items():
-        _set(span.attributes.add(key=key).value, value)
+        set_any(span.attributes.add(key=key).value, value)
     if request_id:
         span.attributes.add(key=c.REQUEST_ID).value.string_value = request_id
     for event_name, event_attributes in events or ():
         event = span.events.add(name=event_name, time_unix_nano=start)
         for key, value in event_attributes.items():
-            _set(event.attributes.add(key=key).value, value)
+            set_any(event.attributes.add(key=key).value, value)
     return request
 
 
-def _set(any_value, value) -> None:
+def set_any(any_value, value) -> None:
+    """An OTLP AnyValue holding ``value`` (None: an empty AnyValue; a list: an array, even empty)."""
     if isinstance(value, bool):
         any_value.bool_value = value
     elif isinstance(value, int):
@@ -54,9 +55,12 @@ def _set(any_value, value) -> None:
         any_value.double_value = value
     elif isinstance(value, str):
         any_value.string_value = value
+    elif value is None:
+        any_value.SetInParent()
     elif isinstance(value, list):
+        any_value.array_value.SetInParent()
         for item in value:
-            _set(any_value.array_value.values.add(), item)
+            set_any(any_value.array_value.values.add(), item)
 
 
 def _json_span(start: str, end: str) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from harness_collector import free_port, wait_for
+from harness_collector import free_port, terminate, wait_for
 
 from tokentrace.engine_shim.mlx import mlx_server_flags
 from tokentrace.engine_shim.mlx.settings import SETTINGS, add_setting_arguments, settings_from_args
@@ -146,12 +146,7 @@ class MlxServer:
             return False
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        terminate(self.proc)
 
 
 def client_script(base_url: str, model: str) -> dict[str, Any]:
