@@ -72,9 +72,11 @@ class WatchedPage:
         assert not self.errors, "browser errors:\n" + "\n".join(self.errors)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
-    """One headless Chromium for the session."""
+    """One headless Chromium per test module. Not per session: Playwright's sync API keeps an event
+    loop running on the main thread while it is started, and later modules that call asyncio.run()
+    (the gateway's, the adapters') would fail on it."""
     with launch_chromium() as browser:
         yield browser
 
