@@ -79,7 +79,8 @@ MISSING_TOKEN = ("this collector requires a token: send 'Authorization: Bearer T
                  "?token=TOKEN to the address once")
 WRONG_TOKEN = "the token given does not match this collector's --token (TOKENTRACE_TOKEN)"
 _LOGIN_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>tokentrace: token required</title></head>
+<html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">
+<title>tokentrace: token required</title></head>
 <body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
 <h1>{title}</h1>
 <p>{message}.</p>
