@@ -17,6 +17,7 @@ as much as the code, CPU time much less so.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import random
 import resource
@@ -32,8 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synth import Workload
+import duckdb
+from synth import Workload, salt_of
 
+from tokentrace import contract as c
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
 from tokentrace.analyzers.slowness import analyze_slowness
@@ -43,32 +46,147 @@ from tokentrace.collector.store_duckdb import DuckDBStore
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
 CHUNK = 2000  # requests per generation task
 START_NS = 1_790_000_000_000_000_000
+#: Chunks generated through the normalizer and writer; chunk k >= BASE_CHUNKS is replica
+#: k // BASE_CHUNKS of chunk k % BASE_CHUNKS (synth.Workload's ``replica``), written by copying
+#: that chunk's stored rows in SQL (``replicate``), which ``--check-build`` shows equals ingesting it.
+BASE_CHUNKS = 20
+#: Columns a replica rewrites, by name (every other column is copied as stored).
+_TIMES = {"start_ns", "end_ns", "t_ns", "seen_ns"}
+_IDS = {"trace_id", "span_id", "parent_span_id"}
+_REQUEST_IDS = {"request_id", "entry_request_id", "evicted_by_request_id"}
+_REQUEST_ID_LISTS = {"prefill_request_ids", "decode_request_ids"}
+_HASHES = {"hash", "fingerprint", "matched_entry"}
+_NOT_COPIED = {"schema_migrations", "spool_files"}
+
+
+def _workload(chunk: int, base: int) -> Workload:
+    first = chunk * CHUNK
+    workload = Workload(seed=(chunk % base) * CHUNK, instances=4, start_ns=START_NS + first * 20_000_000,
+                        replica=chunk // base)
+    workload.count = first
+    return workload
 
 
 def _generate(task: tuple[int, int]) -> Batch:
-    """Requests [first, first + count) of the workload, normalized (runs in a worker process)."""
-    first, count = task
-    workload = Workload(seed=first, instances=4, start_ns=START_NS + first * 20_000_000)
-    workload.count = first
+    """Chunk ``chunk`` of the workload (CHUNK requests and the last batch's overshoot), normalized
+    (runs in a worker process)."""
+    chunk, base = task
+    workload = _workload(chunk, base)
     merged = Batch()
     batches = workload.batches(512)
-    while workload.count < first + count:
+    while workload.count < (chunk + 1) * CHUNK:
         merged.extend(normalize(next(batches)))
     return merged
 
 
-def build(path: Path, requests: int) -> float:
-    """Write the store; returns seconds taken."""
+def _tables(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
+    rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "
+                       "ORDER BY table_name, ordinal_position").fetchall()
+    tables: dict[str, list[str]] = {}
+    for table, column in rows:
+        if table not in _NOT_COPIED:
+            tables.setdefault(table, []).append(column)
+    return tables
+
+
+def build(path: Path, requests: int, base: int = BASE_CHUNKS, replicate: bool = True) -> float:
+    """Write the store (``replicate``: the base chunks through the normalizer and writer, the rest
+    copied in SQL; else every chunk through the normalizer and writer); returns seconds taken."""
     began = time.perf_counter()
+    chunks = max(1, -(-requests // CHUNK))
+    base = min(base, chunks)
+    ingested = base if replicate else chunks
     store = DuckDBStore(path)
-    tasks = [(first, min(CHUNK, requests - first)) for first in range(0, requests, CHUNK)]
+    ends = []  # per ingested chunk: rows per table once it is written (rowid ranges of its rows)
     with multiprocessing.get_context("spawn").Pool(max(1, (multiprocessing.cpu_count() or 2))) as pool:
-        for done, batch in enumerate(pool.imap(_generate, tasks), start=1):
+        for done, batch in enumerate(pool.imap(_generate, [(k, base) for k in range(ingested)]), start=1):
             store.write(batch)
+            if replicate:
+                con = store._con
+                ends.append({t: con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in _tables(con)})
             if done % 10 == 0:
-                print(f"  {done * CHUNK:,} requests written", flush=True)
+                print(f"  {done * CHUNK:,} requests written through the normalizer", flush=True)
     store.close()
+    if replicate and chunks > base:
+        _replicate(path, base, chunks, ends)
     return time.perf_counter() - began
+
+
+def _column(table: str, column: str) -> str:
+    """The SQL of one column of a replica's row (parameters $offset, $shift, $salt, $prefix)."""
+    if column in _TIMES:
+        return f"{column} + $shift"
+    if column in _IDS:
+        return f"$prefix || substr({column}, 5)"
+    if column in _REQUEST_IDS:
+        return f"rid({column}, $offset)"
+    if column in _REQUEST_ID_LISTS:
+        return f"list_transform({column}, lambda x: rid(x, $offset))"
+    if column in _HASHES:
+        return f"xor({column}, $salt)"
+    if (table, column) == ("spans", "attributes"):  # the JSON repeats the request id and entry fingerprint
+        rid_key, fp_key = json.dumps(c.REQUEST_ID) + ":", json.dumps(c.ENTRY_FINGERPRINT) + ":"
+        fp = f"CAST(json_extract_string(attributes, '$.\"{c.ENTRY_FINGERPRINT}\"') AS BIGINT)"
+        text = (f"replace(attributes, '{rid_key}\"' || request_id || '\"', "
+                f"'{rid_key}\"' || rid(request_id, $offset) || '\"')")
+        text = f"CASE WHEN request_id IS NULL THEN attributes ELSE {text} END"
+        return (f"CASE WHEN {fp} IS NULL THEN {text} "
+                f"ELSE replace({text}, '{fp_key}' || {fp}, '{fp_key}' || xor({fp}, $salt)) END")
+    return column
+
+
+def _replicate(path: Path, base: int, chunks: int, ends: list[dict[str, int]]) -> None:
+    """Append replicas 1.. of the base chunks by copying their rows (see BASE_CHUNKS)."""
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TEMP MACRO rid(x, o) AS CASE WHEN regexp_full_match(x, 'req-[0-9]{8}') "
+                "THEN 'req-' || lpad(CAST(CAST(substr(x, 5) AS BIGINT) + o AS VARCHAR), 8, '0') ELSE x END")
+    tables = _tables(con)
+    for replica in range(1, -(-chunks // base)):
+        copied = min(base, chunks - replica * base)
+        params = {"offset": replica * base * CHUNK, "shift": replica * base * CHUNK * 20_000_000,
+                  "salt": salt_of(replica), "prefix": f"{replica:04x}"}
+        con.execute("BEGIN")
+        for table, columns in tables.items():
+            rows = ends[copied - 1][table]
+            if rows:
+                select = ", ".join(_column(table, column) for column in columns)
+                used = {k: v for k, v in params.items() if f"${k}" in select}
+                con.execute(f"INSERT INTO {table} SELECT {select} FROM {table} WHERE rowid < {rows} ORDER BY rowid",
+                            used)
+        con.execute("COMMIT")
+        print(f"  {(replica * base + copied) * CHUNK:,} requests written (replica {replica} copied)", flush=True)
+    con.execute("CHECKPOINT")
+    con.close()
+
+
+def check_build(requests: int, base: int) -> int:
+    """Build the store both ways in a temporary directory and compare every table (as multisets of
+    rows) and the verdicts of sampled requests; 0 when they are equal."""
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        slow_path, fast_path = Path(tmp) / "ingested.duckdb", Path(tmp) / "copied.duckdb"
+        print(f"check: {requests:,} requests, {base} base chunks; every chunk through the normalizer ...")
+        print(f"  {build(slow_path, requests, base, replicate=False):.1f} s")
+        print("check: base chunks through the normalizer, the rest copied ...")
+        print(f"  {build(fast_path, requests, base):.1f} s")
+        con = duckdb.connect(str(slow_path), read_only=True)
+        con.execute(f"ATTACH '{fast_path}' AS fast (READ_ONLY)")
+        differ = 0
+        for table in _tables(con):
+            rows = con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+            apart = [con.execute(f"SELECT count(*) FROM (SELECT * FROM {a} EXCEPT ALL SELECT * FROM {b})")
+                     .fetchall()[0][0] for a, b in ((table, f"fast.{table}"), (f"fast.{table}", table))]
+            differ += sum(apart)
+            print(f"  {table:<18} {rows:>10,} rows; only ingested {apart[0]:,}, only copied {apart[1]:,}")
+        ids = [row[0] for row in con.execute("SELECT request_id FROM requests").fetchall()]
+        con.close()
+        stores = DuckDBStore(slow_path, read_only=True), DuckDBStore(fast_path, read_only=True)
+        sample = random.Random(5).sample(ids, min(200, len(ids)))
+        verdicts = sum(analyze(stores[0], rid).as_dict() != analyze(stores[1], rid).as_dict()
+                       for rid in sample for analyze in (analyze_cache, analyze_slowness))
+        for store in stores:
+            store.close()
+        print(f"  verdicts of {len(sample)} requests (cache and slow): {verdicts} differ")
+        return 1 if differ or verdicts else 0
 
 
 def _time(function, *args) -> tuple[float, float]:
@@ -124,14 +242,22 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--rebuild", action="store_true", help="build the store even if a cached one exists")
+    parser.add_argument("--base-chunks", type=int, default=BASE_CHUNKS,
+                        help=f"chunks of {CHUNK} requests built through the normalizer; the rest are copies "
+                             f"(default {BASE_CHUNKS})")
+    parser.add_argument("--check-build", action="store_true",
+                        help="build --requests both ways (all through the normalizer; copies) and compare")
     args = parser.parse_args()
 
     CACHE.mkdir(exist_ok=True)
-    path = CACHE / f"bench-analyze-{args.requests}.duckdb"
+    if args.check_build:
+        return check_build(args.requests, args.base_chunks)
+    path = CACHE / f"bench-analyze-{args.requests}-b{args.base_chunks}.duckdb"
     if args.rebuild or not path.exists():
         path.unlink(missing_ok=True)
-        print(f"building a store of {args.requests:,} requests through the normalizer ...")
-        print(f"  built in {build(path, args.requests):.0f} s")
+        print(f"building a store of {args.requests:,} requests ({args.base_chunks} chunks of {CHUNK} through "
+              "the normalizer, the rest copies of them) ...")
+        print(f"  built in {build(path, args.requests, args.base_chunks):.0f} s")
     store = DuckDBStore(path, read_only=True)
     counts = store.counts()
     size = path.stat().st_size

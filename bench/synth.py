@@ -48,18 +48,26 @@ def _any_int(value: int):
     return AnyValue(int_value=value)
 
 
-def _span(spans, trace_id: bytes, parent: bytes, name: str, start: int, end: int, rid: str, kind: int = 1):
-    span = spans.add(trace_id=trace_id, span_id=os.urandom(8), parent_span_id=parent, name=name, kind=kind,
-                     start_time_unix_nano=start, end_time_unix_nano=end)
-    _set(span, c.REQUEST_ID, rid)
-    return span
+def salt_of(replica: int) -> int:
+    """The signed 64-bit value a replica's hashes are XORed with (0 for replica 0): replicas of one
+    seed share no prefix, as different seeds' workloads do not."""
+    return 0 if not replica else random.Random(f"salt-{replica}").getrandbits(64) - (1 << 63)
 
 
 class Workload:
-    """Deterministic stream of engine-shaped requests over ``instances`` instances."""
+    """Deterministic stream of engine-shaped requests over ``instances`` instances.
 
-    def __init__(self, seed: int = 7, instances: int = 4, sessions: int = 500, start_ns: int | None = None):
+    With ``replica`` given, trace and span ids come from the seed too (their first two bytes are the
+    replica number) and every prompt hash is XORed with ``salt_of(replica)``: replica r of a seed is
+    replica 0's workload with other ids and unrelated prefixes, which bench/analyze.py can write by
+    copying replica 0's stored rows (and checks it equals ingesting it). Without it, ids are random."""
+
+    def __init__(self, seed: int = 7, instances: int = 4, sessions: int = 500, start_ns: int | None = None,
+                 replica: int | None = None):
         self.rng = random.Random(seed)
+        self._ids = None if replica is None else random.Random(f"ids-{seed}")
+        self._prefix = (replica or 0).to_bytes(2, "big")
+        self.salt = salt_of(replica or 0)
         self.instances = [f"bench-{i}" for i in range(instances)]
         self.systems = [[self.rng.randrange(1, 30000) for _ in range(self.rng.choice((64, 256, 512)))]
                         for _ in range(8)]
@@ -67,10 +75,25 @@ class Workload:
         self.clock = start_ns if start_ns is not None else 1_700_000_000_000_000_000
         self.count = 0
 
+    def _id(self, size: int) -> bytes:
+        return os.urandom(size) if self._ids is None else self._prefix + self._ids.randbytes(size - 2)
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        return [h ^ self.salt for h in block_hashes(tokens)]
+
+    def _segment(self, tokens: list[int]) -> int:
+        return segment_hash(tokens) ^ self.salt
+
+    def _span(self, spans, trace_id: bytes, parent: bytes, name: str, start: int, end: int, rid: str, kind: int = 1):
+        span = spans.add(trace_id=trace_id, span_id=self._id(8), parent_span_id=parent, name=name, kind=kind,
+                         start_time_unix_nano=start, end_time_unix_nano=end)
+        _set(span, c.REQUEST_ID, rid)
+        return span
+
     def request(self, spans) -> int:
         """Append one request's spans (plus an engine.steps window every 16th); returns spans added."""
         rng, self.count = self.rng, self.count + 1
-        rid, trace_id = f"req-{self.count:08d}", os.urandom(16)
+        rid, trace_id = f"req-{self.count:08d}", self._id(16)
         system, history = self.sessions[rng.randrange(len(self.sessions))]
         turn = [rng.randrange(1, 30000) for _ in range(rng.randrange(16, 200))]
         prompt = self.systems[system] + history + turn
@@ -84,7 +107,7 @@ class Workload:
         itl = rng.randrange(8_000_000, 25_000_000)
         t_prefill, t_decode = t0 + queue, t0 + queue + prefill
         t_end = t_decode + itl * (output - 1)
-        root = _span(spans, trace_id, b"", c.SPAN_REQUEST, t0, t_end + 500_000, rid, kind=2)
+        root = self._span(spans, trace_id, b"", c.SPAN_REQUEST, t0, t_end + 500_000, rid, kind=2)
         for key, value in ((c.SESSION_ID, f"s{system}"), (c.ENDPOINT, "/v1/chat/completions"),
                            (c.MODEL, "bench-model"), (c.MAX_TOKENS, 256), (c.STREAMED, True),
                            (c.CLIENT_DISCONNECTED, False), (c.HTTP_STATUS, 200),
@@ -94,31 +117,31 @@ class Workload:
                            (c.TTFT_MS, (t_decode - t0) / 1e6), (c.TPOT_MS, itl / 1e6)):
             _set(root, key, value)
         parent = root.span_id
-        q = _span(spans, trace_id, parent, c.SPAN_QUEUE, t0, t_prefill, rid)
+        q = self._span(spans, trace_id, parent, c.SPAN_QUEUE, t0, t_prefill, rid)
         _set(q, c.QUEUE_DEPTH, rng.randrange(0, 4))
         _set(q, c.QUEUE_RUNNING, rng.randrange(0, 8))
-        lookup = _span(spans, trace_id, parent, c.SPAN_CACHE_LOOKUP, t_prefill, t_prefill + 200_000, rid)
+        lookup = self._span(spans, trace_id, parent, c.SPAN_CACHE_LOOKUP, t_prefill, t_prefill + 200_000, rid)
         for key, value in ((c.CACHE_PROMPT_TOKENS, len(prompt)), (c.CACHE_MATCHED_TOKENS, cached),
                            (c.CACHE_MATCH, c.MATCH_PREFIX if cached else c.MATCH_NONE), (c.CACHE_ENTRIES, 10),
                            (c.CACHE_BYTES, 50_000_000), (c.CACHE_BLOCK_SIZE, BLOCK),
-                           (c.CACHE_BLOCK_HASHES, block_hashes(prompt)),
+                           (c.CACHE_BLOCK_HASHES, self._hashes(prompt)),
                            (c.SEGMENT_ROLES, ["system", "user"]),
                            (c.SEGMENT_STARTS, [0, len(self.systems[system])]),
                            (c.SEGMENT_ENDS, [len(self.systems[system]), len(prompt)]),
-                           (c.SEGMENT_HASHES, [segment_hash(self.systems[system]), segment_hash(turn)])):
+                           (c.SEGMENT_HASHES, [self._segment(self.systems[system]), self._segment(turn)])):
             _set(lookup, key, value)
-        pre = _span(spans, trace_id, parent, c.SPAN_PREFILL, t_prefill, t_decode, rid)
+        pre = self._span(spans, trace_id, parent, c.SPAN_PREFILL, t_prefill, t_decode, rid)
         half = t_prefill + prefill // 2
         for offset, (a, b) in enumerate(((t_prefill, half), (half, t_decode))):
-            chunk = _span(spans, trace_id, pre.span_id, c.SPAN_PREFILL_CHUNK, a, b, rid)
+            chunk = self._span(spans, trace_id, pre.span_id, c.SPAN_PREFILL_CHUNK, a, b, rid)
             _set(chunk, c.CHUNK_OFFSET, cached + offset * (len(prompt) - cached) // 2)
             _set(chunk, c.CHUNK_TOKENS, (len(prompt) - cached) // 2)
-        dec = _span(spans, trace_id, parent, c.SPAN_DECODE, t_decode, t_end, rid)
+        dec = self._span(spans, trace_id, parent, c.SPAN_DECODE, t_decode, t_end, rid)
         _set(dec, c.DECODE_STEPS, output)
         _set(dec, c.DECODE_STEP_OFFSETS, [i * itl for i in range(output)])
-        ins = _span(spans, trace_id, parent, c.SPAN_CACHE_INSERT, t_end, t_end + 300_000, rid)
+        ins = self._span(spans, trace_id, parent, c.SPAN_CACHE_INSERT, t_end, t_end + 300_000, rid)
         stored = prompt + [1] * output
-        hashes = block_hashes(stored)
+        hashes = self._hashes(stored)
         for key, value in ((c.ENTRY_FINGERPRINT, hashes[-1]), (c.ENTRY_TOKENS, len(stored)),
                            (c.ENTRY_BYTES, len(stored) * 4096), (c.CACHE_BLOCK_SIZE, BLOCK),
                            (c.CACHE_BLOCK_HASHES, hashes)):
@@ -130,7 +153,7 @@ class Workload:
 
     def _steps(self, spans, t0: int, rid: str) -> int:
         n = 64
-        window = spans.add(trace_id=os.urandom(16), span_id=os.urandom(8), name=c.SPAN_ENGINE_STEPS,
+        window = spans.add(trace_id=self._id(16), span_id=self._id(8), name=c.SPAN_ENGINE_STEPS,
                            start_time_unix_nano=t0, end_time_unix_nano=t0 + n * 10_000_000)
         for key, value in ((c.STEPS_COUNT, n), (c.STEPS_START_OFFSETS, [i * 10_000_000 for i in range(n)]),
                            (c.STEPS_DURATIONS, [9_000_000] * n), (c.STEPS_PREFILL_SEQS, [0] * n),
