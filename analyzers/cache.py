@@ -23,7 +23,8 @@ Definitions (the contract; tests check them):
 - ``result``: hit when cause is None, partial when cached > 0, miss when cached = 0; None for a
   request that never reached the cache (refused, failed or cancelled before its lookup).
 
-``load_cache_facts`` reads through the reader role; ``classify_cache`` is a pure function of them.
+``load_cache_facts`` reads through the reader role (``rows``: no frames, so that ``analyze cache
+--db`` imports no polars or pyarrow); ``classify_cache`` is a pure function of them.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
-
-import polars as pl
 
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import NO_CAUSE, Evidence  # noqa: F401 - NO_CAUSE is re-exported
@@ -94,12 +93,12 @@ class CacheFacts:
     request: dict  #: the requests row
     lookup: dict | None  #: the cache_lookups row; None when the engine sent no fingerprint
     hashes: list[int]  #: chained block hashes of the prompt
-    segments: pl.DataFrame  #: the prompt's segments
+    segments: list[dict]  #: the prompt's segments (segments_of rows)
     seen: dict | None  #: the deepest block any earlier prompt or entry had, and who had it first
     cached_on: list[dict]  #: per instance, the deepest block an entry stored there before held
     eviction: dict | None  #: the eviction of this instance's entry holding a longer prefix, if found
     evicted_elsewhere: set[tuple[str | None, int]]  #: (instance, fingerprint) of other entries gone by then
-    segment_matches: pl.DataFrame  #: earlier segments with equal content hashes
+    segment_matches: list[dict]  #: earlier segments with equal content hashes (segment_matches rows)
     divergences: dict[str, int]  #: earlier request id -> token where its prompt first differs
     earlier_segments: dict[str, list[dict]] = field(default_factory=dict)  #: their segments, by request
     loads: list[dict] = field(default_factory=list)  #: this instance's model loads after its longer entry
@@ -119,15 +118,15 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     window = request_window(request)
-    lookups = reader.frame("cache_lookup", request_id=request_id, **window)
-    if lookups.height == 0:
-        return CacheFacts(request, None, [], pl.DataFrame(), None, [], None, set(), pl.DataFrame(), {})
-    lookup = lookups.row(0, named=True)
+    lookups = reader.rows("cache_lookup", request_id=request_id, **window)
+    if not lookups:
+        return CacheFacts(request, None, [], [], None, [], None, set(), [], {})
+    lookup = lookups[0]
     t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
     prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
-    hashes = reader.frame("lookup_blocks", request_id=request_id, **window)["hash"].to_list()
-    segments = reader.frame("segments_of", request_id=request_id, **window)
-    sightings = reader.frame("prefix_sightings_of", hashes=hashes, before_ns=t).to_dicts() if hashes else []
+    hashes = [row["hash"] for row in reader.rows("lookup_blocks", request_id=request_id, **window)]
+    segments = reader.rows("segments_of", request_id=request_id, **window)
+    sightings = reader.rows("prefix_sightings_of", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(sightings), _deepest_per_instance(sightings)
     here_key = request["instance_id"]
     here = next((row for row in _longer(cached_on, block, prompt, cached) if row["instance_id"] == here_key), None)
@@ -137,18 +136,18 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
         if eviction is None:
             eviction = _block_eviction(reader, request["instance_id"], hashes, t, cached, block)
         if eviction is None:
-            rows = reader.frame("loads_in", since_ns=here["t_ns"], until_ns=t).to_dicts()
+            rows = reader.rows("loads_in", since_ns=here["t_ns"], until_ns=t)
             loads = list({row["load_id"]: row for row in rows
                           if row["instance_id"] == here_key and here["t_ns"] < row["start_ns"] < t}.values())
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
-    gone = reader.frame("evictions_of", fingerprints=[row["fingerprint"] for row in others],
-                        before_ns=t) if others else pl.DataFrame()
-    evicted_elsewhere = {(row["instance_id"], row["fingerprint"]) for row in gone.iter_rows(named=True)}
-    matches = reader.frame("segment_matches", hashes=segments["hash"].drop_nulls().to_list(), before_ns=t,
-                           request_id=request_id) if segments.height else pl.DataFrame()
+    gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
+                       before_ns=t) if others else []
+    evicted_elsewhere = {(row["instance_id"], row["fingerprint"]) for row in gone}
+    matches = reader.rows("segment_matches", hashes=[s["hash"] for s in segments if s["hash"] is not None],
+                          before_ns=t, request_id=request_id) if segments else []
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
-    times = dict(matches.group_by("request_id").agg(pl.col("t_ns").max()).iter_rows()) if matches.height else {}
-    earlier = {rid: reader.frame("segments_of", request_id=rid, t0_ns=times[rid] - 1, t1_ns=times[rid] + 1).to_dicts()
+    times = _latest(matches)
+    earlier = {rid: reader.rows("segments_of", request_id=rid, t0_ns=times[rid] - 1, t1_ns=times[rid] + 1)
                for rid in divergences if rid in times}
     # Only a lookup that reused less than a block can be a model or template change.
     identity = _identity(reader, request["instance_id"], request["end_ns"]) if cached < block else {}
@@ -157,11 +156,20 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
                       divergences, earlier, loads, previous, identity)
 
 
+def _latest(matches: list[dict]) -> dict[str, int]:
+    """request id -> the latest ``t_ns`` among its rows, in the order the rows first name them."""
+    times: dict[str, int] = {}
+    for row in matches:
+        rid = row["request_id"]
+        times[rid] = row["t_ns"] if rid not in times else max(times[rid], row["t_ns"])
+    return times
+
+
 def _identity(reader: TraceReader, instance_id: str | None, t_ns: int) -> dict:
     """The model revision and chat-template hash an instance's resource declared at ``t_ns``."""
-    rows = reader.frame("resource_at", instance_id=instance_id, t_ns=t_ns)
+    rows = reader.rows("resource_at", instance_id=instance_id, t_ns=t_ns)
     try:
-        attributes = json.loads(rows["attributes"][0] or "{}") if rows.height else {}
+        attributes = json.loads(rows[0]["attributes"] or "{}") if rows else {}
     except ValueError:  # a foreign sender's resource is stored as sent; an unreadable one declares nothing
         attributes = {}
     return {"model_revision": attributes.get(c.MODEL_REVISION), "chat_template": attributes.get(c.CHAT_TEMPLATE_HASH)}
@@ -172,12 +180,13 @@ def _previous_turn(reader: TraceReader, request: dict, hashes: list[int], block:
     from this one (block granularity)."""
     if not request.get("session_id"):
         return None
-    rows = reader.frame("previous_turn", session_id=request["session_id"], before_ns=request["start_ns"],
-                        request_id=request["request_id"])
-    if rows.height == 0:
+    rows = reader.rows("previous_turn", session_id=request["session_id"], before_ns=request["start_ns"],
+                       request_id=request["request_id"])
+    if not rows:
         return None
-    prev = rows.row(0, named=True)
-    theirs = reader.frame("lookup_blocks", request_id=prev["request_id"], **request_window(prev))["hash"].to_list()
+    prev = rows[0]
+    theirs = [row["hash"] for row in reader.rows("lookup_blocks", request_id=prev["request_id"],
+                                                  **request_window(prev))]
     if not theirs:
         return None
     differ = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
@@ -226,14 +235,14 @@ def _find_eviction(reader: TraceReader, instance_id: str | None, deepest: int, h
     this prompt than was reused: its stored blocks at the deepest cached index (or, failing that, the
     first unreused one) equal this prompt's. Only the latest few evictions are examined."""
     reused = cached // block
-    candidates = reader.frame("capacity_evictions", instance_id=instance_id, before_ns=t,
-                              min_tokens=(reused + 1) * block, reasons=list(c.CAPACITY_EVICT_REASONS))
-    for candidate in candidates.iter_rows(named=True):
+    candidates = reader.rows("capacity_evictions", instance_id=instance_id, before_ns=t,
+                             min_tokens=(reused + 1) * block, reasons=list(c.CAPACITY_EVICT_REASONS))
+    for candidate in candidates:
         if candidate["inserted_ns"] is None:
             continue
-        stored = reader.frame("entry_block", request_id=candidate["entry_request_id"],
-                              inserted_ns=candidate["inserted_ns"], block_indices=sorted({reused, deepest}))
-        held = dict(stored.iter_rows())
+        stored = reader.rows("entry_block", request_id=candidate["entry_request_id"],
+                             inserted_ns=candidate["inserted_ns"], block_indices=sorted({reused, deepest}))
+        held = {row["block_index"]: row["hash"] for row in stored}
         for index in (deepest, reused):
             if index < len(hashes) and held.get(index) == hashes[index]:
                 return {**candidate, "held_block": index}
@@ -248,7 +257,7 @@ def _block_eviction(reader: TraceReader, instance_id: str | None, hashes: list[i
     beyond = hashes[cached // block:]
     if not beyond:
         return None
-    rows = [row for row in reader.frame("evictions_of", fingerprints=beyond, before_ns=t).iter_rows(named=True)
+    rows = [row for row in reader.rows("evictions_of", fingerprints=beyond, before_ns=t)
             if row["instance_id"] == instance_id and row["reason"] in c.CAPACITY_EVICT_REASONS]
     if not rows:
         return None
@@ -260,25 +269,27 @@ def _block_eviction(reader: TraceReader, instance_id: str | None, hashes: list[i
 DIVERGENCE_CANDIDATES = 8
 
 
-def _divergences(reader: TraceReader, matches: pl.DataFrame, segments: pl.DataFrame, hashes: list[int],
+def _divergences(reader: TraceReader, matches: list[dict], segments: list[dict], hashes: list[int],
                  cached: int, block: int) -> dict[str, int]:
     """For the most recent earlier requests sharing a segment worth explaining, the token where their
     prompt first differs from this one (block granularity)."""
-    if matches.height == 0:
+    if not matches:
         return {}
-    worth = {row["hash"] for row in segments.iter_rows(named=True)
+    worth = {row["hash"] for row in segments
              if row["token_end"] > cached and row["token_end"] - row["token_start"] >= block}
-    candidates = (matches.filter(pl.col("hash").is_in(list(worth)))
-                  .group_by("request_id").agg(pl.col("t_ns").max()).sort("t_ns", descending=True)
-                  .head(DIVERGENCE_CANDIDATES))
-    if candidates.height == 0:
+    latest = _latest([row for row in matches if row["hash"] in worth])
+    candidates = sorted(latest.items(), key=lambda item: -item[1])[:DIVERGENCE_CANDIDATES]
+    if not candidates:
         return {}
-    blocks = reader.frame("lookup_blocks_many", request_ids=candidates["request_id"].to_list(),
-                          t0_ns=candidates["t_ns"].min(), t1_ns=candidates["t_ns"].max())
+    times = [t for _, t in candidates]
+    blocks: dict[str, list[int]] = {}
+    for row in reader.rows("lookup_blocks_many", request_ids=[rid for rid, _ in candidates], t0_ns=min(times),
+                           t1_ns=max(times)):
+        blocks.setdefault(row["request_id"], []).append(row["hash"])
     found = {}
-    for (request_id,), theirs in blocks.group_by(["request_id"]):
-        pairs = zip(hashes, theirs["hash"].to_list(), strict=False)
-        shared = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(hashes), theirs.height))
+    for request_id, theirs in blocks.items():
+        pairs = zip(hashes, theirs, strict=False)
+        shared = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(hashes), len(theirs)))
         found[request_id] = shared * block
     return found
 
@@ -428,11 +439,11 @@ def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict
 
 
 def _prefix_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cached: int) -> bool:
-    if facts.segment_matches.height == 0 or facts.segments.height == 0:
+    if not facts.segment_matches or not facts.segments:
         return False
-    segments = facts.segments.to_dicts()
+    segments = facts.segments
     best = None
-    for match in facts.segment_matches.iter_rows(named=True):
+    for match in facts.segment_matches:
         diverge = facts.divergences.get(match["request_id"])
         if diverge is None or diverge < cached // block * block:
             # This prompt reused past the point where it leaves that request: its reuse came from
@@ -496,9 +507,9 @@ def _identity_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cache
     """model_change / template_change: the session's previous turn ran on another model revision or
     chat template, and its prompt differs from this one inside the first segment."""
     prev, ours = facts.previous, facts.identity
-    if prev is None or cached >= block or facts.segments.height == 0:
+    if prev is None or cached >= block or not facts.segments:
         return False
-    first_end = facts.segments["token_end"][0]
+    first_end = facts.segments[0]["token_end"]
     if prev["diverge"] >= first_end:
         return False
     for key, cause, what in (("model_revision", "model_change", "model revision"),
@@ -562,12 +573,15 @@ def _too_short(verdict: CacheVerdict, facts: CacheFacts, block: int) -> dict | N
     shares with it (same index, start and content hash from segment 0) when it is under one block."""
     if verdict.prompt_tokens < block:
         return {"request_id": None, "shared_tokens": verdict.prompt_tokens, "segments": 0}
-    if facts.segment_matches.height == 0 or facts.segments.height == 0:
+    if not facts.segment_matches or not facts.segments:
         return None
-    ours = {row["segment_index"]: row for row in facts.segments.iter_rows(named=True)}
+    ours = {row["segment_index"]: row for row in facts.segments}
+    by_request: dict[str, list[dict]] = {}
+    for row in facts.segment_matches:
+        by_request.setdefault(row["request_id"], []).append(row)
     best = None
-    for (request_id,), rows in facts.segment_matches.group_by(["request_id"]):
-        same = {row["segment_index"] for row in rows.iter_rows(named=True)
+    for request_id, rows in by_request.items():
+        same = {row["segment_index"] for row in rows
                 if row["segment_index"] in ours and row["hash"] == ours[row["segment_index"]]["hash"]
                 and row["token_start"] == ours[row["segment_index"]]["token_start"]}
         run = 0

@@ -79,24 +79,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_db(args: argparse.Namespace) -> dict:
-    from tokentrace.analyzers.cache import analyze_cache
-    from tokentrace.analyzers.report import summarize
-    from tokentrace.analyzers.session import analyze_session
+    # Each analysis imports its own module: slow and cache read rows (no polars, no pyarrow: their
+    # start-up is duckdb's); session and report build frames (issue 17).
     from tokentrace.analyzers.slo import parse_slo
-    from tokentrace.analyzers.slowness import analyze_slowness
     from tokentrace.collector.store_duckdb import DuckDBStore
-    from tokentrace.window import since_ns
 
     slo = parse_slo(getattr(args, "slo", None))
     store = DuckDBStore(args.db, read_only=True)
     try:
         if args.analysis == "slow":
+            from tokentrace.analyzers.slowness import analyze_slowness
+
             result = analyze_slowness(store, args.request_id, slo).as_dict()
         elif args.analysis == "cache":
+            from tokentrace.analyzers.cache import analyze_cache
+
             result = analyze_cache(store, args.request_id).as_dict()
         elif args.analysis == "session":
+            from tokentrace.analyzers.session import analyze_session
+
             result = analyze_session(store, args.session_id).as_dict()
         else:
+            from tokentrace.analyzers.report import summarize
+            from tokentrace.window import since_ns
+
             result = summarize(store, since_ns(args.since), cause_sample=args.causes, slo=slo).as_dict()
     finally:
         store.close()

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import polars as pl
-
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import Evidence
 from tokentrace.collector.store import TraceReader
@@ -32,28 +30,29 @@ from tokentrace.hardware import peak_bandwidth
 
 def load_hardware(reader: TraceReader, instance_id: str | None, t_ns: int) -> dict[str, Any]:
     """Weight bytes, KV bytes per token, chip and declared peak of an instance at ``t_ns``."""
-    weights = reader.frame("weights_at", instance_id=instance_id, t_ns=t_ns)
-    kv = reader.frame("kv_per_token_at", instance_id=instance_id, t_ns=t_ns)
-    resource = reader.frame("resource_at", instance_id=instance_id, t_ns=t_ns)
-    attributes = json.loads(resource["attributes"][0] or "{}") if resource.height else {}
+    weights = reader.rows("weights_at", instance_id=instance_id, t_ns=t_ns)
+    kv = reader.rows("kv_per_token_at", instance_id=instance_id, t_ns=t_ns)
+    resource = reader.rows("resource_at", instance_id=instance_id, t_ns=t_ns)
+    attributes = json.loads(resource[0]["attributes"] or "{}") if resource else {}
     declared = attributes.get(c.HOST_MEMORY_BANDWIDTH_GBS)
     try:
         declared = float(declared) if declared not in (None, "") else None
     except (TypeError, ValueError):
         declared = None
-    return {"weight_bytes": weights["weight_bytes"][0] if weights.height else None,
-            "kv_bytes_per_token": kv["kv_bytes_per_token"][0] if kv.height else None,
+    return {"weight_bytes": weights[0]["weight_bytes"] if weights else None,
+            "kv_bytes_per_token": kv[0]["kv_bytes_per_token"] if kv else None,
             "chip": attributes.get(c.HOST_CHIP), "declared_gbs": declared}
 
 
-def memory_bandwidth(request: dict, tpot_ms: float | None, steps: pl.DataFrame, hardware: dict) -> Evidence | None:
+def memory_bandwidth(request: dict, tpot_ms: float | None, steps: list[dict], hardware: dict) -> Evidence | None:
     """The ``memory_bandwidth`` evidence of a decode verdict (module docstring); None without a TPOT."""
     if not tpot_ms or tpot_ms <= 0:
         return None
     steps_per_s = 1000.0 / tpot_ms
     context = (request.get("prompt_tokens") or 0) + (request.get("completion_tokens") or 0) / 2
-    batch_known = steps.height > 0
-    batch = float(steps["decode_seqs"].mean()) if batch_known else 1.0
+    batch_known = len(steps) > 0
+    seqs = [row["decode_seqs"] for row in steps if row["decode_seqs"] is not None]  # as a mean over nulls
+    batch = sum(seqs) / len(seqs) if seqs else 1.0
     weights, per_token = hardware["weight_bytes"], hardware["kv_bytes_per_token"]
     kv_step = per_token * context * batch if per_token else None
     achieved = None

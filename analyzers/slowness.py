@@ -19,15 +19,14 @@ Definitions (the contract; tests check them):
   tokens, prefill rate vs baseline, the cache verdict; decode -> TPOT vs baseline, batch size over the
   decode, steps shared with other requests' prefill chunks (named), context length.
 
-``load_slow_facts`` reads through the reader role; ``classify_slowness`` is a pure function of them.
+``load_slow_facts`` reads through the reader role (``rows``: no frames, so that ``analyze slow --db``
+imports no polars or pyarrow); ``classify_slowness`` is a pure function of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import polars as pl
 
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
@@ -80,11 +79,11 @@ class SlowFacts:
     """Everything the slowness verdict needs, read from the store."""
 
     request: dict  #: the requests row
-    phases: pl.DataFrame  #: the request's phase spans
-    baseline: pl.DataFrame  #: recent requests of the instance (baseline.sql)
-    load: pl.DataFrame  #: the model load waited on, one row per stage (empty unless cold)
-    holders: pl.DataFrame  #: requests holding batch slots during the queue wait
-    steps: pl.DataFrame  #: engine steps in which this request decoded
+    phases: list[dict]  #: the request's phase spans
+    baseline: list[dict]  #: recent requests of the instance (baseline.sql)
+    load: list[dict]  #: the model load waited on, one row per stage (empty unless cold)
+    holders: list[dict]  #: requests holding batch slots during the queue wait
+    steps: list[dict]  #: engine steps in which this request decoded
     cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
     measures: frozenset[str] | None = None  #: parts the instance's observer declares; None: undeclared
     hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
@@ -96,27 +95,27 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     instance, start = request["instance_id"], request["start_ns"]
-    declared = reader.frame("observers", instance_id=instance)
-    measures = measures_of(declared["attributes"][0]) if declared.height else None
-    phases = reader.frame("phases", request_id=request_id, **request_window(request))
-    baseline = reader.frame("baseline", instance_id=instance, request_id=request_id,
-                            since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
-    load = holders = steps = pl.DataFrame()
-    waits = phases.filter(pl.col("name") == "llm.load_wait") if phases.height else phases
-    if waits.height and waits["load_id"][0]:
-        load = reader.frame("model_load", load_id=waits["load_id"][0])
+    declared = reader.rows("observers", instance_id=instance)
+    measures = measures_of(declared[0]["attributes"]) if declared else None
+    phases = reader.rows("phases", request_id=request_id, **request_window(request))
+    baseline = reader.rows("baseline", instance_id=instance, request_id=request_id,
+                           since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
+    load, holders, steps = [], [], []
+    waits = _named(phases, "llm.load_wait")
+    if waits and waits[0]["load_id"]:
+        load = reader.rows("model_load", load_id=waits[0]["load_id"])
     window = _queue_window(request, phases)
     if window:
-        holders = reader.frame("slot_holders", instance_id=instance, request_id=request_id,
-                               t0_ns=window[0], t1_ns=window[1])
-    decode = phases.filter(pl.col("name") == "llm.decode") if phases.height else phases
-    if decode.height:
-        steps = reader.frame("decode_context", instance_id=instance, request_id=request_id,
-                             t0_ns=decode["start_ns"][0] - 1_000_000_000, t1_ns=decode["end_ns"][0])
+        holders = reader.rows("slot_holders", instance_id=instance, request_id=request_id,
+                              t0_ns=window[0], t1_ns=window[1])
+    decode = _named(phases, "llm.decode")
+    if decode:
+        steps = reader.rows("decode_context", instance_id=instance, request_id=request_id,
+                            t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"])
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
     prefill = category_of(request, measures) == "prefill"
     cache = analyze_cache(reader, request_id) if prefill else None
-    hardware = load_hardware(reader, instance, request["end_ns"]) if decode.height else None
+    hardware = load_hardware(reader, instance, request["end_ns"]) if decode else None
     return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 
@@ -134,10 +133,15 @@ def category_of(request: dict, measures: frozenset[str] | None = None,
     return dict(CATEGORIES)[components[best]]
 
 
-def _queue_window(request: dict, phases: pl.DataFrame) -> tuple[int, int] | None:
-    queue = phases.filter(pl.col("name") == "llm.queue") if phases.height else phases
-    if queue.height:
-        return queue["start_ns"][0], queue["end_ns"][0]
+def _named(phases: list[dict], name: str) -> list[dict]:
+    """The phase rows of one span name, in their order."""
+    return [row for row in phases if row["name"] == name]
+
+
+def _queue_window(request: dict, phases: list[dict]) -> tuple[int, int] | None:
+    queue = _named(phases, "llm.queue")
+    if queue:
+        return queue[0]["start_ns"], queue[0]["end_ns"]
     if request.get("queue_ms"):
         start = request["start_ns"] + int((request.get("load_wait_ms") or 0) * 1e6)
         return start, start + int(request["queue_ms"] * 1e6)
@@ -217,12 +221,11 @@ def _uncached(row: dict) -> int:
     return max(0, (row.get("prompt_tokens") or 0) - (row.get("cached_tokens") or 0))
 
 
-def _baseline(component: str, r: dict, history: pl.DataFrame) -> dict[str, Any]:
+def _baseline(component: str, r: dict, history: list[dict]) -> dict[str, Any]:
     """Observed vs median of comparable recent requests, and the abnormal test."""
     factor, floor = THRESHOLDS[component]
     # Comparable: completed, not cold; a part a row does not carry is unknown, not 0, and left out.
-    rows = [row for row in history.to_dicts()
-            if outcome_of(row) == COMPLETED and not (row.get("load_wait_ms") or 0)] if history.height else []
+    rows = [row for row in history if outcome_of(row) == COMPLETED and not (row.get("load_wait_ms") or 0)]
     if component == "prefill":
         uncached = max(1, _uncached(r))
         similar = [row for row in rows if row.get("prefill_ms") is not None
@@ -249,13 +252,13 @@ def _baseline(component: str, r: dict, history: pl.DataFrame) -> dict[str, Any]:
 
 def _cold_start(verdict: SlowVerdict, facts: SlowFacts) -> None:
     waited = verdict.breakdown_ms["load_wait"]
-    if facts.load.height == 0:
+    if not facts.load:
         verdict.evidence.append(Evidence("load", f"Waited {fmt_ms(waited)} for the model to load; the load "
                                                  "itself was not reported.", {"load_wait_ms": waited}))
         return
-    load = facts.load.row(0, named=True)
+    load = facts.load[0]
     stages = [(row["stage"], (row["stage_end_ns"] - row["stage_start_ns"]) / 1e6)
-              for row in facts.load.iter_rows(named=True) if row["stage"]]
+              for row in facts.load if row["stage"]]
     total = (load["end_ns"] - load["start_ns"]) / 1e6
     verdict.evidence.append(Evidence(
         "load", f"Waited {fmt_ms(waited)} for model load {load['load_id']} "
@@ -273,10 +276,10 @@ def _cold_start(verdict: SlowVerdict, facts: SlowFacts) -> None:
 
 
 def _queueing(verdict: SlowVerdict, facts: SlowFacts) -> None:
-    queue = facts.phases.filter(pl.col("name") == "llm.queue") if facts.phases.height else facts.phases
+    queue = _named(facts.phases, "llm.queue")
     waited = verdict.breakdown_ms["queue"]
-    if queue.height:
-        q = queue.row(0, named=True)
+    if queue:
+        q = queue[0]
         t0, t1 = q["start_ns"], q["end_ns"]
         verdict.evidence.append(Evidence(
             "queue_depth", f"Arrived with {q['queue_depth']} requests waiting and {q['queue_running']} running "
@@ -291,7 +294,7 @@ def _queueing(verdict: SlowVerdict, facts: SlowFacts) -> None:
             "queue_depth", f"Waited {fmt_ms(waited)} in the queue; this engine does not report the queue depth "
                            "at arrival.", {"queue_ms": waited}))
     blockers = []
-    for row in facts.holders.iter_rows(named=True) if facts.holders.height else []:
+    for row in facts.holders:
         held = min(row["end_ns"], t1) - max(row["admitted_ns"], t0)
         if held > 0:
             blockers.append((held, row))
@@ -341,26 +344,25 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
     bandwidth = memory_bandwidth(r, tpot, facts.steps, facts.hardware) if facts.hardware else None
     if bandwidth is not None:
         verdict.evidence.append(bandwidth)
-    if facts.steps.height == 0:
+    if not facts.steps:
         return
     steps = facts.steps
-    sizes = steps["decode_seqs"].to_list()
+    sizes = [row["decode_seqs"] for row in steps]
     verdict.evidence.append(Evidence(
         "batch", f"Decoded in {len(sizes)} engine steps with {sum(sizes) / len(sizes):.1f} sequences per step on "
                  f"average (max {max(sizes)}).",
         {"steps": len(sizes), "mean_batch": round(sum(sizes) / len(sizes), 2), "max_batch": max(sizes)},
     ))
-    shared = steps.filter(pl.col("prefill_tokens") > 0)
-    if shared.height:
-        ids = shared["prefill_request_ids"].to_list()
-        others = sorted({rid for step_ids in ids for rid in step_ids if rid != r["request_id"]})
-        stalled_ms = shared["duration_ns"].sum() / 1e6
+    shared = [row for row in steps if row["prefill_tokens"] is not None and row["prefill_tokens"] > 0]
+    if shared:
+        others = sorted({rid for row in shared for rid in row["prefill_request_ids"] if rid != r["request_id"]})
+        stalled_ms = sum(row["duration_ns"] or 0 for row in shared) / 1e6
         verdict.evidence.append(Evidence(
-            "prefill_interference", f"{shared.height} of its decode steps also computed prefill chunks of "
+            "prefill_interference", f"{len(shared)} of its decode steps also computed prefill chunks of "
                                     f"{', '.join(others[:5]) or 'other requests'} "
                                     f"({fmt_ms(stalled_ms)} in those steps).",
-            {"steps": shared.height, "step_ms": round(stalled_ms, 3), "prefill_request_ids": others,
-             "prefill_tokens": int(shared["prefill_tokens"].sum())},
+            {"steps": len(shared), "step_ms": round(stalled_ms, 3), "prefill_request_ids": others,
+             "prefill_tokens": sum(row["prefill_tokens"] for row in shared)},
         ))
 
 

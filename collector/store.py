@@ -41,6 +41,9 @@ Reader contract
       parameters; every backend ships every named query, and the twins return equal frames.
       ``bulk(name, **params)`` returns the same frame by the backend's columnar path: use it for
       windows of many rows (DuckDB fetches ``frame`` results as Python rows, cheapest when few).
+      ``rows(name, **params)`` returns the frame's rows as dicts (``frame(...).to_dicts()``): the
+      per-request verdicts read only these, so that DuckDB's (fetched as Python tuples) need no
+      polars or pyarrow (``tokentrace analyze --db``, issue 17).
     - Safe from many threads: each thread reads through its own cursor (DuckDB) or client
       (ClickHouse).
 """
@@ -49,13 +52,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import polars as pl
-import pyarrow as pa
-
-from tokentrace.collector.normalize import PACKED, Batch
+from tokentrace.collector.tables import PACKED
 from tokentrace.errors import RejectedBatch, StoreError
+
+if TYPE_CHECKING:  # polars and pyarrow where frames and appends are built: reading rows needs neither
+    import polars as pl
+    import pyarrow as pa
+
+    from tokentrace.collector.normalize import Batch
 
 
 @dataclass(frozen=True)
@@ -71,34 +77,36 @@ class SpoolRecord:
         return cls(hashlib.sha256(data).hexdigest(), name)
 
 
-#: Columns that only the packed (pre-expansion) rows carry, and their Arrow types.
-_PACKED_ONLY = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
-
-
 def packed_schemas(schemas: dict[str, pa.Schema]) -> dict[str, pa.Schema]:
     """The Arrow schema of each packed table's rows as the normalizer stages them: the table's own
     column types (``schemas``, read from the store) plus the packed-only columns."""
-    return {table: pa.schema([(name, _PACKED_ONLY.get(name) or schemas[table].field(name).type) for name in columns])
+    import pyarrow as pa
+
+    # Columns that only the packed (pre-expansion) rows carry, and their Arrow types.
+    packed_only = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
+    return {table: pa.schema([(name, packed_only.get(name) or schemas[table].field(name).type) for name in columns])
             for table, columns in PACKED.items()}
 
 
 def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     """Rows (tuples in ``schema`` order) as one Arrow table: how every backend appends in bulk."""
+    import pyarrow as pa
+
     columns = list(zip(*rows, strict=True))
     arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-#: Exceptions of a write that say a value of the batch does not fit its column (a conversion):
-#: writing the same batch again cannot succeed. Anything else (I/O, a full disk, a busy store)
-#: may pass.
-_CONVERSION_ERRORS = (OverflowError, TypeError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError)
-
-
 def write_failure(exc: BaseException, message: str) -> StoreError | RejectedBatch:
     """The error a failed write raises: RejectedBatch (permanent, 400) for a value the store cannot
     hold, StoreError (transient, 503) for everything else."""
-    conversion = isinstance(exc, _CONVERSION_ERRORS) or type(exc).__name__ in ("ConversionException",
+    import pyarrow as pa  # loaded already: every write builds Arrow tables
+
+    # Exceptions of a write that say a value of the batch does not fit its column (a conversion):
+    # writing the same batch again cannot succeed. Anything else (I/O, a full disk, a busy store)
+    # may pass.
+    conversions = (OverflowError, TypeError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError)
+    conversion = isinstance(exc, conversions) or type(exc).__name__ in ("ConversionException",
                                                                                  "TypeMismatchException")
     return RejectedBatch(message) if conversion else StoreError(message)
 
@@ -115,10 +123,14 @@ class NamedQueryReader:
         """A named query whose result may be large (a window of rows): the backend's columnar path."""
         return self.frame(name, **params)
 
+    def rows(self, name: str, **params) -> list[dict]:
+        """A named query's rows as dicts (a backend may fetch them without building a frame)."""
+        return self.frame(name, **params).to_dicts()
+
     def request(self, request_id: str) -> dict | None:
         """The requests row of one request (the latest, should a sender have resent it)."""
-        rows = self.frame("request", request_id=request_id)
-        return rows.row(0, named=True) if rows.height else None
+        rows = self.rows("request", request_id=request_id)
+        return rows[0] if rows else None
 
     def requests(self, since_ns: int | None = None, until_ns: int | None = None,
                  instance_id: str | None = None, limit: int = 1000) -> pl.DataFrame:
@@ -164,6 +176,9 @@ class TraceReader(Protocol):
 
     def bulk(self, name: str, **params) -> pl.DataFrame:
         """The same, for a result of many rows (a time window): the backend's columnar path."""
+
+    def rows(self, name: str, **params) -> list[dict]:
+        """The same, as a list of dicts (a few rows: what per-request verdicts read)."""
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""

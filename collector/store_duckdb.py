@@ -13,16 +13,34 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
-import numpy as np
-import polars as pl
-import pyarrow as pa
 
-from tokentrace.collector import once, sqlfiles
-from tokentrace.collector.normalize import PACKED, TABLES, Batch
+from tokentrace.collector import sqlfiles
 from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
+from tokentrace.collector.tables import PACKED, TABLES
 from tokentrace.errors import NotFound, StoreError
+
+if TYPE_CHECKING:
+    from tokentrace.collector.normalize import Batch
+
+#: numpy, polars, pyarrow and the writer's exactly-once module, bound by ``_libraries()`` for the
+#: writer and for frames: a read-only store answering ``rows()`` (``tokentrace analyze --db``)
+#: imports none of them (issue 17).
+np = pl = pa = once = None
+
+
+def _libraries() -> None:
+    global np, pl, pa, once
+    if once is None:
+        import numpy
+        import polars
+        import pyarrow
+
+        from tokentrace.collector import once as exactly_once
+
+        np, pl, pa, once = numpy, polars, pyarrow, exactly_once
 
 CHECKPOINT_THRESHOLD = "256MB"
 #: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
@@ -37,19 +55,16 @@ def disk_free(path: str) -> int | None:
     except OSError:
         return None
     return stat.f_bavail * stat.f_frsize
-_ARROW_TYPES = {
-    "VARCHAR": pa.string(),
-    "BIGINT": pa.int64(),
-    "INTEGER": pa.int32(),
-    "DOUBLE": pa.float64(),
-    "BOOLEAN": pa.bool_(),
-    "VARCHAR[]": pa.list_(pa.string()),
-    "DOUBLE[]": pa.list_(pa.float64()),
-}
-
-
-_POLARS_TYPES = {"VARCHAR": pl.String, "BIGINT": pl.Int64, "INTEGER": pl.Int32, "DOUBLE": pl.Float64,
-                 "BOOLEAN": pl.Boolean, "HUGEINT": pl.Int128, "UBIGINT": pl.UInt64, "FLOAT": pl.Float32}
+def _arrow_types() -> dict:
+    return {
+        "VARCHAR": pa.string(),
+        "BIGINT": pa.int64(),
+        "INTEGER": pa.int32(),
+        "DOUBLE": pa.float64(),
+        "BOOLEAN": pa.bool_(),
+        "VARCHAR[]": pa.list_(pa.string()),
+        "DOUBLE[]": pa.list_(pa.float64()),
+    }
 
 
 def _polars_type(duckdb_type: str) -> pl.DataType | None:
@@ -57,7 +72,8 @@ def _polars_type(duckdb_type: str) -> pl.DataType | None:
     if duckdb_type.endswith("[]"):
         inner = _polars_type(duckdb_type[:-2])
         return None if inner is None else pl.List(inner)
-    return _POLARS_TYPES.get(duckdb_type)
+    return {"VARCHAR": pl.String, "BIGINT": pl.Int64, "INTEGER": pl.Int32, "DOUBLE": pl.Float64, "BOOLEAN": pl.Boolean,
+            "HUGEINT": pl.Int128, "UBIGINT": pl.UInt64, "FLOAT": pl.Float32}.get(duckdb_type)
 
 
 SIGHTING_COLUMNS = ("hash", "block_index", "t_ns", "request_id", "instance_id", "source", "fingerprint")
@@ -91,6 +107,7 @@ class RecentKeys:
     sorted numpy arrays probed with ``searchsorted``: a few microseconds per thousand keys."""
 
     def __init__(self, capacity: int = 1_000_000):
+        _libraries()
         self.capacity = capacity
         self._new = np.empty(0, dtype=np.uint64)  # sorted
         self._pending: list[np.ndarray] = []  # sorted chunks not yet folded into _new
@@ -143,12 +160,16 @@ class DuckDBStore(NamedQueryReader):
             # 31k spans/s). A larger WAL costs a longer replay after a crash: seconds.
             self._con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_THRESHOLD}'")
             self._migrate()
-        self._schemas = self._arrow_schemas()
+        self._local = threading.local()
+        self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
+        columns = self._columns()
+        if read_only:  # no writer state: reading rows needs no numpy, polars or pyarrow
+            return
+        _libraries()
+        self._schemas = self._arrow_schemas(columns)
         self._expand = {table: sqlfiles.read("duckdb", f"expand/{table}.sql") for table in PACKED}
         self._sightings_sql = sqlfiles.read("duckdb", "expand/prefix_sightings.sql")
         self._recent = RecentKeys()
-        self._local = threading.local()
-        self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
         self._keys = once.SpanKeys()
         if not read_only:
             self._keys.load(self._writer_frame("span_key_minutes"),
@@ -174,8 +195,9 @@ class DuckDBStore(NamedQueryReader):
                 con.execute("ROLLBACK")
                 raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
 
-    def _arrow_schemas(self) -> dict[str, pa.Schema]:
-        schemas = {}
+    def _columns(self) -> dict[str, list[tuple[str, str]]]:
+        """(name, type) of each table's columns; StoreError unless they are this version's (TABLES)."""
+        found = {}
         for table, columns in TABLES.items():
             rows = self._con.execute(
                 "SELECT column_name, data_type FROM information_schema.columns "
@@ -184,7 +206,12 @@ class DuckDBStore(NamedQueryReader):
             if [name for name, _ in rows] != list(columns):
                 raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
                                  f"expected {list(columns)}: the file comes from another version")
-            schemas[table] = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in rows])
+            found[table] = rows
+        return found
+
+    def _arrow_schemas(self, columns: dict[str, list[tuple[str, str]]]) -> dict[str, pa.Schema]:
+        types = _arrow_types()
+        schemas = {table: pa.schema([(name, types[kind]) for name, kind in rows]) for table, rows in columns.items()}
         return schemas | {"packed:" + table: schema for table, schema in packed_schemas(schemas).items()}
 
     # --- writer role ------------------------------------------------------------------------------
@@ -278,8 +305,20 @@ class DuckDBStore(NamedQueryReader):
             cursor = self._local.cursor = self._con.cursor()
         return cursor
 
+    def rows(self, name: str, **params) -> list[dict]:
+        """Run a named query with bound parameters; its rows as dicts, fetched as Python tuples."""
+        cursor = self._cursor()
+        sql, params = bind_lists(self._queries.text(name), params)
+        try:
+            rows = cursor.execute(sql, params).fetchall()
+        except duckdb.Error as exc:
+            raise StoreError(f"query {name} failed: {exc}") from exc
+        names = [column[0] for column in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
     def frame(self, name: str, **params) -> pl.DataFrame:
         """Run a named query with bound parameters (small results: row fetch, the cheapest path)."""
+        _libraries()
         cursor = self._cursor()
         sql, params = bind_lists(self._queries.text(name), params)
         try:
@@ -296,6 +335,7 @@ class DuckDBStore(NamedQueryReader):
 
     def bulk(self, name: str, **params) -> pl.DataFrame:
         """Run a named query whose result is large: columnar transfer through Arrow."""
+        _libraries()
         try:
             sql, params = bind_lists(self._queries.text(name), params)
             return self._cursor().sql(sql, params=params).pl()

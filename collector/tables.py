@@ -1,0 +1,79 @@
+"""Column order of every table (``TABLES``; it matches the DDL, tests/test_collector_ingest.py) and the
+packed forms of the per-token and per-block tables (``PACKED``): the normalizer writes rows in this
+order, and a store checks a file's columns against it. A module of its own, importing nothing, so
+that reading a store (``tokentrace analyze --db``) needs neither the normalizer nor numpy (issue 17).
+"""
+
+from __future__ import annotations
+
+TABLES: dict[str, tuple[str, ...]] = {
+    "spans": (
+        "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns", "end_ns", "status_code",
+        "status_message", "service_name", "instance_id", "scope_name", "request_id", "attributes",
+        "events", "links", "resource", "trace_state", "scope_version", "dropped_attributes_count",
+        "dropped_events_count", "dropped_links_count",
+    ),
+    "resources": (
+        "instance_id", "service_name", "host_name", "engine", "engine_version", "model", "seen_ns",
+        "attributes",
+    ),
+    "requests": (
+        "request_id", "trace_id", "span_id", "instance_id", "service_name", "engine", "model",
+        "session_id", "endpoint", "start_ns", "end_ns", "queue_ms", "load_wait_ms", "prefill_ms",
+        "decode_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
+        "max_tokens", "finish_reason", "streamed", "client_disconnected", "http_status", "error_type",
+        "first_content_ms", "observer", "upstream_evidence",
+    ),
+    "routes": (
+        "request_id", "trace_id", "span_id", "instance_id", "session_id", "start_ns", "end_ns", "policy",
+        "reason", "candidates", "scores", "attempts", "skipped", "gateway_wait_ms", "avoidable_prefill_tokens",
+        "avoidable_from",
+    ),
+    "phases": (
+        "request_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
+        "end_ns", "queue_depth", "queue_running", "max_batch", "load_id",
+    ),
+    "prefill_chunks": (
+        "request_id", "instance_id", "start_ns", "end_ns", "chunk_offset", "tokens", "batch_size",
+    ),
+    "decode_steps": ("request_id", "instance_id", "step", "t_ns"),
+    "steps": (
+        "instance_id", "start_ns", "duration_ns", "prefill_seqs", "decode_seqs", "prefill_tokens",
+        "decode_tokens", "prefill_request_ids", "decode_request_ids",
+    ),
+    "cache_lookups": (
+        "request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "matched_tokens", "match",
+        "matched_entry", "cache_entries", "cache_bytes", "block_size", "cache_unit",
+    ),
+    "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "block_index", "hash", "fingerprint"),
+    "segments": (
+        "request_id", "instance_id", "t_ns", "segment_index", "role", "token_start", "token_end",
+        "hash", "snippet",
+    ),
+    "cache_inserts": (
+        "request_id", "instance_id", "start_ns", "end_ns", "fingerprint", "tokens", "bytes",
+        "block_size", "cache_entries", "cache_bytes", "max_entries", "max_bytes",
+    ),
+    "cache_evictions": (
+        "instance_id", "t_ns", "fingerprint", "tokens", "bytes", "reason", "entry_request_id",
+        "evicted_by_request_id", "cache_entries", "cache_bytes", "span_id",
+    ),
+    "instance_events": ("instance_id", "service_name", "t_ns", "event", "load_id", "span_name"),
+    "model_loads": ("load_id", "instance_id", "trace_id", "span_id", "start_ns", "end_ns", "lazy", "model_path"),
+    "load_stages": (
+        "load_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns", "end_ns",
+        "bytes",
+    ),
+    "heartbeats": (
+        "instance_id", "t_ns", "queue_depth", "running", "max_batch", "cache_entries", "cache_bytes",
+        "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes", "cache_unit",
+    ),
+}
+
+#: Packed forms of the per-token/per-block tables: the last column is a list, one element per row.
+#: decode_steps: step = list index, t_ns = start_ns + offset. prefix_blocks: block_index = list
+#: index, hash = element.
+PACKED: dict[str, tuple[str, ...]] = {
+    "decode_steps": ("request_id", "instance_id", "start_ns", "offsets"),
+    "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "fingerprint", "hashes"),
+}
