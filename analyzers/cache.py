@@ -146,9 +146,7 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     matches = reader.rows("segment_matches", hashes=[s["hash"] for s in segments if s["hash"] is not None],
                           before_ns=t, request_id=request_id) if segments else []
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
-    times = _latest(matches)
-    earlier = {rid: reader.rows("segments_of", request_id=rid, t0_ns=times[rid] - 1, t1_ns=times[rid] + 1)
-               for rid in divergences if rid in times}
+    earlier = _earlier_segments(reader, _latest(matches), divergences)
     # Only a lookup that reused less than a block can be a model or template change.
     identity = _identity(reader, request["instance_id"], request["end_ns"]) if cached < block else {}
     previous = _previous_turn(reader, request, hashes, block) if cached < block else None
@@ -163,6 +161,24 @@ def _latest(matches: list[dict]) -> dict[str, int]:
         rid = row["request_id"]
         times[rid] = row["t_ns"] if rid not in times else max(times[rid], row["t_ns"])
     return times
+
+
+def _earlier_segments(reader: TraceReader, times: dict[str, int], wanted) -> dict[str, list[dict]]:
+    """The segments of each ``wanted`` earlier request (those of its prompt at ``times[rid]``, within
+    a nanosecond), read in one query."""
+    wanted = [rid for rid in wanted if rid in times]
+    if not wanted:
+        return {}
+    found: dict[str, list[dict]] = {rid: [] for rid in wanted}
+    rows = reader.rows("segments_of_many", request_ids=wanted, t0_ns=min(times[rid] for rid in wanted) - 1,
+                       t1_ns=max(times[rid] for rid in wanted) + 1)
+    for row in rows:
+        rid = row.pop("request_id")
+        if abs(row.pop("t_ns") - times[rid]) <= 1:
+            found[rid].append(row)
+    for segments in found.values():
+        segments.sort(key=lambda row: row["segment_index"])
+    return found
 
 
 def _identity(reader: TraceReader, instance_id: str | None, t_ns: int) -> dict:

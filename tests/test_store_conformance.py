@@ -198,6 +198,17 @@ def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, nam
         assert_frame_equal(frame, reference, check_exact=False, rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["golden", "json", "nothing"])
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_rows_are_the_frame_rows(loaded, payloads, name, which):
+    """``rows()`` (what the verdicts read; DuckDB fetches Python tuples, no frame) equals the frame's rows."""
+    params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
+    if "trace_id" in params and params["trace_id"] is None:
+        params["trace_id"] = _golden_trace(payloads)
+    for store in loaded.values():
+        assert store.rows(name, **params) == store.frame(name, **params).to_dicts()
+
+
 # --- the stored rows themselves -------------------------------------------------------------------
 def _table(store, table: str) -> pl.DataFrame:
     """Every row of ``table`` (backend internals: the reader role has no raw-table query)."""
