@@ -1,17 +1,22 @@
 """Analyzer benchmark: verdict and report latency on a large store built through the normalizer.
 
 Builds (once, cached under .cache/) a DuckDB store from generated engine-shaped OTLP (bench/synth.py)
-through the real normalizer and writer, across 4 instances, then measures:
+across 4 instances: the first BASE_CHUNKS chunks of 2,000 requests through the real normalizer and
+writer, the rest as replicas of them (other ids, later times, unrelated prefixes) copied in SQL, which
+``--check-build`` shows stores the same rows as ingesting them (1M requests: minutes, not hours).
+Then measures:
 - ``analyze slow`` and ``analyze cache`` query time for random requests (in-process, warm);
 - CLI wall time of ``tokentrace analyze slow|cache --db FILE --json`` including Python start-up, and
   of the same through a collector serving the file (``--url``), next to the floors measured in the
-  same run: ``python -c pass`` and ``python -c "import duckdb, polars, pyarrow"``;
+  same run: ``python -c pass``, ``python -c "import duckdb"`` (all a ``--db`` verdict imports of its
+  libraries) and ``python -c "import duckdb, polars, pyarrow"``;
 - ``analyze report --since 1h`` query time and CLI wall time;
 and prints the store size on disk and bytes per span. Every figure is given as wall time and as CPU
 time (of this process, or of the CLI child): on a shared machine wall time measures the neighbours
 as much as the code, CPU time much less so.
 
-    python bench/analyze.py [--requests 200000] [--samples 20]
+    python bench/analyze.py [--requests 200000] [--samples 20] [--rebuild] [--base-chunks 20]
+    python bench/analyze.py --check-build --requests 10000 --base-chunks 2
 """
 
 from __future__ import annotations
@@ -290,6 +295,7 @@ def main() -> int:
     line("analyze report --since 1h", report, 1000)
     runs = min(5, len(sample))
     line("python -c pass (floor)", [_child("-c", "pass") for _ in range(runs)], 300)
+    line("import duckdb (floor of --db)", [_child("-c", "import duckdb") for _ in range(runs)], 300)
     line("import duckdb+polars+pyarrow", [_child("-c", "import duckdb, polars, pyarrow") for _ in range(runs)], 300)
     line("CLI analyze slow --db", [_cli("slow", "--request-id", rid, "--db", str(path), "--json")
                                    for rid in sample[:runs]], 300)
