@@ -48,6 +48,7 @@ from tokentrace.engine_shim.vllm.kv_events import (
     subscriber_endpoint,
 )
 from tokentrace.engine_shim.vllm.names import client_request_id
+from tokentrace.engine_shim.vllm.report_mode import install as ask_for_full_reports
 from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
 from tokentrace.hardware import vllm_resource
 
@@ -190,6 +191,8 @@ class TokentraceStatLogger(StatLoggerBase):
         self._last_heartbeat = 0.0
         self._subscriber: KvEventSubscriber | None = None
         self._tracker: KvCacheTracker | None = None
+        self._report_mode: str | None = None  #: full / incremental, with the KV-event subscriber
+        self._preempted_hits: int | None = None  #: vLLM's PrefixCacheStats.preempted_hits, summed
         self._runtime: _Runtime | None = None
         if disabled():
             return
@@ -214,6 +217,11 @@ class TokentraceStatLogger(StatLoggerBase):
             address, config.topic, self._tracker, self._on_evictions, bind=bind
         )
         self._subscriber.start()
+        try:
+            self._report_mode = ask_for_full_reports()
+        except Exception:
+            log.exception("tokentrace: could not ask vLLM for full KV-event reports; running incremental")
+            self._report_mode = "incremental"
 
     def record(
         self,
@@ -232,6 +240,10 @@ class TokentraceStatLogger(StatLoggerBase):
                     self._finished.append((now, finished))
             if scheduler_stats is not None:
                 self._latest = scheduler_stats
+                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+                preempted_hits = getattr(prefix, "preempted_hits", None)
+                if preempted_hits is not None:
+                    self._preempted_hits = (self._preempted_hits or 0) + int(preempted_hits)
                 details = getattr(scheduler_stats, "iteration_details", None)
                 if details is not None and not details.is_dummy:
                     self._steps.add(now, details)
@@ -253,13 +265,15 @@ class TokentraceStatLogger(StatLoggerBase):
             ts, finished = self._finished.popleft()
             first = not runtime.first_response.is_set()
             runtime.first_response.set()
-            records.append(request_record(ts, finished, client_request_id, runtime.model, first))
+            reuse = self._tracker.take(str(finished.request_id)) if self._tracker is not None else None
+            records.append(request_record(ts, finished, client_request_id, runtime.model, first, reuse))
         records.extend(self._steps.flush(now_ns, force=final))
-        if self._latest is not None and now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S:
+        if self._latest is not None and (final or now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S):
             self._last_heartbeat = now_ns / 1e9
             records.append(heartbeat_record(
                 now_ns, self._latest, runtime.config, runtime.block_bytes_per_token,
                 self._tracker.entries if self._tracker is not None else None,
+                self._report_mode, self._preempted_hits,
             ))
         return records
 
