@@ -178,3 +178,13 @@ def test_preemption_evidence_names_the_recomputed_tokens():
     facts = preemption_evidence(2, tracker.take("r"))
     assert (facts["vllm.preempted_hit_tokens"], facts["vllm.preempted_own_tokens"]) == (32, 32)
     assert "not prefix hits" in facts["vllm.reprocess_reason"]
+
+
+def test_without_full_reports_the_subscriber_says_it_runs_incremental(caplog):
+    """This interpreter has no vLLM, like a vLLM older than kv_cache_report_mode: nothing is patched and
+    the plugin says it runs incremental (the installed vLLM 0.32 runs full: test_vllm_preemption.py)."""
+    from tokentrace.engine_shim.vllm import report_mode
+
+    caplog.set_level("INFO", logger="vllm.tokentrace")
+    assert report_mode.install() == report_mode.INCREMENTAL
+    assert "runs incremental" in caplog.text and not report_mode._INSTALLED
