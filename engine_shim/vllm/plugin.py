@@ -5,7 +5,9 @@ Registered under the entry-point group ``vllm.stat_logger_plugins`` (pyproject),
 makes one per engine and calls ``record()`` after each engine step's outputs with ``SchedulerStats``
 and ``IterationStats`` (``vllm/v1/metrics/loggers.py``). ``record`` only keeps references; the
 export thread (``vllm_export.SpanPump``) builds the spans (``vllm_steps``). Evictions come from
-vLLM's KV-event stream (``vllm_kv_events``), the cold start from ``vllm_coldstart``. The offline
+vLLM's KV-event stream (``vllm_kv_events``), asked for full reports where vLLM has them
+(``report_mode``: reused blocks too, tagged by request, which tell a preempted request's own blocks
+coming back from a prefix hit), the cold start from ``vllm_coldstart``. The offline
 ``LLM`` class takes no stat-logger plugins.
 
 Settings are environment variables (docs/vllm.md): ``TOKENTRACE_COLLECTOR_URL`` (default
