@@ -141,7 +141,9 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
             "e2e_ms": percentiles(group["e2e_ms"]),
             "output_tokens_per_s": round(group["completion_tokens"].fill_null(0).sum() / span_s, 2),
         })
-    top = frame.top_k(slowest, by="e2e_ms").sort("e2e_ms", descending=True)
+    # Equal durations: the earlier request first (as the stable sort of the whole window gave).
+    top = (frame.top_k(slowest, by=["e2e_ms", "start_ns"], reverse=[False, True])
+           .sort(["e2e_ms", "start_ns"], descending=[True, False], maintain_order=True))
     slow_rows = top.select("request_id", "instance_id", "category", "e2e_ms", "ttft_ms", "tpot_ms",
                            "prompt_tokens", "cached_tokens", "completion_tokens").to_dicts()
     causes: dict[str, int] = {}
