@@ -166,14 +166,22 @@ class RecentKeys:
         seen[order] = seen_sorted
         self._pending.append(probe)
         self._new_size += len(keys)
-        if len(self._pending) >= 8:  # fold: one probe per generation instead of one per chunk
-            # numpy's stable sort of uint64 is a radix sort: linear in the generation's size.
-            self._new = np.sort(np.concatenate([self._new, *self._pending]), kind="stable")
-            self._pending = []
+        if len(self._pending) >= 8 or self._new_size >= self.capacity:  # fold: one probe per generation
+            self._new, self._pending = _merge(self._new, self._pending), []
         if self._new_size >= self.capacity:
-            self._old = np.unique(np.concatenate([self._new, *self._pending]))
-            self._new, self._pending, self._new_size = np.empty(0, dtype=np.uint64), [], 0
+            distinct = np.ones(len(self._new), dtype=bool)
+            distinct[1:] = self._new[1:] != self._new[:-1]
+            self._old = self._new[distinct]
+            self._new, self._new_size = np.empty(0, dtype=np.uint64), 0
         return ~seen
+
+
+def _merge(sorted_keys: np.ndarray, chunks: list[np.ndarray]) -> np.ndarray:
+    """``sorted_keys`` and the ``chunks`` in one sorted array: the small chunks are sorted together
+    and inserted in one pass, linear in the generation's size (sorting the whole generation again
+    at every fold took a tenth of the writer's time at a million keys)."""
+    small = np.sort(np.concatenate(chunks)) if chunks else np.empty(0, dtype=np.uint64)
+    return np.insert(sorted_keys, np.searchsorted(sorted_keys, small), small)
 
 
 class DuckDBStore(NamedQueryReader):
