@@ -2,7 +2,8 @@
 gateway's adapter read them (``requests.upstream_evidence``; docs/gateway.md, "Engine adapters"):
 llama.cpp's ``timings`` and slot, Ollama's durations, LM Studio's stats — measured by the engine —
 and the reasons the adapter derived from the engine's state (a keep-alive expiry, a runner still
-loading, a slot that outgrew its context) — inferred."""
+loading, a slot that outgrew its context) — inferred. The vLLM plugin records a preemption on its
+own row the same way (``vllm.preemptions``, ``vllm.reprocess_reason``; docs/vllm.md)."""
 
 from __future__ import annotations
 

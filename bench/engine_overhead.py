@@ -419,7 +419,7 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
     settings = EngineSettings(model=str(model_dir), max_batch=8, cache_max_entries=0)
     loaded = threading.Event()
     scheduler = Scheduler(settings, deliver=lambda items: None, submit=telemetry.submit,
-                          on_load_done=lambda record: loaded.set())
+                          on_load_done=lambda record: loaded.set(), prefill_gate=telemetry.prefilling)
     telemetry.heartbeat = scheduler.heartbeat
     telemetry.start()
     thread = threading.Thread(target=scheduler.run, daemon=True)
@@ -465,7 +465,8 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
                 try:
                     _handle(item)
                 finally:
-                    if not isinstance(item, tuple):  # records, not flush markers (those wait on the exporter)
+                    if not (isinstance(item, tuple) and len(item) == 3):  # records, not flush markers
+                        # (those wait on the exporter)
                         busy.append((began, time.perf_counter_ns()))
 
             telemetry._handle = timed_handle

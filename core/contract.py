@@ -162,6 +162,8 @@ STEPS_MEMBERS = "tokentrace.steps.members"
 # --- Attribute keys: heartbeat --------------------------------------------------------------------
 KV_BYTES_PER_TOKEN = "tokentrace.kv.bytes_per_token"
 MEMORY_BYTES = "tokentrace.memory.bytes"
+CACHE_REPORT_MODE = "tokentrace.cache.report_mode"
+CACHE_PREEMPTED_HIT_TOKENS = "tokentrace.cache.preempted_hit_tokens"
 
 # --- Enum values ----------------------------------------------------------------------------------
 ENGINE_MLX = "mlx-lm"
@@ -477,6 +479,10 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the prompt cache"),
             _a(KV_BYTES_PER_TOKEN, "int", "bytes", "2 x layers x kv_heads x head_dim x dtype bytes"),
             _a(MEMORY_BYTES, "int", "bytes", "memory the engine holds (device or process)"),
+            _a(CACHE_REPORT_MODE, "string", "", "what the engine's KV-event stream reports: full (reused "
+               "blocks too) or incremental (stored and removed blocks)"),
+            _a(CACHE_PREEMPTED_HIT_TOKENS, "int", "tokens", "since start: tokens preempted requests got "
+               "back from the prefix cache when they resumed (recomputed work skipped, not prefix hits)"),
         ),
     ),
     SpanSpec(

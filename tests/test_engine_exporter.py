@@ -80,3 +80,60 @@ def test_a_failing_sink_or_heartbeat_never_raises():
     assert telemetry.flush(5) is False
     wait_for(lambda: telemetry.errors >= 3, 10, "errors to be counted")
     telemetry.close()
+
+
+class _Timed:
+    """A sink that notes when it handled each record."""
+
+    def __init__(self):
+        import threading
+
+        self.handled: list[tuple[object, float]] = []
+        self.event = threading.Event()
+
+    def handle(self, record):
+        self.handled.append((record, time.monotonic()))
+        self.event.set()
+
+    def flush(self, timeout):
+        return True
+
+    def close(self, timeout):
+        pass
+
+
+def test_records_wait_while_a_prefill_runs_and_leave_once_it_has_its_first_token():
+    from tokentrace.engine_shim.mlx.telemetry import PREFILL_HOLD_S
+
+    sink = _Timed()
+    telemetry = Telemetry(sink).start()
+    try:
+        telemetry.prefilling(True)
+        telemetry.submit("record during a prefill")
+        # Held: the hold lasts PREFILL_HOLD_S (0.25 s); a slow machine only makes "not yet" likelier.
+        assert not sink.event.wait(PREFILL_HOLD_S / 3)
+        opened = time.monotonic()
+        telemetry.prefilling(False)
+        assert sink.event.wait(10)
+        assert sink.handled[0][0] == "record during a prefill" and sink.handled[0][1] >= opened
+    finally:
+        telemetry.close()
+
+
+def test_a_held_record_leaves_after_the_hold_even_if_prefills_never_stop():
+    from tokentrace.engine_shim.mlx.telemetry import PREFILL_HOLD_S
+
+    sink = _Timed()
+    telemetry = Telemetry(sink).start()
+    try:
+        telemetry.prefilling(True)  # and never False: a server with constant arrivals
+        submitted = time.monotonic()
+        for i in range(50):
+            telemetry.submit(i)
+        assert telemetry.flush(10)
+        assert [r for r, _ in sink.handled] == list(range(50))
+        # the first waited its hold; the others' holds ran at the same time, so no backlog builds up
+        assert sink.handled[0][1] - submitted >= PREFILL_HOLD_S * 0.9
+        assert sink.handled[-1][1] - submitted < 3.0  # one hold each would take 12.5 s
+    finally:
+        telemetry.close()

@@ -128,3 +128,37 @@ def test_prompt_concurrency_admits_the_next_prefill_only_after_a_first_token(har
         # the wait for a prefill slot is queue time: admitted once the one before had its first token
         assert after.record.admit_ns >= before.record.token_ns[0]
         assert after.record.admit_ns < before.record.token_ns[-1]  # but decoding still overlaps
+
+
+def test_the_prefill_gate_closes_at_admission_and_opens_after_the_first_token(tiny_model):
+    """Telemetry is told when a prefill starts and when every admitted sequence has its first token,
+    so that it can keep its work out of time to first token (issue 17 item 4)."""
+    signals: list[tuple[bool, int]] = []
+    loaded = threading.Event()
+    emitted: list = []
+    finished = threading.Event()
+
+    def deliver(items):
+        if any(reason is not None for _job, _token, reason in items):
+            finished.set()
+
+    scheduler = Scheduler(EngineSettings(model=str(tiny_model), cache_max_entries=0), deliver=deliver,
+                          submit=emitted.append, on_load_done=lambda record: loaded.set(),
+                          prefill_gate=lambda closed: signals.append((closed, time.perf_counter_ns())))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        assert loaded.wait(60) and scheduler.load_state == LOAD_READY
+        record = RequestRecord("gate", "/test", time.perf_counter_ns())
+        tokens = [7] * 300
+        record.prompt = Prompt(tokens, ["prompt"], [0], [len(tokens)])
+        scheduler.submit(Job(record=record, tokens=tokens, max_tokens=8, sampling=Sampling(ignore_eos=True)))
+        assert finished.wait(60)
+    finally:
+        scheduler.stop()
+        thread.join(30)
+    assert [closed for closed, _ in signals] == [True, False], signals
+    (_, closed_at), (_, opened_at) = signals
+    assert record.admit_ns <= closed_at <= record.token_ns[0] <= opened_at
+    # opened after the first token, not held for the whole generation
+    assert opened_at < record.token_ns[1]

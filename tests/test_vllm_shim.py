@@ -13,7 +13,7 @@ from tokentrace import contract as c
 from tokentrace.engine_shim.vllm.compat import check_vllm, parse_version
 from tokentrace.engine_shim.vllm.kv_events import KvCacheTracker, subscriber_endpoint
 from tokentrace.engine_shim.vllm.names import client_request_id
-from tokentrace.engine_shim.vllm.steps import StepWindow, steps_record
+from tokentrace.engine_shim.vllm.steps import StepWindow, preemption_evidence, steps_record
 from tokentrace.fingerprint import block_hashes
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -31,9 +31,12 @@ def test_client_request_id_undoes_the_openai_frontend_prefixes(vllm_id, client_i
     assert client_request_id(vllm_id) == client_id
 
 
-def _stored(hashes, parent, tokens, block_size=32, medium="GPU"):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": medium}
+def _stored(hashes, parent, tokens, block_size=32, medium="GPU", session=None):
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+             "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": medium}
+    if session is not None:  # vLLM 0.32 omits a None session_id (omit_defaults)
+        event["session_id"] = session
+    return event
 
 
 def test_evicted_blocks_carry_the_contract_fingerprint_of_their_prefix():
@@ -129,3 +132,59 @@ def test_vllm_native_spans_become_request_rows_and_load_stages(collector_factory
         assert duration_ns / 1e9 == pytest.approx(a["gen_ai.latency.e2e"], abs=0.005)
     [stage] = collector.sql("SELECT name, load_id, trace_id FROM load_stages")
     assert stage[0] == c.SPAN_LOAD_WEIGHTS and stage[1] == stage[2]
+
+
+def test_blocks_a_preempted_request_gets_back_are_not_prefix_hits():
+    """Full KV-event reports (kv_cache_report_mode=full) of vLLM 0.32, tagged with the session id the
+    plugin sets to the request id: a reused block's report before the request stored anything is its
+    admission hit; after it stored blocks, it is the request resuming after a preemption."""
+    tracker = KvCacheTracker()
+    a, b = "cmpl-a-0", "cmpl-b-0"
+    prompt = list(range(1000, 1096))
+    tracker.apply(1.0, [_stored([1, 2, 3], None, prompt, session=a)])  # a: no hit, stores 3 blocks
+    tracker.apply(1.1, [_stored([1], None, prompt[:32], session=b),  # b reuses a's first block...
+                        _stored([4], 1, list(range(32)), session=b)])  # ...and stores its own
+    tracker.apply(2.0, [_stored([1, 2, 3], None, prompt, session=a)])  # a resumes: its own 3 blocks back
+    tracker.apply(2.1, [_stored([1, 2], None, prompt[:64], session=a)])  # not admitted; retried: 2 left
+    tracker.apply(2.2, [_stored([5], 2, list(range(32)), session=a)])  # admitted, runs
+    tracker.apply(3.0, [_stored([1], None, prompt[:32], session=a)])  # preempted again: 1 block back...
+    tracker.apply(3.1, [_stored([6], None, list(range(32)), session=a)])  # ...but the retry found nothing
+    reuse_a, reuse_b = tracker.take(a), tracker.take(b)
+    assert (reuse_a.hit_tokens, reuse_a.resumes, reuse_a.recomputed_tokens, reuse_a.own_tokens) == (0, 1, 64, 64)
+    assert (reuse_b.hit_tokens, reuse_b.resumes, reuse_b.recomputed_tokens) == (32, 0, 0)
+    assert tracker.reused_reports == 4
+    tracker.apply(4.0, [_stored([7], 6, list(range(32)), session=a)])  # a late store of a finished request
+    assert tracker.take(a) is None
+
+
+def test_a_reused_block_report_gives_a_fingerprint_to_a_block_stored_unseen():
+    prompt = list(range(100, 164))
+    tracker = KvCacheTracker()
+    tracker.apply(1.0, [_stored([12], 11, prompt[32:])])  # its parent was stored before we subscribed
+    tracker.apply(1.5, [_stored([11], None, prompt[:32])])
+    tracker.apply(2.0, [_stored([11, 12], None, prompt, session="r")])  # full report: reuse from block 0
+    [evicted] = tracker.apply(3.0, [{"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}])
+    assert (evicted.fingerprint, evicted.prefix_tokens) == (block_hashes(prompt)[3], 64)
+
+
+def test_preemption_evidence_names_the_recomputed_tokens():
+    assert preemption_evidence(0) == {}
+    facts = preemption_evidence(1)
+    assert facts["vllm.preemptions"] == 1 and "preempted it once" in facts["vllm.reprocess_reason"]
+    assert "vllm.preempted_hit_tokens" not in facts  # incremental reports: vLLM says nothing per request
+    tracker = KvCacheTracker()
+    tracker.apply(1.0, [_stored([1], None, list(range(32)), session="r")])
+    tracker.apply(2.0, [_stored([1], None, list(range(32)), session="r")])
+    facts = preemption_evidence(2, tracker.take("r"))
+    assert (facts["vllm.preempted_hit_tokens"], facts["vllm.preempted_own_tokens"]) == (32, 32)
+    assert "not prefix hits" in facts["vllm.reprocess_reason"]
+
+
+def test_without_full_reports_the_subscriber_says_it_runs_incremental(caplog):
+    """This interpreter has no vLLM, like a vLLM older than kv_cache_report_mode: nothing is patched and
+    the plugin says it runs incremental (the installed vLLM 0.32 runs full: test_vllm_preemption.py)."""
+    from tokentrace.engine_shim.vllm import report_mode
+
+    caplog.set_level("INFO", logger="vllm.tokentrace")
+    assert report_mode.install() == report_mode.INCREMENTAL
+    assert "runs incremental" in caplog.text and not report_mode._INSTALLED

@@ -76,7 +76,8 @@ class VllmRun:
         return self.collector.sql(query, params)
 
 
-def start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_vllm(model_dir: Path, collector_url: str, workdir: Path, *, kv_blocks: int = KV_BLOCKS,
+               max_model_len: int = 1024) -> tuple[subprocess.Popen, str, Path]:
     port, kv_port = free_port(), free_port()
     log_path = workdir / "vllm.log"
     # vLLM's engine and worker processes export their loading spans through a BatchSpanProcessor
@@ -90,8 +91,8 @@ def start_vllm(model_dir: Path, collector_url: str, workdir: Path) -> tuple[subp
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-        "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE),
-        "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
+        "--gpu-memory-utilization", "0.3", "--max-model-len", str(max_model_len),
+        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(kv_blocks), "--max-num-seqs", str(MAX_SEQS),
         "--otlp-traces-endpoint", f"{collector_url}/v1/traces",
         "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                           "endpoint": f"tcp://*:{kv_port}"}),

@@ -40,7 +40,7 @@ class Engine:
         self.settings = settings
         self.telemetry = telemetry
         self.scheduler = Scheduler(settings, deliver=self._deliver, submit=telemetry.submit,
-                                   on_load_done=self._load_done)
+                                   on_load_done=self._load_done, prefill_gate=telemetry.prefilling)
         telemetry.heartbeat = self.scheduler.heartbeat
         self.answered = 0  #: requests answered successfully
         self.on_load_failed: Any = None  #: called on the event loop when the model cannot be loaded

@@ -37,6 +37,10 @@ WINDOW_NS = 1_000_000_000
 Deliver = Callable[[list[tuple[Job, int, "str | None"]]], None]
 #: Where finished records go (the telemetry thread's queue); must not block or raise.
 Submit = Callable[[Any], None]
+#: Told True when a prefill starts and False once no admitted sequence is still waiting for its first
+#: token (``Telemetry.prefilling``): telemetry holds its work back meanwhile, so that it does not land
+#: in a request's time to first token. Must not block or raise.
+PrefillGate = Callable[[bool], None]
 
 LOAD_IDLE, LOAD_RUNNING, LOAD_READY, LOAD_FAILED = "not_loaded", "loading", "ready", "failed"
 
@@ -45,7 +49,8 @@ class Scheduler:
     """Owns the model, the ``BatchGenerator`` and the prompt cache; run ``run()`` on its own thread."""
 
     def __init__(self, settings: EngineSettings, deliver: Deliver, submit: Submit,
-                 on_load_done: Callable[[LoadRecord], None] = lambda record: None):
+                 on_load_done: Callable[[LoadRecord], None] = lambda record: None,
+                 prefill_gate: PrefillGate | None = None):
         self.settings = settings
         self.max_batch = settings.max_batch
         self.prompt_concurrency = settings.prompt_concurrency or settings.max_batch
@@ -57,6 +62,8 @@ class Scheduler:
         self._deliver = deliver
         self._submit = submit
         self._on_load_done = on_load_done
+        self._prefill_gate = prefill_gate
+        self._gate_closed = False
         self._inbox: deque[Job] = deque()
         self._cancels: deque[Job] = deque()
         self._waiting: deque[Job] = deque()
@@ -144,7 +151,11 @@ class Scheduler:
         self._drain()
         if self._running:
             self._step()
+            if self._gate_closed and not self._prefilling():
+                self._set_gate(False)
             return
+        if self._gate_closed:
+            self._set_gate(False)
         self._flush_window()
         self._wake.clear()
         if not (self._inbox or self._cancels or self._stopping or self.load_state == LOAD_RUNNING):
@@ -244,6 +255,8 @@ class Scheduler:
             stop_sequences=[objects.stop_sequences(job.sampling)],
         )[0]
         self._running[job.uid] = job
+        if not self._gate_closed and self._prefill_gate is not None:
+            self._set_gate(True)
 
     def _cancel(self, job: Job) -> None:
         now = time.perf_counter_ns()
@@ -369,6 +382,13 @@ class Scheduler:
             self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
         if failed:
             self._deliver([(job, -1, "error") for job in failed])
+
+    def _set_gate(self, closed: bool) -> None:
+        self._gate_closed = closed
+        try:
+            self._prefill_gate(closed)
+        except Exception:
+            self._count_instrumentation_error("telling telemetry about a prefill")
 
     def _flush_window(self) -> None:
         if self._window.start_ns:

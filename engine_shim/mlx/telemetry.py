@@ -31,6 +31,10 @@ SCOPE = "tokentrace.engine_shim"
 #: Records allowed to wait for the sink; beyond that they are dropped and counted, so that a sink
 #: that cannot keep up never grows the engine's memory without bound.
 MAX_PENDING = 20_000
+#: While a prefill is running (``Telemetry.prefilling``), a record waits at most this long after its
+#: hand-over before the thread handles it anyway, so that under constant arrivals telemetry still
+#: keeps up and nothing waits unbounded.
+PREFILL_HOLD_S = 0.25
 
 
 class RecordSink(Protocol):
@@ -81,6 +85,8 @@ class Telemetry:
         self.dropped = 0  #: records dropped because MAX_PENDING were already waiting
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._quiet = threading.Event()  #: set while no prefill is running
+        self._quiet.set()
 
     def start(self) -> Telemetry:
         """Start the thread (idempotent); returns self."""
@@ -97,9 +103,21 @@ class Telemetry:
                 if self.dropped == 1:
                     log.warning("telemetry cannot keep up: records are being dropped (counted)")
                 return
-            self._queue.put(record)
+            self._queue.put((time.monotonic(), record))
         except Exception:
             self._count_error()
+
+    def prefilling(self, active: bool) -> None:
+        """The generation thread says a prefill started (True) or that no admitted sequence still
+        waits for its first token (False). Meanwhile records wait (up to ``PREFILL_HOLD_S`` after
+        their hand-over): pickling one to the exporter holds the GIL the generation thread needs,
+        and the exporter's span building takes CPU, both of which would otherwise land in the next
+        request's time to first token (the closed loop hands a record over just as the next request
+        arrives)."""
+        if active:
+            self._quiet.clear()
+        else:
+            self._quiet.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Hand everything submitted so far to the sink and flush it; False on timeout."""
@@ -134,6 +152,8 @@ class Telemetry:
             if item is _STOP:
                 return
             if item is not None:
+                if type(item) is tuple and len(item) == 2 and not self._quiet.is_set():
+                    self._quiet.wait(max(0.0, item[0] + PREFILL_HOLD_S - time.monotonic()))
                 self._handle(item)
                 # Give the GIL back between records, so that a backlog never holds up the
                 # generation thread for a whole switch interval (5 ms: several decode steps).
@@ -143,11 +163,13 @@ class Telemetry:
                 self._beat()
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], threading.Event):
+        if type(item) is tuple and len(item) == 3 and isinstance(item[0], threading.Event):
             done, timeout, result = item  # a flush marker: everything before it was handled
             result.append(self._flush_sink(timeout))
             done.set()
             return
+        if type(item) is tuple and len(item) == 2:
+            item = item[1]  # (hand-over time, record)
         try:
             self.sink.handle(item)
             self.handled += 1

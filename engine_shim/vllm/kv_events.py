@@ -7,7 +7,12 @@ array ``[ts, events, data_parallel_rank]``; each event is a map tagged ``type``:
 ``BlockStored`` (full blocks entered the prefix cache: their vLLM hashes, the parent block's hash and
 the blocks' token ids), ``BlockRemoved`` (``BlockPool._maybe_evict_cached_block``: a free block that
 still held a cached prefix was handed to a new allocation — a real eviction) and ``AllBlocksCleared``
-(``reset_prefix_cache``). No event names a request.
+(``reset_prefix_cache``). vLLM 0.32 tags each ``BlockStored`` with the ``session_id`` of the request
+that caused it, and, for a request sent with ``kv_cache_report_mode="full"`` (``extra_args``), also
+reports the prefix-cache blocks it *reused* as a ``BlockStored`` of blocks already cached
+(``KVCacheManager.get_computed_blocks``). The plugin asks for both (``report_mode.py``), so the
+tracker can tell, per request, a prefix hit at admission from its own blocks coming back after a
+preemption (``RequestReuse``).
 
 vLLM's block hashes are seeded per process (``NONE_HASH`` is random unless ``PYTHONHASHSEED`` is
 set), so the tracker re-derives tokentrace's own chained fingerprint (docs/telemetry.md) from the
@@ -20,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokentrace.contract import DEFAULT_BLOCK_SIZE
@@ -42,6 +48,34 @@ class Eviction:
     prefix_tokens: int | None  #: length of that prefix in tokens; None if unknown
     tokens: int  #: tokens the block held (vLLM's block size)
     entries_after: int  #: cached blocks after this eviction
+
+
+@dataclass
+class RequestReuse:
+    """What the full KV-event reports say about one request's prefix-cache reuse.
+
+    vLLM looks a waiting request up again every step until it is admitted, and a preempted request
+    is looked up again when it resumes; both report the reused blocks (a lookup that finds nothing
+    reports nothing). A report before the request stored any block of its own is its admission
+    lookup; a report after it stored blocks is a resumption after a preemption: the tokens it gets
+    back then are recomputed work vLLM skips, not prefix hits (vLLM's ``PrefixCacheStats`` counts
+    them apart, as ``preempted_hits``). A lookup that did not admit the request (no room) is retried
+    the next step: a later report replaces it, and the request's next store says whether the retry
+    that admitted it found anything (a store of block 0: it did not).
+    """
+
+    hit_tokens: int = 0  #: tokens reused at admission, from blocks other requests stored
+    resumes: int = 0  #: reuse reports after the request had stored blocks (preemptions seen)
+    recomputed_tokens: int = 0  #: tokens reused on those resumptions (its own blocks and shared ones)
+    own_tokens: int = 0  #: of those, tokens from blocks the request had stored itself
+    stored: bool = False  #: the request has stored blocks of its own
+    _pending: tuple[int, int] | None = field(default=None, repr=False)  #: last resume (tokens, own)
+
+
+#: Requests whose reuse is remembered until they finish (a bound for requests that never finish),
+#: and finished ones whose late events (the last step's stores reach us after the finish) are ignored.
+MAX_TRACKED_REQUESTS = 20_000
+MAX_FINISHED_REQUESTS = 4_096
 
 
 def _field(event: Any, name: str, index: int) -> Any:
@@ -71,12 +105,36 @@ class KvCacheTracker:
         self.fingerprint_block = fingerprint_block
         self.block_size = 0  #: vLLM's block size, learned from BlockStored
         self.skipped_media = 0  #: events about offload tiers, not the engine's own cache
-        self._blocks: dict[Any, tuple[int | None, int | None]] = {}
+        self.reused_reports = 0  #: BlockStored events of blocks already cached (full reports)
+        #: vLLM hash -> (fingerprint, prefix tokens, session that stored it)
+        self._blocks: dict[Any, tuple[int | None, int | None, str | None]] = {}
+        self._requests: OrderedDict[str, RequestReuse] = OrderedDict()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def entries(self) -> int:
         """Cached blocks the tracker knows of."""
         return len(self._blocks)
+
+    def take(self, request_id: str) -> RequestReuse | None:
+        """Forget and return what the reports said about ``request_id`` (vLLM's external id)."""
+        with self._lock:
+            self._finished[request_id] = None
+            if len(self._finished) > MAX_FINISHED_REQUESTS:
+                self._finished.popitem(last=False)
+            return self._requests.pop(request_id, None)
+
+    def _request(self, session: str) -> RequestReuse | None:
+        with self._lock:
+            if session in self._finished:
+                return None
+            reuse = self._requests.get(session)
+            if reuse is None:
+                reuse = self._requests[session] = RequestReuse()
+                if len(self._requests) > MAX_TRACKED_REQUESTS:
+                    self._requests.popitem(last=False)
+            return reuse
 
     def apply(self, ts: float, events: Iterable[Any]) -> list[Eviction]:
         """Apply one batch's events in order; return its evictions."""
@@ -103,10 +161,57 @@ class KvCacheTracker:
         if size <= 0 or not hashes:
             return
         self.block_size = size
-        parent = (0, 0) if parent_hash is None else self._blocks.get(parent_hash, (None, None))
+        session = _field(event, "session_id", 14)
+        session = session if isinstance(session, str) and session else None
+        known = [self._blocks.get(h) for h in hashes]
+        reused = all(k is not None for k in known)
+        parent = (0, 0) if parent_hash is None else self._blocks.get(parent_hash, (None, None, None))[:2]
         chain = self._chain(parent, tokens, size, len(hashes))
         for index, vllm_hash in enumerate(hashes):
-            self._blocks[vllm_hash] = chain[index]
+            fingerprint, prefix = chain[index]
+            if reused:
+                # A report of blocks already cached: it names a prefix from block 0, so it also
+                # gives a fingerprint to a block whose store was not seen; the storer stays.
+                old = known[index]
+                assert old is not None
+                self._blocks[vllm_hash] = (old[0] if old[0] is not None else fingerprint,
+                                           old[1] if old[1] is not None else prefix, old[2])
+            else:
+                self._blocks[vllm_hash] = (fingerprint, prefix, session)
+        if reused:
+            self.reused_reports += 1
+        if session is None:
+            return
+        reuse = self._request(session)
+        if reuse is None:
+            return
+        if not reused:
+            if parent_hash is None:
+                # It computes block 0 itself: the lookup that admitted it found nothing. vLLM
+                # reports no reuse of zero blocks, so an earlier report was of a lookup that did
+                # not admit it (no room), and its blocks went before the retry.
+                if reuse._pending is not None:
+                    reuse.recomputed_tokens -= reuse._pending[0]
+                    reuse.own_tokens -= reuse._pending[1]
+                    reuse.resumes -= 1
+                elif not reuse.stored:
+                    reuse.hit_tokens = 0
+            reuse.stored = True
+            reuse._pending = None  # the request ran since its last resumption report
+            return
+        tokens_reused = len(hashes) * size
+        own = sum(size for k in known if k is not None and k[2] == session)
+        if not reuse.stored:
+            reuse.hit_tokens = tokens_reused  # its admission lookup (a retry replaces it)
+            return
+        if reuse._pending is not None:  # the resumption retried before it ran: replace, not add
+            reuse.recomputed_tokens -= reuse._pending[0]
+            reuse.own_tokens -= reuse._pending[1]
+        else:
+            reuse.resumes += 1
+        reuse.recomputed_tokens += tokens_reused
+        reuse.own_tokens += own
+        reuse._pending = (tokens_reused, own)
 
     def _chain(
         self, parent: tuple[int | None, int | None], tokens: list[int], size: int, count: int
@@ -127,7 +232,7 @@ class KvCacheTracker:
         for vllm_hash in _field(event, "block_hashes", 1) or []:
             # A block stored before the subscriber connected is still a real eviction; it is
             # reported without a fingerprint.
-            fingerprint, prefix = self._blocks.pop(vllm_hash, (None, None))
+            fingerprint, prefix, _ = self._blocks.pop(vllm_hash, (None, None, None))
             out.append(Eviction(time_ns, fingerprint, prefix, self.block_size, len(self._blocks)))
         return out
 

@@ -5,7 +5,9 @@ Registered under the entry-point group ``vllm.stat_logger_plugins`` (pyproject),
 makes one per engine and calls ``record()`` after each engine step's outputs with ``SchedulerStats``
 and ``IterationStats`` (``vllm/v1/metrics/loggers.py``). ``record`` only keeps references; the
 export thread (``vllm_export.SpanPump``) builds the spans (``vllm_steps``). Evictions come from
-vLLM's KV-event stream (``vllm_kv_events``), the cold start from ``vllm_coldstart``. The offline
+vLLM's KV-event stream (``vllm_kv_events``), asked for full reports where vLLM has them
+(``report_mode``: reused blocks too, tagged by request, which tell a preempted request's own blocks
+coming back from a prefix hit), the cold start from ``vllm_coldstart``. The offline
 ``LLM`` class takes no stat-logger plugins.
 
 Settings are environment variables (docs/vllm.md): ``TOKENTRACE_COLLECTOR_URL`` (default
@@ -48,6 +50,7 @@ from tokentrace.engine_shim.vllm.kv_events import (
     subscriber_endpoint,
 )
 from tokentrace.engine_shim.vllm.names import client_request_id
+from tokentrace.engine_shim.vllm.report_mode import install as ask_for_full_reports
 from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
 from tokentrace.hardware import vllm_resource
 
@@ -190,6 +193,8 @@ class TokentraceStatLogger(StatLoggerBase):
         self._last_heartbeat = 0.0
         self._subscriber: KvEventSubscriber | None = None
         self._tracker: KvCacheTracker | None = None
+        self._report_mode: str | None = None  #: full / incremental, with the KV-event subscriber
+        self._preempted_hits: int | None = None  #: vLLM's PrefixCacheStats.preempted_hits, summed
         self._runtime: _Runtime | None = None
         if disabled():
             return
@@ -214,6 +219,11 @@ class TokentraceStatLogger(StatLoggerBase):
             address, config.topic, self._tracker, self._on_evictions, bind=bind
         )
         self._subscriber.start()
+        try:
+            self._report_mode = ask_for_full_reports()
+        except Exception:
+            log.exception("tokentrace: could not ask vLLM for full KV-event reports; running incremental")
+            self._report_mode = "incremental"
 
     def record(
         self,
@@ -232,6 +242,10 @@ class TokentraceStatLogger(StatLoggerBase):
                     self._finished.append((now, finished))
             if scheduler_stats is not None:
                 self._latest = scheduler_stats
+                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+                preempted_hits = getattr(prefix, "preempted_hits", None)
+                if preempted_hits is not None:
+                    self._preempted_hits = (self._preempted_hits or 0) + int(preempted_hits)
                 details = getattr(scheduler_stats, "iteration_details", None)
                 if details is not None and not details.is_dummy:
                     self._steps.add(now, details)
@@ -253,13 +267,15 @@ class TokentraceStatLogger(StatLoggerBase):
             ts, finished = self._finished.popleft()
             first = not runtime.first_response.is_set()
             runtime.first_response.set()
-            records.append(request_record(ts, finished, client_request_id, runtime.model, first))
+            reuse = self._tracker.take(str(finished.request_id)) if self._tracker is not None else None
+            records.append(request_record(ts, finished, client_request_id, runtime.model, first, reuse))
         records.extend(self._steps.flush(now_ns, force=final))
-        if self._latest is not None and now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S:
+        if self._latest is not None and (final or now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S):
             self._last_heartbeat = now_ns / 1e9
             records.append(heartbeat_record(
                 now_ns, self._latest, runtime.config, runtime.block_bytes_per_token,
                 self._tracker.entries if self._tracker is not None else None,
+                self._report_mode, self._preempted_hits,
             ))
         return records
 

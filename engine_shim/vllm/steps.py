@@ -9,6 +9,7 @@ the API server's wall clock when it processed the step's outputs; spans are anch
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,14 +27,40 @@ WINDOW_STEPS = 256
 WINDOW_NS = 1_000_000_000
 
 
+def preemption_evidence(preemptions: int, reuse: Any = None) -> dict[str, Any]:
+    """``tokentrace.upstream.evidence`` facts for a request vLLM preempted (empty if it was not).
+
+    ``cached_tokens`` (vLLM's ``num_cached_tokens``) counts only the prefix hits of the request's
+    first admission; what it got back from the prefix cache when it resumed after a preemption —
+    largely its own blocks — is recomputed work vLLM skipped, which vLLM's ``PrefixCacheStats``
+    counts as ``preempted_hits``. ``reuse`` (a ``kv_events.RequestReuse``, full KV-event reports
+    only) says how many tokens that was.
+    """
+    if preemptions <= 0:
+        return {}
+    facts: dict[str, Any] = {"vllm.preemptions": preemptions}
+    times = "once" if preemptions == 1 else f"{preemptions} times"
+    reason = f"vLLM preempted it {times} and recomputed it on resuming"
+    if reuse is not None and reuse.resumes:
+        facts["vllm.preempted_hit_tokens"] = reuse.recomputed_tokens
+        facts["vllm.preempted_own_tokens"] = reuse.own_tokens
+        reason += (f"; {reuse.recomputed_tokens} of those tokens came back from the prefix cache "
+                   f"({reuse.own_tokens} from blocks it had stored itself)")
+    facts["vllm.reprocess_reason"] = reason + (
+        ": not prefix hits, so not in its cached tokens (vLLM's own counter counts them as preempted hits)")
+    return facts
+
+
 def request_record(
-    ts: float, finished: Any, request_id: Callable[[str], str], model: str, first: bool
+    ts: float, finished: Any, request_id: Callable[[str], str], model: str, first: bool,
+    reuse: Any = None,
 ) -> SpanRecord:
     """The ``llm.request`` span for one ``FinishedRequestStats`` seen at wall time ``ts`` (s).
 
     The span ends at ``ts`` and starts ``e2e_latency`` earlier (vLLM's arrival time). TTFT is
     e2e minus decode: vLLM passes no per-request first-token time to stat loggers, and the
-    engine-to-frontend delay is the same for the first and the last token.
+    engine-to-frontend delay is the same for the first and the last token. A preempted request
+    carries its preemptions as evidence (``preemption_evidence``; ``reuse`` from the KV events).
     """
     end_ns = int(ts * 1e9)
     e2e = max(float(finished.e2e_latency), 0.0)
@@ -60,6 +87,9 @@ def request_record(
         attrs[c.MAX_TOKENS] = int(finished.max_tokens_param)
     if output_tokens > 1:
         attrs[c.TPOT_MS] = decode * 1e3 / (output_tokens - 1)
+    evidence = preemption_evidence(int(getattr(finished, "num_preemptions", 0) or 0), reuse)
+    if evidence:
+        attrs[c.UPSTREAM_EVIDENCE] = json.dumps(evidence, separators=(",", ":"), sort_keys=True)
     events = [SpanEvent(c.EVENT_FIRST_RESPONSE, end_ns)] if first else []
     return SpanRecord(c.SPAN_REQUEST, end_ns - int(e2e * 1e9), end_ns, attrs, events, server=True)
 
@@ -113,11 +143,15 @@ def heartbeat_record(
     vllm_config: Any,
     bytes_per_token: int | None,
     cached_blocks: int | None,
+    report_mode: str | None = None,
+    preempted_hit_tokens: int | None = None,
 ) -> SpanRecord:
     """``instance.heartbeat`` from the latest ``SchedulerStats``; cache entries are vLLM blocks.
 
-    ``cached_blocks`` comes from the KV-event stream (None without it). Memory is the KV cache in use
-    by running requests (``kv_cache_usage`` x pool), the only memory figure a stat logger sees.
+    ``cached_blocks`` comes from the KV-event stream (None without it), ``report_mode`` says what
+    that stream reports (``full`` or ``incremental``), ``preempted_hit_tokens`` is vLLM's own
+    ``PrefixCacheStats.preempted_hits`` summed since start. Memory is the KV cache in use by running
+    requests (``kv_cache_usage`` x pool), the only memory figure a stat logger sees.
     """
     scheduler = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
@@ -137,4 +171,8 @@ def heartbeat_record(
         kv_bytes_per_token=bytes_per_token or None,
         memory_bytes=int(float(stats.kv_cache_usage) * blocks * block_bytes) if blocks and block_bytes else None,
     )
+    if report_mode is not None:
+        attrs[c.CACHE_REPORT_MODE] = report_mode
+    if preempted_hit_tokens is not None:
+        attrs[c.CACHE_PREEMPTED_HIT_TOKENS] = preempted_hit_tokens
     return SpanRecord(c.SPAN_HEARTBEAT, now_ns, now_ns, attrs)
