@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.collector.normalize import normalize
 from tokentrace.collector import sqlfiles
+from tokentrace.collector.normalize import normalize
 from tokentrace.collector.store_duckdb import DuckDBStore, RecentKeys, bind_lists, first_sightings
 
 
