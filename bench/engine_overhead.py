@@ -20,16 +20,17 @@ critical path), of the whole serving process, and of the telemetry threads and e
 Targets: decode loss <= 1 % (small), <= 3 % (tiny); TTFT within 2 %. ``--markdown`` prints the
 table for docs/benchmarks.md.
 
-``--paired N`` (issue 17) replaces the table by a paired measurement that a busy machine cannot bias:
-the engine at 1 stream runs N rounds, each round one short run (``--pair-requests`` requests) of
-every arm in a random order, in this one process: ``bare`` (mlx-lm's loop), ``dropped`` (the
+``--paired N`` (issue 17) replaces the table by a paired measurement that a busy machine cannot
+bias: the engine at 1 stream runs N rounds, each round one short run (``--pair-requests`` requests)
+of every arm in a random order, in this one process: ``bare`` (mlx-lm's loop), ``dropped`` (the
 engine's scheduler with its records thrown away before the telemetry thread: the engine without its
-telemetry) and ``instrumented`` (the whole pipeline). Other load slows a round's runs alike, so the
-per-round ratios cancel it; reported are their geometric mean and a 95 % confidence interval (a
-t-interval on the logs of the per-round ratios). ``instrumented / dropped`` is what telemetry costs; ``dropped / bare``
-is what the engine's own structure (scheduler, records, sampling objects) costs next to mlx-lm's
-bare loop. An interval that contains 1.0 is no evidence of overhead; one that lies below 1.01
-(decode) or above 0.98 bounds it.
+telemetry), ``instrumented`` (the whole pipeline) and ``unheld`` (the whole pipeline with the
+telemetry thread's prefill hold switched off: ``instrumented / unheld`` is what the hold buys).
+Other load slows a round's runs alike, so the per-round ratios cancel it; reported are their
+geometric mean and a 95 % confidence interval (a t-interval on the logs of the per-round ratios).
+``instrumented / dropped`` is what telemetry costs; ``dropped / bare`` is what the engine's own
+structure (scheduler, records, sampling objects) costs next to mlx-lm's bare loop. An interval that
+contains 1.0 is no evidence of overhead; one that lies below 1.01 (decode) or above 0.98 bounds it.
 
     python bench/engine_overhead.py [--sizes tiny small] [--reps 5] [--markdown]
     python bench/engine_overhead.py --sizes small --paired 12 --pair-requests 2
@@ -450,9 +451,19 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
                 finally:
                     scheduler._submit = submit
 
+            from tokentrace.engine_shim.mlx import telemetry as telemetry_module
+
+            def unheld_run(hold=telemetry_module.PREFILL_HOLD_S):
+                telemetry_module.PREFILL_HOLD_S = 0.0  # records handled at once, even during a prefill
+                try:
+                    return instrumented_engine(scheduler, thread.ident, telemetry, batch, tokens, 1)
+                finally:
+                    telemetry_module.PREFILL_HOLD_S = hold
+
             arms = {"bare": lambda: worker.submit(bare_engine, generator, batch, tokens, 1).result(),
                     "dropped": drop_run,
-                    "instrumented": lambda: instrumented_engine(scheduler, thread.ident, telemetry, batch, tokens, 1)}
+                    "instrumented": lambda: instrumented_engine(scheduler, thread.ident, telemetry, batch, tokens, 1),
+                    "unheld": unheld_run}
             for arm in arms.values():  # warm every path once
                 arm()
             telemetry.flush()
@@ -471,12 +482,13 @@ def bench_size(size: str, model_dir: Path, endpoint: str, spool: Path, reps: int
 
             telemetry._handle = timed_handle
             EXPORTER_PROBE[:] = [exporter.pid]
-            runs = paired(arms, {"instrumented": telemetry.flush}, pair_rounds)
+            runs = paired(arms, {"instrumented": telemetry.flush, "unheld": telemetry.flush}, pair_rounds)
             EXPORTER_PROBE.clear()
             telemetry._handle = handle
             generator.close()
             rows = paired_summary(f"{size}, engine, 1 stream", runs,
-                                  [("instrumented", "bare"), ("instrumented", "dropped"), ("dropped", "bare")])
+                                  [("instrumented", "bare"), ("instrumented", "dropped"), ("dropped", "bare"),
+                                   ("instrumented", "unheld"), ("unheld", "dropped")])
             rows[0]["overlap"] = ttft_overlap(runs["instrumented"], busy)
             rows[0]["exporter_in_ttft"] = {arm: _median_mean([x / 1e6 for r in arm_runs for x in r.exporter_in_ttft])
                                            for arm, arm_runs in runs.items()}

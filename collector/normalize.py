@@ -202,7 +202,7 @@ def _invalid(span, end_ns: int, events) -> tuple[str, str] | None:
 
 def _normalize_span(scope: _Scope, span, end_ns: int, span_events, scope_id: tuple, resource_json: str,
                     counter: list) -> None:
-    attrs = {kv.key: _value(kv.value, scope.max_len, counter) for kv in span.attributes}
+    attrs = _attributes(span.attributes, scope.max_len, counter)
     ids = (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex() or None)
     name = span.name
     builder = _BUILDERS.get(name) or translations.builder(name)
@@ -444,6 +444,29 @@ _BUILDERS: dict[str, _Builder] = {
 
 
 # --- values ---------------------------------------------------------------------------------------
+_SCALARS = frozenset({"int_value", "double_value", "bool_value"})
+
+
+def _attributes(pairs, max_len: int, counter: list) -> dict:
+    """A span's attributes as a dict of Python values: ``_value`` of each, with the scalar kinds
+    read in the loop (a function call per attribute was a tenth of the normalizer's time)."""
+    attrs = {}
+    for kv in pairs:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        if kind == "string_value":
+            text = v.string_value
+            if len(text) > max_len:
+                counter[0] += 1
+                text = text[:max_len]
+            attrs[kv.key] = text
+        elif kind in _SCALARS:
+            attrs[kv.key] = getattr(v, kind)
+        else:
+            attrs[kv.key] = _value(v, max_len, counter)
+    return attrs
+
+
 def _value(v, max_len: int, counter: list):
     """An AnyValue as a Python value; strings longer than ``max_len`` are cut (and counted)."""
     kind = v.WhichOneof("value")
@@ -550,13 +573,16 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_INT_ONLY = {int}
+
+
 def _column(a: dict, key: str) -> list[int]:
     """A columnar integer attribute (offsets, hashes, per-step counts); [] when absent. Any other
     value makes the span's typed rows impossible (_Untyped): its elements would not line up."""
     value = a.get(key)
     if value is None:
         return []
-    if isinstance(value, list) and all(type(x) is int for x in value):
+    if isinstance(value, list) and (not value or set(map(type, value)) == _INT_ONLY):  # map and set run in C
         return value
     raise _Untyped("column_invalid", f"{key} must be an array of 64-bit integers, received {_shown(value)}")
 

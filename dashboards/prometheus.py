@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,12 @@ SERIES = {
     "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
 }
 MAX_PENDING_VERDICTS = 50_000
+#: Share of one core the verdict thread takes while the writer is committing batches: verdicts
+#: query the store, and at full speed they took as much of the collector's process as the writer
+#: itself (docs/benchmarks.md, Ingest), halving what it could persist. Idle, it runs flat out.
+VERDICT_SHARE_WHILE_INGESTING = 0.25
+#: Seconds after the latest committed batch during which the writer counts as busy.
+INGEST_BUSY_S = 1.0
 FOLD_AT_ROWS = 50_000
 _REQUEST_COLUMNS = TABLES["requests"]
 #: The tables of a committed batch that a fold reads (with the packed decode steps).
@@ -176,6 +183,8 @@ class MetricsState:
         self._max_verdicts = max_pending_verdicts
         self._wake = threading.Condition(self._lock)
         self._stopping = False
+        self._stopped = threading.Event()
+        self._last_write = -INGEST_BUSY_S  #: time.monotonic() of the latest committed batch
         self._thread = threading.Thread(target=self._verdict_loop, name="tokentrace-metrics", daemon=True)
         self._thread.start()
 
@@ -187,6 +196,7 @@ class MetricsState:
         # next scrape, outside the receiver's byte budget (issue 11 item 3).
         kept = Batch(rows={name: batch.rows[name] for name in _FOLDED},
                      packed={"decode_steps": batch.packed["decode_steps"]})
+        self._last_write = time.monotonic()
         with self._lock:
             self._pending.append(kept)
             self._pending_rows += batch.spans + len(batch.rows["requests"]) + len(batch.packed["decode_steps"])
@@ -197,6 +207,7 @@ class MetricsState:
         """Stop the verdict thread."""
         with self._lock:
             self._stopping = True
+            self._stopped.set()
             self._wake.notify_all()
         self._thread.join(10)
 
@@ -375,6 +386,7 @@ class MetricsState:
                     return
                 row = dict(zip(_ROW, self._verdicts[0], strict=True))
                 history = self._history[row["instance_id"]].before(row) if row["category"] in _COMPONENT else None
+            began = time.monotonic()
             try:
                 result, cause, abnormal = self._verdict(row, history)
             except Exception:  # one bad row must not stop the counting of the others
@@ -386,6 +398,9 @@ class MetricsState:
                 self.counters[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
                 if abnormal:
                     self.counters[("tokentrace_abnormal_requests", (*labels, ("category", row["category"])))] += 1
+            now = time.monotonic()
+            if now - self._last_write < INGEST_BUSY_S:  # yield the process to the writer (constant above)
+                self._stopped.wait((now - began) * (1 / VERDICT_SHARE_WHILE_INGESTING - 1))
 
     def _verdict(self, row: dict, history: pl.DataFrame | None) -> tuple[str, str, bool | None]:
         prompt, cached = row["prompt_tokens"], row["cached_tokens"]

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tokentrace.collector import sqlfiles
 from tokentrace.collector.normalize import normalize
-from tokentrace.collector.store_duckdb import DuckDBStore, RecentKeys, bind_lists
+from tokentrace.collector.store_duckdb import DuckDBStore, RecentKeys, bind_lists, first_sightings
 
 
 def test_list_parameters_become_one_bound_value_each():
@@ -86,4 +87,35 @@ def test_hash_lookups_take_the_art_index(tmp_path, name):
               if f"${k}" in text}
     sql, bound = bind_lists(text, params)
     assert _scans(cursor, sql, bound) == ["Index Scan"]
+    store.close()
+
+
+def test_first_sightings_match_the_sql_reference(tmp_path):
+    """The writer's numpy grouping (store_duckdb.first_sightings) keeps, for each (hash, instance,
+    source), the earliest staged block, as sql/duckdb/expand/prefix_sightings.sql states it: the
+    same keys and times, NULL instances included; ties keep the first block staged."""
+    rng = np.random.default_rng(17)
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    rows = []
+    for n in range(300):
+        hashes = [int(h) for h in rng.integers(-40, 40, size=int(rng.integers(0, 12)))]  # repeats within a row
+        rows.append((f"r{n}", [None, "a", "b"][n % 3], int(rng.integers(0, 20)) * 1000, ["lookup", "insert"][n % 2],
+                     int(rng.integers(0, 2**62)) if n % 2 else None, hashes))
+    staged = store._arrow("packed:prefix_blocks", rows)
+    recent = RecentKeys()
+    got = first_sightings(staged, recent).to_pylist()
+    cursor = store._cursor()
+    cursor.register("staged", staged)
+    expected = cursor.execute(sqlfiles.read("duckdb", "expand/prefix_sightings.sql")).fetchall()
+    assert sorted((r["hash"], r["instance_id"] or "", r["source"], r["t_ns"]) for r in got) \
+        == sorted((h, inst or "", source, t) for h, _, t, _, inst, source, _ in expected)
+    first: dict = {}
+    for rid, inst, t_ns, source, fingerprint, hashes in rows:
+        for index, value in enumerate(hashes):
+            key = (value, inst, source)
+            if key not in first or t_ns < first[key]["t_ns"]:
+                first[key] = {"hash": value, "block_index": index, "t_ns": t_ns, "request_id": rid,
+                              "instance_id": inst, "source": source, "fingerprint": fingerprint}
+    assert sorted(got, key=repr) == sorted(first.values(), key=repr)
+    assert first_sightings(staged, recent) is None  # every key recorded now: nothing new to append
     store.close()
