@@ -372,31 +372,31 @@ class DuckDBStore(NamedQueryReader):
             cursor = self._local.cursor = self._con.cursor()
         return cursor
 
-    def rows(self, name: str, **params) -> list[dict]:
-        """Run a named query with bound parameters; its rows as dicts, fetched as Python tuples."""
+    def _fetch(self, name: str, params: dict) -> tuple[list, list[tuple]]:
+        """Run a named query with bound parameters: the cursor's description and its rows as tuples."""
         cursor = self._cursor()
         sql, params = bind_lists(self._queries.text(name), params)
         try:
             rows = cursor.execute(sql, params).fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"query {name} failed: {exc}") from exc
-        names = [column[0] for column in cursor.description]
+        return cursor.description, rows
+
+    def rows(self, name: str, **params) -> list[dict]:
+        """Run a named query with bound parameters; its rows as dicts, fetched as Python tuples."""
+        description, rows = self._fetch(name, params)
+        names = [column[0] for column in description]
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def frame(self, name: str, **params) -> pl.DataFrame:
         """Run a named query with bound parameters (small results: row fetch, the cheapest path)."""
         _libraries()
-        cursor = self._cursor()
-        sql, params = bind_lists(self._queries.text(name), params)
-        try:
-            rows = cursor.execute(sql, params).fetchall()
-        except duckdb.Error as exc:
-            raise StoreError(f"query {name} failed: {exc}") from exc
+        description, rows = self._fetch(name, params)
         # The result's own types, not types inferred from the rows: an empty result or an all-NULL
         # column must keep its dtype (reader contract; tests/test_store_conformance.py).
-        names = [column[0] for column in cursor.description]
+        names = [column[0] for column in description]
         frame = pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
-        known = {name: dtype for name, kind in zip(names, cursor.description, strict=True)
+        known = {name: dtype for name, kind in zip(names, description, strict=True)
                  if (dtype := _polars_type(str(kind[1]))) is not None}
         return frame.cast(known)
 

@@ -186,12 +186,18 @@ def test_named_query_twins_bind_the_same_parameters(name):
     assert not unknown, f"add values for {unknown} to PARAMS in tests/test_store_conformance.py"
 
 
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["golden", "json", "nothing"])
-@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
-def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, name, which):
+def _query_params(payloads, name: str, which: int) -> dict:
+    """Parameter set ``which`` of PARAMS for a named query (the golden trace's id where it needs one)."""
     params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
     if "trace_id" in params and params["trace_id"] is None:
         params["trace_id"] = _golden_trace(payloads)
+    return params
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["golden", "json", "nothing"])
+@pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
+def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, name, which):
+    params = _query_params(payloads, name, which)
     frames = {backend: store.frame(name, **params) for backend, store in loaded.items()}
     reference = frames.pop("duckdb")
     for frame in frames.values():
@@ -202,9 +208,7 @@ def test_named_query_gives_the_same_frame_on_every_backend(loaded, payloads, nam
 @pytest.mark.parametrize("name", sorted(sqlfiles.query_names("duckdb")))
 def test_named_query_rows_are_the_frame_rows(loaded, payloads, name, which):
     """``rows()`` (what the verdicts read; DuckDB fetches Python tuples, no frame) equals the frame's rows."""
-    params = {p: PARAMS[p][which] for p in _params("duckdb", name)}
-    if "trace_id" in params and params["trace_id"] is None:
-        params["trace_id"] = _golden_trace(payloads)
+    params = _query_params(payloads, name, which)
     for store in loaded.values():
         assert store.rows(name, **params) == store.frame(name, **params).to_dicts()
 
