@@ -21,6 +21,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -32,6 +33,9 @@ from tokentrace.engine_shim import translations
 # The legacy GenAI spellings a contract llm.request may carry (gen_ai.usage.prompt_tokens, vLLM's
 # latency attributes in seconds); they live with vLLM's names, which use them.
 from tokentrace.engine_shim.vllm import names as v
+
+if TYPE_CHECKING:
+    from tokentrace.collector.columns import Columns
 
 #: Attributes expanded into typed rows and therefore not repeated in ``spans.attributes``.
 EXPANDED = frozenset({
@@ -98,6 +102,28 @@ class Batch:
         return [(rid, inst, t_ns, source, index, value, fingerprint)
                 for rid, inst, t_ns, source, fingerprint, hashes in self.packed[table]
                 for index, value in enumerate(hashes)]
+
+    def columns(self) -> Columns:
+        """The same rows as Arrow tables (collector/columns.py): what the parse stage hands on."""
+        from tokentrace.collector.columns import Columns, arrow_table
+        from tokentrace.collector.once import key_hashes
+
+        out = Columns(spans=self.spans, rejected=self.rejected, truncated=self.truncated,
+                      duplicates=self.duplicates, problems=list(self.problems), rejected_by=Counter(self.rejected_by),
+                      left_out=Counter(self.left_out))
+        spans = self.rows["spans"]
+        if spans:
+            out.keys = key_hashes([row[0] for row in spans], [row[1] for row in spans])
+        counts = np.diff(self.marks, axis=0, prepend=np.zeros((1, len(MARKED)), dtype=np.int64))
+        for column, (name, rows) in enumerate(zip(MARKED, self.lists(), strict=True)):
+            if not rows:
+                continue
+            out.tables[name] = arrow_table(name, rows)
+            if len(self.marks):
+                out.origin[name] = np.repeat(np.arange(len(self.marks), dtype=np.int32), counts[:, column])
+            else:  # rows built by hand, with no spans to answer for (tests, benchmarks)
+                out.origin[name] = np.zeros(len(rows), dtype=np.int32)
+        return out
 
     def lists(self) -> list[list]:
         """Every row list, in ``MARKED`` order."""

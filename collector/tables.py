@@ -77,3 +77,36 @@ PACKED: dict[str, tuple[str, ...]] = {
     "decode_steps": ("request_id", "instance_id", "start_ns", "offsets"),
     "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "fingerprint", "hashes"),
 }
+
+#: Column types of every table, in ``TABLES`` order (DuckDB's names; the DDL's, checked when a store
+#: opens). The parse stage builds Arrow columns of exactly these types (collector/columns.py), so
+#: that what a store appends never needs a conversion it could refuse.
+TYPES: dict[str, tuple[str, ...]] = {
+    "spans": ("VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "INTEGER", "BIGINT", "BIGINT", "INTEGER", "VARCHAR",
+              "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR",
+              "VARCHAR", "BIGINT", "BIGINT", "BIGINT"),
+    "resources": ("VARCHAR",) * 6 + ("BIGINT", "VARCHAR"),
+    "requests": ("VARCHAR",) * 9 + ("BIGINT", "BIGINT") + ("DOUBLE",) * 6 + ("BIGINT",) * 4
+                + ("VARCHAR", "BOOLEAN", "BOOLEAN", "BIGINT", "VARCHAR", "DOUBLE", "VARCHAR", "VARCHAR"),
+    "routes": ("VARCHAR",) * 5 + ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR[]", "DOUBLE[]", "BIGINT",
+                                  "VARCHAR[]", "DOUBLE", "BIGINT", "VARCHAR"),
+    "phases": ("VARCHAR",) * 6 + ("BIGINT",) * 5 + ("VARCHAR",),
+    "prefill_chunks": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 5,
+    "decode_steps": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT"),
+    "steps": ("VARCHAR",) + ("BIGINT",) * 6 + ("VARCHAR[]", "VARCHAR[]"),
+    "cache_lookups": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 4 + ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",),
+    "prefix_blocks": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT"),
+    "segments": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT", "VARCHAR"),
+    "cache_inserts": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 10,
+    "cache_evictions": ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",) * 3 + ("BIGINT", "BIGINT", "VARCHAR"),
+    "instance_events": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
+    "model_loads": ("VARCHAR",) * 4 + ("BIGINT", "BIGINT", "BOOLEAN", "VARCHAR"),
+    "load_stages": ("VARCHAR",) * 6 + ("BIGINT",) * 3,
+    "heartbeats": ("VARCHAR",) + ("BIGINT",) * 10 + ("VARCHAR",),
+}
+
+#: Types of the packed forms' columns (``PACKED``).
+PACKED_TYPES: dict[str, tuple[str, ...]] = {
+    "decode_steps": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT[]"),
+    "prefix_blocks": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "BIGINT", "BIGINT[]"),
+}
