@@ -72,14 +72,17 @@ static inline int buf_put(buf_t *b, const void *src, size_t n) {
     X(CACHE_UNIT) X(ENTRY_FINGERPRINT) X(ENTRY_TOKENS) X(ENTRY_BYTES) X(ENTRY_REQUEST_ID)         \
     X(EVICT_REASON) X(CACHE_MAX_ENTRIES) X(CACHE_MAX_BYTES) X(STEPS_START_OFFSETS)                \
     X(STEPS_DURATIONS) X(STEPS_PREFILL_SEQS) X(STEPS_DECODE_SEQS) X(STEPS_PREFILL_TOKENS)         \
-    X(STEPS_DECODE_TOKENS) X(STEPS_REQUESTS) X(STEPS_MEMBERS) X(KV_BYTES_PER_TOKEN) X(MEMORY_BYTES)
+    X(STEPS_DECODE_TOKENS) X(STEPS_REQUESTS) X(STEPS_MEMBERS) X(KV_BYTES_PER_TOKEN) X(MEMORY_BYTES)      \
+    X(LOAD_LAZY) X(MODEL_PATH) X(LOAD_BYTES)
 
-/* The contract spans whose typed rows fastotlp_rows.c builds; other names with a builder in the
- * normalizer (or an engine translation) are configured as fallback names. */
+/* The contract spans whose typed rows fastotlp_rows.c builds: all of normalize._BUILDERS. Other
+ * names with a builder (an engine translation's, or one normalize gains) are configured as
+ * fallback names. */
 #define CONTRACT_SPANS(X)                                                                         \
     X(SPAN_REQUEST) X(SPAN_QUEUE) X(SPAN_LOAD_WAIT) X(SPAN_PREFILL) X(SPAN_DECODE)                \
     X(SPAN_PREFILL_CHUNK) X(SPAN_CACHE_LOOKUP) X(SPAN_CACHE_INSERT) X(SPAN_ENGINE_STEPS)          \
-    X(SPAN_HEARTBEAT) X(SPAN_ROUTE)
+    X(SPAN_HEARTBEAT) X(SPAN_ROUTE) X(SPAN_MODEL_LOAD) X(SPAN_LOAD_RESOLVE) X(SPAN_LOAD_WEIGHTS)      \
+    X(SPAN_LOAD_TOKENIZER) X(SPAN_LOAD_WARMUP)
 
 #define CONTRACT_WORDS(X) X(EVENT_CACHE_EVICT) X(ENGINE_VLLM) X(OBSERVER_PLUGIN) X(OBSERVER_ENGINE)
 
@@ -237,7 +240,7 @@ void *table_array_capsule(table_t *t);
 enum table_id {
     T_SPANS, T_RESOURCES, T_REQUESTS, T_ROUTES, T_PHASES, T_PREFILL_CHUNKS, T_STEPS,
     T_CACHE_LOOKUPS, T_SEGMENTS, T_CACHE_INSERTS, T_CACHE_EVICTIONS, T_INSTANCE_EVENTS,
-    T_HEARTBEATS, T_DECODE_STEPS, T_PREFIX_BLOCKS, T_COUNT
+    T_MODEL_LOADS, T_LOAD_STAGES, T_HEARTBEATS, T_DECODE_STEPS, T_PREFIX_BLOCKS, T_COUNT
 };
 
 extern const colspec_t *const TABLE_SPECS[T_COUNT];

@@ -405,6 +405,33 @@ static int heartbeat(decoder_t *d, const span_t *s) {
     return row_end(t, d->span_index);
 }
 
+static int model_load(decoder_t *d, const span_t *s) {
+    table_t *t = &d->tables[T_MODEL_LOADS];
+    view_t load_id;
+    TRY(value_str(attrs_get(&d->attrs, K_LOAD_ID), &load_id));
+    TRY(put_str(t, load_id.p ? load_id : hex_view(s->span_hex, 16)));
+    TRY(put_str(t, d->resource.instance_id));
+    TRY(put_ids(t, s));
+    TRY(put_i64(t, (int64_t)s->start));
+    TRY(put_i64(t, (int64_t)s->end));
+    TRY(put_attr_bool(t, &d->attrs, K_LOAD_LAZY));
+    TRY(put_attr_str(t, &d->attrs, K_MODEL_PATH));
+    return row_end(t, d->span_index);
+}
+
+static int load_stage(decoder_t *d, const span_t *s) {
+    table_t *t = &d->tables[T_LOAD_STAGES];
+    TRY(put_attr_str(t, &d->attrs, K_LOAD_ID));
+    TRY(put_str(t, d->resource.instance_id));
+    TRY(put_ids(t, s));
+    TRY(put_str(t, s->parent.n ? hex_view(s->parent_hex, 16) : NONE));
+    TRY(put_str(t, s->name));
+    TRY(put_i64(t, (int64_t)s->start));
+    TRY(put_i64(t, (int64_t)s->end));
+    TRY(put_attr_int(t, &d->attrs, K_LOAD_BYTES));
+    return row_end(t, d->span_index);
+}
+
 int rows_of_span(decoder_t *d, int kind, const span_t *s) {
     view_t rid;
     TRY(value_str(attrs_get(&d->attrs, K_REQUEST_ID), &rid));
@@ -418,6 +445,9 @@ int rows_of_span(decoder_t *d, int kind, const span_t *s) {
     case SPAN_ENGINE_STEPS: return steps(d, s);
     case SPAN_HEARTBEAT: return heartbeat(d, s);
     case SPAN_ROUTE: return route(d, s, rid);
+    case SPAN_MODEL_LOAD: return model_load(d, s);
+    case SPAN_LOAD_RESOLVE: case SPAN_LOAD_WEIGHTS: case SPAN_LOAD_TOKENIZER: case SPAN_LOAD_WARMUP:
+        return load_stage(d, s);
     default: return 0;  /* a generic span: its spans row only */
     }
 }

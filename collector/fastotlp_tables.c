@@ -1,8 +1,7 @@
 /* The tables this decoder writes, in columns.SCHEMAS order and types (collector/tables.py: TABLES,
  * TYPES, and PACKED/PACKED_TYPES for decode_steps and prefix_blocks). fastpath.py compares the
  * schemas exported from here with SCHEMAS at import and turns the decoder off when they differ,
- * so a change to tables.py can never make it write misplaced columns. model_loads and load_stages
- * are not here: their spans are left to the Python normalizer. */
+ * so a change to tables.py can never make it write misplaced columns. */
 #include "fastotlp.h"
 
 #define S COL_STR
@@ -71,6 +70,14 @@ static const colspec_t CACHE_EVICTIONS[] = {
 static const colspec_t INSTANCE_EVENTS[] = {
     {"instance_id", S}, {"service_name", S}, {"t_ns", L}, {"event", S}, {"load_id", S}, {"span_name", S},
 };
+static const colspec_t MODEL_LOADS[] = {
+    {"load_id", S}, {"instance_id", S}, {"trace_id", S}, {"span_id", S}, {"start_ns", L}, {"end_ns", L},
+    {"lazy", B}, {"model_path", S},
+};
+static const colspec_t LOAD_STAGES[] = {
+    {"load_id", S}, {"instance_id", S}, {"trace_id", S}, {"span_id", S}, {"parent_span_id", S}, {"name", S},
+    {"start_ns", L}, {"end_ns", L}, {"bytes", L},
+};
 static const colspec_t HEARTBEATS[] = {
     {"instance_id", S}, {"t_ns", L}, {"queue_depth", L}, {"running", L}, {"max_batch", L}, {"cache_entries", L},
     {"cache_bytes", L}, {"cache_max_entries", L}, {"cache_max_bytes", L}, {"kv_bytes_per_token", L},
@@ -88,15 +95,16 @@ static const colspec_t PREFIX_BLOCKS[] = {
 
 const colspec_t *const TABLE_SPECS[T_COUNT] = {
     SPANS, RESOURCES, REQUESTS, ROUTES, PHASES, PREFILL_CHUNKS, STEPS, CACHE_LOOKUPS, SEGMENTS,
-    CACHE_INSERTS, CACHE_EVICTIONS, INSTANCE_EVENTS, HEARTBEATS, DECODE_STEPS, PREFIX_BLOCKS,
+    CACHE_INSERTS, CACHE_EVICTIONS, INSTANCE_EVENTS, MODEL_LOADS, LOAD_STAGES, HEARTBEATS, DECODE_STEPS,
+    PREFIX_BLOCKS,
 };
 const int TABLE_NCOLS[T_COUNT] = {
     N(SPANS), N(RESOURCES), N(REQUESTS), N(ROUTES), N(PHASES), N(PREFILL_CHUNKS), N(STEPS), N(CACHE_LOOKUPS),
-    N(SEGMENTS), N(CACHE_INSERTS), N(CACHE_EVICTIONS), N(INSTANCE_EVENTS), N(HEARTBEATS), N(DECODE_STEPS),
-    N(PREFIX_BLOCKS),
+    N(SEGMENTS), N(CACHE_INSERTS), N(CACHE_EVICTIONS), N(INSTANCE_EVENTS), N(MODEL_LOADS), N(LOAD_STAGES),
+    N(HEARTBEATS), N(DECODE_STEPS), N(PREFIX_BLOCKS),
 };
 const char *const TABLE_NAMES[T_COUNT] = {
     "spans", "resources", "requests", "routes", "phases", "prefill_chunks", "steps", "cache_lookups",
-    "segments", "cache_inserts", "cache_evictions", "instance_events", "heartbeats", "decode_steps",
-    "prefix_blocks",
+    "segments", "cache_inserts", "cache_evictions", "instance_events", "model_loads", "load_stages",
+    "heartbeats", "decode_steps", "prefix_blocks",
 };

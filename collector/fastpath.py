@@ -10,8 +10,8 @@ None, and the Python normalizer, for: a body that is not valid protobuf or valid
 normalizer refuses (ids, times) or changes (values, names, status messages cut to the length limit,
 typed values left out, a contract span that breaks the contract's types); an attribute key sent
 twice; kvlist, bytes or nested array values; a non-string resource value the normalizer reads;
-``llm.request`` with legacy GenAI or vLLM latency names; spans of engine translations and of
-``model.load`` (rare); protobuf oddities (groups, a singular field sent twice, resource entity refs).
+``llm.request`` with legacy GenAI or vLLM latency names; spans of engine translations (vLLM's
+native spans); protobuf oddities (groups, a singular field sent twice, resource entity refs).
 
 The tables arrive through the Arrow C data interface (PyCapsules), without a copy. ``TOKENTRACE_FASTPATH=0``
 turns the decoder off (A/B runs, and an escape hatch).
@@ -63,7 +63,7 @@ def unavailable() -> str | None:
     if _fastotlp is None:
         return "the extension tokentrace.collector._fastotlp is not built"
     implemented = {getattr(c, name) for name in _fastotlp.SPANS}
-    # normalize's own builders (model.load and its stages) and the translations' are Python's.
+    # The engine translations' builders (and any builder normalize gains before the C side) are Python's.
     fallback = (set(normalize._BUILDERS) | set(translations.builders())) - implemented
     legacy = (*v.LEGACY_USAGE, *v.LATENCY_TO_CONTRACT_MS)  # what vllm.names.with_both_names rewrites
     _fastotlp.configure(c, tuple(sorted(normalize.EXPANDED)), legacy, c.LIFECYCLE_EVENTS, tuple(sorted(fallback)))
