@@ -12,8 +12,11 @@
  *   fastotlp_attrs.c  KeyValue/AnyValue lists as attribute maps, and the normalizer's value rules
  *   fastotlp_json.c   the normalizer's json.dumps output, byte for byte
  *   fastotlp_arrow.c  column builders and the Arrow C data interface export
+ *   fastotlp_tables.c the tables' columns (collector/tables.py)
+ *   fastotlp_walk.c   the request walk: resources, scopes, spans and their spans rows
  *   fastotlp_rows.c   the typed rows of each contract span (normalize._BUILDERS)
- *   fastotlp.c        the module: configuration, the request walk, spans and resources rows
+ *   fastotlp_events.c events (cache_evictions, instance_events) and links
+ *   fastotlp.c        the module: configuration, decode(), the result
  */
 #ifndef TOKENTRACE_FASTOTLP_H
 #define TOKENTRACE_FASTOTLP_H
@@ -33,6 +36,9 @@ typedef struct {
     const uint8_t *p;
     size_t n;
 } view_t;
+
+#define NONE ((view_t){NULL, 0})
+#define EMPTY_VIEW ((view_t){(const uint8_t *)"", 0})  /* "": present, of length 0 */
 
 /* A growable byte buffer. */
 typedef struct {
@@ -278,8 +284,16 @@ typedef struct {
     resource_t resource;
 } decoder_t;
 
+/* The request walk (fastotlp_walk.c): every table's rows for one request body. */
+int decode_request(decoder_t *d, view_t body);
+/* A JSON column: the text in json, or null when !has. */
+int put_json(table_t *t, int has, const buf_t *json);
 /* The typed rows of one span (fastotlp_rows.c); attributes in d->attrs. */
 int rows_of_span(decoder_t *d, int kind, const span_t *s);
+/* One event of the span: its typed row, and its entry in d->events_json (fastotlp_events.c). */
+int span_event(decoder_t *d, const span_t *s, view_t msg);
+/* One link of the span: its entry in d->links_json. */
+int span_link(decoder_t *d, view_t msg);
 /* A view of a hex id in a span. */
 view_t hex_view(const char *hex, size_t n);
 

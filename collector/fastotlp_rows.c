@@ -5,8 +5,6 @@
 
 #include "fastotlp.h"
 
-static const view_t NONE = {NULL, 0};
-
 view_t hex_view(const char *hex, size_t n) {
     view_t v = {(const uint8_t *)hex, n};
     return v;

@@ -1,0 +1,112 @@
+"""Decode benchmark (issue 17): the Python path and the compiled decoder side by side, in one run.
+
+On the same OTLP protobuf batches of bench/synth.py (512 engine-shaped spans each; ``--shape light``
+for small generic spans), per span:
+
+- Python: ``ExportTraceServiceRequest.FromString`` + ``normalize`` + ``Batch.columns()`` (each part
+  shown too), what ``ingest.parse`` costs without the decoder;
+- C: ``fastpath.decode``, the Arrow import included (and the decoder alone, without it);
+- ``Columns.to_bytes()`` / ``from_bytes()`` of the result, how the parse worker ships it.
+
+Each figure is the best of ``--repeat`` passes over all batches (a shared machine's other load only
+ever adds time). Every batch must take the C path and give the Python path's tables.
+
+    python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from synth import Workload, light_batches
+
+from tokentrace.collector import _fastotlp, fastpath
+from tokentrace.collector.columns import Columns
+from tokentrace.collector.normalize import normalize
+
+LIMIT = 65_536
+
+
+def make_bodies(count: int, spans_per_batch: int, shape: str) -> tuple[list[bytes], int]:
+    """Serialized requests, generated before any timing, and how many spans they hold."""
+    batches = Workload(seed=11).batches(spans_per_batch) if shape == "engine" else light_batches(spans_per_batch)
+    bodies = [next(batches).SerializeToString() for _ in range(count)]
+    requests = [ExportTraceServiceRequest.FromString(body) for body in bodies]
+    spans = sum(len(scope.spans) for request in requests for resource in request.resource_spans
+                for scope in resource.scope_spans)
+    return bodies, spans
+
+
+def best(repeat: int, run: Callable[[], object]) -> float:
+    """Fewest seconds of ``repeat`` runs."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def check(bodies: list[bytes]) -> list[Columns]:
+    """The decoder's Columns of every body, each equal to the Python path's (tables and keys)."""
+    out = []
+    for body in bodies:
+        got = fastpath.decode(body, LIMIT)
+        if got is None:
+            raise SystemExit("a benchmark batch fell back to the Python path: nothing to compare")
+        expected = normalize(ExportTraceServiceRequest.FromString(body), LIMIT).columns()
+        same = list(got.tables) == list(expected.tables) and all(
+            got.tables[name].equals(table) for name, table in expected.tables.items())
+        if not same or not (got.keys == expected.keys).all():
+            raise SystemExit("the decoder's columns differ from the Python path's")
+        out.append(got)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=("engine", "light"), default="engine")
+    parser.add_argument("--spans-per-batch", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if fastpath.unavailable():
+        raise SystemExit(f"the compiled decoder is not in use: {fastpath.unavailable()}")
+    bodies, spans = make_bodies(args.batches, args.spans_per_batch, args.shape)
+    decoded = check(bodies)
+    requests = [ExportTraceServiceRequest.FromString(body) for body in bodies]
+    batches = [normalize(request, LIMIT) for request in requests]
+    shipped = [columns.to_bytes() for columns in decoded]
+
+    def per_span(seconds: float) -> float:
+        return seconds / spans * 1e6
+
+    parse = per_span(best(args.repeat, lambda: [ExportTraceServiceRequest.FromString(b) for b in bodies]))
+    norm = per_span(best(args.repeat, lambda: [normalize(r, LIMIT) for r in requests]))
+    columns = per_span(best(args.repeat, lambda: [batch.columns() for batch in batches]))
+    python = per_span(best(args.repeat, lambda: [
+        normalize(ExportTraceServiceRequest.FromString(b), LIMIT).columns() for b in bodies]))
+    c_only = per_span(best(args.repeat, lambda: [_fastotlp.decode(b, LIMIT) for b in bodies]))
+    c_path = per_span(best(args.repeat, lambda: [fastpath.decode(b, LIMIT) for b in bodies]))
+    to_bytes = per_span(best(args.repeat, lambda: [columns.to_bytes() for columns in decoded]))
+    from_bytes = per_span(best(args.repeat, lambda: [Columns.from_bytes(data) for data in shipped]))
+
+    print(f"{args.batches} batches of {args.shape} spans ({spans} spans, {sum(map(len, bodies)) / spans:.0f} "
+          f"bytes each), best of {args.repeat}, µs per span")
+    print(f"  Python path   {python:7.2f}   (FromString {parse:.2f} + normalize {norm:.2f} + columns() {columns:.2f})")
+    print(f"  C path        {c_path:7.2f}   (decoder {c_only:.2f} + Arrow import {c_path - c_only:.2f})")
+    print(f"  ratio         {python / c_path:7.1f} x  (normalize alone / C path: {norm / c_path:.1f} x)")
+    print(f"  to_bytes      {to_bytes:7.2f}   from_bytes {from_bytes:.2f}   "
+          f"({sum(map(len, shipped)) / spans:.0f} bytes per span shipped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
