@@ -120,9 +120,12 @@ static PyObject *tuple_of_names(const char *const *names, int n) {
 
 /* --- the module ------------------------------------------------------------------------------------ */
 /* The decoder's scratch (attribute maps, JSON being assembled) lives from call to call: fresh
- * buffers each time cost page faults that showed in profiles. decode() holds the GIL throughout, so
- * calls never overlap. Only the tables' buffers are new per call: they move into Arrow. */
+ * buffers each time cost page faults that showed in profiles. decode() holds the GIL throughout;
+ * only while it builds the result can the garbage collector run a finalizer that calls decode()
+ * again, and that call finds the decoder busy and leaves its payload to Python. Only the tables'
+ * buffers are new per call: they move into Arrow. */
 static decoder_t *shared;
+static int busy;
 
 static void scratch_trim(buf_t *b) {
     b->n = 0;
@@ -205,12 +208,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     long long max_len = PyLong_AsLongLongAndOverflow(limit, &overflow);
     if (overflow) max_len = overflow > 0 ? INT64_MAX : INT64_MIN;
     /* Below 0 every span's name and status message count as cut, even absent ones: Python's. */
-    decoder_t *d = CONFIG.ready && max_len >= 0 ? decoder_start(max_len) : NULL;
+    decoder_t *d = CONFIG.ready && max_len >= 0 && !busy ? decoder_start(max_len) : NULL;
     PyObject *result = NULL;
     if (d) {
         view_t whole = {body.buf ? (const uint8_t *)body.buf : EMPTY_TEXT, (size_t)body.len};
+        busy = 1;
         if (decode_request(d, whole) == 0) result = result_of(d);
         decoder_end(d);
+        busy = 0;
     }
     PyBuffer_Release(&body);
     if (!result) {  /* never an exception: whatever went wrong, the Python path decides */

@@ -160,10 +160,11 @@ typedef struct {
 void attrs_reset(attrs_t *a);
 void attrs_free(attrs_t *a);
 /* Parse one KeyValue and append it; strings longer than max_len code points give FALLBACK (the
- * normalizer would cut and count them). */
+ * normalizer would cut and count them), and so does a key sent twice (a dict keeps its first
+ * place and its last value). */
 int attrs_add(attrs_t *a, view_t keyvalue, int64_t max_len);
-/* Index the keys; a key sent twice gives FALLBACK (a dict keeps its first place, last value). */
-int attrs_index(attrs_t *a);
+/* Check one KeyValue that the normalizer never reads (Python's parse would refuse a bad one). */
+int attrs_check(attrs_t *scratch, view_t keyvalue);
 const attr_t *attrs_get(const attrs_t *a, enum key_id key);
 const attr_t *attrs_find(const attrs_t *a, view_t key, uint64_t hash);
 

@@ -40,6 +40,13 @@ int names_find(const names_t *names, view_t text, uint64_t hash) {
 void attrs_reset(attrs_t *a) {
     a->n = 0;
     a->npool = 0;
+    if (a->nslots > 64) {  /* after a span of many attributes, the next ones start small again */
+        free(a->slots);
+        a->slots = NULL;
+        a->nslots = 0;
+    } else if (a->slots) {
+        memset(a->slots, 0, a->nslots * sizeof *a->slots);
+    }
 }
 
 void attrs_free(attrs_t *a) {
@@ -155,15 +162,8 @@ static int value_parse(attrs_t *owner, view_t msg, attr_t *out, int64_t max_len,
     return 0;
 }
 
-int attrs_add(attrs_t *a, view_t keyvalue, int64_t max_len) {
-    if (a->n == a->cap) {
-        size_t cap = a->cap ? a->cap * 2 : 32;
-        attr_t *grown = realloc(a->items, cap * sizeof *grown);
-        if (!grown) return FALLBACK;
-        a->items = grown;
-        a->cap = cap;
-    }
-    attr_t *item = &a->items[a->n];
+/* One KeyValue{key=1, value=2, key_strindex=3}. */
+static int keyvalue_parse(attrs_t *a, view_t keyvalue, int64_t max_len, attr_t *item) {
     reader_t r = reader_of(keyvalue);
     uint32_t seen = 0;
     item->key.p = keyvalue.p;  /* an absent key is "" */
@@ -195,31 +195,54 @@ int attrs_add(attrs_t *a, view_t keyvalue, int64_t max_len) {
         }
     }
     item->hash = hash_bytes(item->key.p, item->key.n);
-    a->n++;
     return 0;
 }
 
-int attrs_index(attrs_t *a) {
-    size_t want = 16;
-    while (want < a->n * 2) want *= 2;
-    if (want > a->nslots) {
-        uint32_t *grown = realloc(a->slots, want * sizeof *grown);
-        if (!grown) return FALLBACK;
-        a->slots = grown;
-        a->nslots = want;
+/* Put item i in the key index; its key already there gives FALLBACK. */
+static int slot_insert(attrs_t *a, size_t i) {
+    size_t mask = a->nslots - 1, at = a->items[i].hash & mask;
+    while (a->slots[at]) {
+        const attr_t *other = &a->items[a->slots[at] - 1];
+        if (other->hash == a->items[i].hash && view_eq(other->key, a->items[i].key)) return FALLBACK;
+        at = (at + 1) & mask;
     }
-    memset(a->slots, 0, a->nslots * sizeof *a->slots);
-    size_t mask = a->nslots - 1;
-    for (size_t i = 0; i < a->n; i++) {
-        size_t at = a->items[i].hash & mask;
-        while (a->slots[at]) {
-            const attr_t *other = &a->items[a->slots[at] - 1];
-            if (other->hash == a->items[i].hash && view_eq(other->key, a->items[i].key)) return FALLBACK;
-            at = (at + 1) & mask;
-        }
-        a->slots[at] = (uint32_t)(i + 1);
-    }
+    a->slots[at] = (uint32_t)(i + 1);
     return 0;
+}
+
+static int slots_resize(attrs_t *a, size_t nslots) {
+    uint32_t *grown = realloc(a->slots, nslots * sizeof *grown);
+    if (!grown) return FALLBACK;
+    a->slots = grown;
+    a->nslots = nslots;
+    memset(a->slots, 0, nslots * sizeof *a->slots);
+    for (size_t i = 0; i < a->n; i++) TRY(slot_insert(a, i));
+    return 0;
+}
+
+/* Indexed as they come, so that a payload of one key repeated millions of times stops at the
+ * second, before it has cost memory. */
+int attrs_add(attrs_t *a, view_t keyvalue, int64_t max_len) {
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 32;
+        if (cap > UINT32_MAX) return FALLBACK;
+        attr_t *grown = realloc(a->items, cap * sizeof *grown);
+        if (!grown) return FALLBACK;
+        a->items = grown;
+        a->cap = cap;
+    }
+    TRY(keyvalue_parse(a, keyvalue, max_len, &a->items[a->n]));
+    a->n++;
+    if (a->n * 2 > a->nslots) return slots_resize(a, a->nslots ? a->nslots * 2 : 16);
+    return slot_insert(a, a->n - 1);
+}
+
+int attrs_check(attrs_t *scratch, view_t keyvalue) {
+    attr_t item;
+    size_t pool = scratch->npool;
+    int rc = keyvalue_parse(scratch, keyvalue, INT64_MAX, &item);
+    scratch->npool = pool;
+    return rc;
 }
 
 const attr_t *attrs_find(const attrs_t *a, view_t key, uint64_t hash) {

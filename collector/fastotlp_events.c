@@ -85,7 +85,6 @@ int span_event(decoder_t *d, const span_t *s, view_t msg) {
         }
     }
     if (t_ns > (uint64_t)MAX_TIME_NS) return FALLBACK;  /* a refused span (time_out_of_range) */
-    TRY(attrs_index(a));
     if (view_eq(name, CONFIG.words[EVENT_CACHE_EVICT].text)) TRY(eviction_row(d, s, t_ns));
     else if (names_find(&CONFIG.lifecycle, name, hash_bytes(name.p, name.n)) >= 0)
         TRY(lifecycle_row(d, s, t_ns, name));
@@ -148,7 +147,6 @@ int span_link(decoder_t *d, view_t msg) {
             TRY(wire_skip(&r, wt));
         }
     }
-    TRY(attrs_index(a));
     buf_t *b = &d->links_json;
     TRY(buf_put(b, b->n ? ",{\"trace_id\":" : "[{\"trace_id\":", 13));
     TRY(json_hex(b, trace_id));

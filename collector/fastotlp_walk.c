@@ -39,7 +39,6 @@ static int read_resource(decoder_t *d, view_t msg) {
             TRY(wire_skip(&r, wt));
         }
     }
-    TRY(attrs_index(a));
     resource_t *res = &d->resource;
     TRY(resource_value(d, K_SERVICE_INSTANCE_ID, &res->instance_id));
     TRY(resource_value(d, K_SERVICE_NAME, &res->service_name));
@@ -243,7 +242,6 @@ static int one_span(decoder_t *d, view_t msg, const scope_t *scope, uint64_t *se
     d->events.n = d->links.n = d->events_json.n = d->links_json.n = 0;
     TRY(read_span(d, msg, &s));
     TRY(check_span(&s));
-    TRY(attrs_index(&d->attrs));
     int kind = span_kind(s.name);
     if (kind == SPAN_FALLBACK) return FALLBACK;
     to_hex(s.trace_id, s.trace_hex);
@@ -285,7 +283,7 @@ static int read_scope(decoder_t *d, view_t msg, scope_t *scope) {
         case 3:
             if (wt != WT_LEN) return FALLBACK;
             TRY(wire_bytes(&r, &sub));
-            TRY(attrs_add(&d->scratch, sub, INT64_MAX));
+            TRY(attrs_check(&d->scratch, sub));
             break;
         case 4:
             if (wt != WT_VARINT) return FALLBACK;
