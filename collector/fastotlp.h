@@ -287,8 +287,6 @@ typedef struct {
 
 /* The request walk (fastotlp_walk.c): every table's rows for one request body. */
 int decode_request(decoder_t *d, view_t body);
-/* A JSON column: the text in json, or null when !has. */
-int put_json(table_t *t, int has, const buf_t *json);
 /* The typed rows of one span (fastotlp_rows.c); attributes in d->attrs. */
 int rows_of_span(decoder_t *d, int kind, const span_t *s);
 /* One event of the span: its typed row, and its entry in d->events_json (fastotlp_events.c). */

@@ -52,7 +52,8 @@ static int read_resource(decoder_t *d, view_t msg) {
     return d->has_resource_json ? json_attrs(&d->resource_json, a, NULL) : 0;
 }
 
-int put_json(table_t *t, int has, const buf_t *json) {
+/* A JSON column: the text in json, or null when !has. */
+static int put_json(table_t *t, int has, const buf_t *json) {
     if (!has) return put_null(t);
     view_t v = {json->p, json->n};
     return put_str(t, v);
@@ -71,7 +72,6 @@ static int resource_row(decoder_t *d, uint64_t seen_ns) {
     TRY(put_json(t, d->has_resource_json, &d->resource_json));
     return row_end(t, d->span_index - 1);  /* the resource row goes with its last span */
 }
-
 
 /* --- spans ------------------------------------------------------------------------------------------ */
 typedef struct {

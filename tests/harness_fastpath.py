@@ -212,12 +212,14 @@ def engine_request(rng: random.Random, requests: int = 12, odd: bool = True) -> 
     clock = 1_700_000_000_000_000_000 + rng.randrange(10**12)
     for instance in range(rng.randint(1, 3)):
         resource_spans = request.resource_spans.add()
-        set_attributes(resource_spans.resource, {c.SERVICE_NAME: "tokentrace-engine",
-                                                 c.SERVICE_INSTANCE_ID: f"inst-{instance}",
-                                         c.ENGINE: rng.choice([c.ENGINE_MLX, c.ENGINE_VLLM]), c.HOST_NAME: "h☃",
-                                         c.MODEL: "m", "telemetry.sdk.version": "1.45.2"})
+        set_attributes(resource_spans.resource, {
+            c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: f"inst-{instance}", c.HOST_NAME: "h☃",
+            c.ENGINE: rng.choice([c.ENGINE_MLX, c.ENGINE_VLLM]), c.MODEL: "m", "telemetry.sdk.version": "1.45.2"})
+        resource_spans.resource.dropped_attributes_count = rng.choice([0, 3])
         scope_spans = resource_spans.scope_spans.add()
         scope_spans.scope.name, scope_spans.scope.version = "tokentrace", rng.choice(["", "0.1"])
+        scope_spans.scope.dropped_attributes_count = rng.choice([0, 1])
+        set_attributes(scope_spans.scope, {"scope.attribute": rng.choice(ODD)} if odd else {})
         for n in range(requests):
             clock += rng.randrange(10**6, 10**8)
             add = _span_adder(scope_spans, rng, rng.randbytes(16), clock, f"req-{instance}-{n}", odd)
@@ -257,6 +259,8 @@ def engine_request(rng: random.Random, requests: int = 12, odd: bool = True) -> 
         add(c.SPAN_LIFECYCLE, None, {}, events=[(c.EVENT_FIRST_RESPONSE, {c.LOAD_ID: "load-1"}), ("other", {"k": 1})])
         add(c.SPAN_ROUTE, None, {c.ROUTE_CANDIDATES: ["a", "", None], c.ROUTE_SCORES: [1, 2.5, "x", True, None],
                                  c.ROUTE_CHOICE: "a", c.ROUTE_SKIPPED: "not a list", c.GATEWAY_WAIT_MS: 0.5})
+        add("wide", None, {f"wide.{i}": i for i in range(rng.choice([0, 40, 300]))})  # then narrow ones again
+        add("narrow", None, {"k": "v"})
     return request
 
 
@@ -276,7 +280,8 @@ def _span_adder(scope_spans, rng: random.Random, trace_id: bytes, clock: int, ri
                 span.dropped_attributes_count, span.dropped_events_count = rng.choice([(0, 3), (2**32 - 1, 0)])
             if rng.random() < 0.1:
                 link = span.links.add(trace_id=rng.randbytes(rng.choice([16, 3])), span_id=rng.randbytes(8),
-                                      trace_state=rng.choice(["", "a=b"]), dropped_attributes_count=rng.choice([0, 2]))
+                                      trace_state=rng.choice(["", "a=b"]), dropped_attributes_count=rng.choice([0, 2]),
+                                      flags=rng.choice([0, 0x301]))
                 set_attributes(link, {"la": rng.choice(ODD)} if rng.random() < 0.5 else {})
                 span.dropped_links_count = 1
         for event_name, event_attributes in events:
