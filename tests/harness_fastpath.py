@@ -199,6 +199,9 @@ ODD = ["", "quote\" back\\slash", "\x00\x01\x1f\x7f tab\t nl\n cr\r \b \f", "é 
        ["a", "", "☃"], [1.5, float("nan")], [True, False], [1, "s", 2.5, True, None], [None]]
 
 
+ODD_KEYS = ["foreign", "", "kéy ☃", "tab\tquote\"back\\slash\x01"]
+
+
 def set_attributes(span, values: dict) -> None:
     """Append ``values`` as attributes (``set_any``) to a span, event, link, scope or resource."""
     for key, value in values.items():
@@ -222,7 +225,8 @@ def engine_request(rng: random.Random, requests: int = 12, odd: bool = True) -> 
         set_attributes(scope_spans.scope, {"scope.attribute": rng.choice(ODD)} if odd else {})
         for n in range(requests):
             clock += rng.randrange(10**6, 10**8)
-            add = _span_adder(scope_spans, rng, rng.randbytes(16), clock, f"req-{instance}-{n}", odd)
+            rid = f"req-{instance}-{n}" if n % 5 else ""  # an empty request id: the span id stands in
+            add = _span_adder(scope_spans, rng, rng.randbytes(16), clock, rid, odd)
             prompt = [rng.getrandbits(63) - 2**62 for _ in range(rng.randrange(0, 40))]
             root = add(c.SPAN_REQUEST, None, {
                 c.SESSION_ID: "s", c.ENDPOINT: "/v1/chat/completions", c.MAX_TOKENS: 256, c.STREAMED: True,
@@ -273,7 +277,7 @@ def _span_adder(scope_spans, rng: random.Random, trace_id: bytes, clock: int, ri
                                      end_time_unix_nano=start + rng.choice([0, 1, 10**9]))
         set_attributes(span, {c.REQUEST_ID: rid, **attributes})
         if odd:
-            set_attributes(span, {f"foreign.{i}": rng.choice(ODD) for i in range(rng.randrange(4))})
+            set_attributes(span, {f"{rng.choice(ODD_KEYS)}.{i}": rng.choice(ODD) for i in range(rng.randrange(4))})
             if rng.random() < 0.2:
                 span.status.code, span.status.message = rng.choice([(2, "boom ☃"), (1, ""), (99, "x")])
                 span.trace_state = "k=v"
