@@ -330,6 +330,7 @@ int value_column(const attrs_t *owner, const attr_t *a, const int64_t **values, 
     *n = 0;
     if (!a || a->kind == V_NONE) return 0;
     if (a->kind != V_ARR || (a->count && a->mask != (1u << V_INT))) return FALLBACK;  /* _Untyped */
+    if (!a->count) return 0;  /* [] (and the pool may not exist yet) */
     *values = owner->pool + a->ints;
     *n = a->count;
     return 0;

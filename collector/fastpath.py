@@ -9,9 +9,10 @@ Python per span; the decoder builds the same Arrow columns without a Python obje
 None, and the Python normalizer, for: a body that is not valid protobuf or valid UTF-8; a span the
 normalizer refuses (ids, times) or changes (values, names, status messages cut to the length limit,
 typed values left out, a contract span that breaks the contract's types); an attribute key sent
-twice; kvlist, bytes or nested array values; a non-string resource value the normalizer reads;
-``llm.request`` with legacy GenAI or vLLM latency names; spans of engine translations (vLLM's
-native spans); protobuf oddities (groups, a singular field sent twice, resource entity refs).
+twice; kvlist, bytes or nested array values; a non-string value where the normalizer reads a
+string (it would store ``str(value)``: a resource's instance id, a request id, a role); ``llm.request``
+with legacy GenAI or vLLM latency names; spans of engine translations (vLLM's native spans); a
+negative length limit; protobuf oddities (groups, a singular field sent twice, resource entity refs).
 
 The tables arrive through the Arrow C data interface (PyCapsules), without a copy. ``TOKENTRACE_FASTPATH=0``
 turns the decoder off (A/B runs, and an escape hatch).
