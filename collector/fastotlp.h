@@ -235,6 +235,7 @@ column_t *put_list_begin(table_t *t);      /* append elements to the returned co
 int put_list_end(table_t *t);              /* ... then close the list */
 int elem_str(column_t *c, view_t s);
 int elem_i64(column_t *c, int64_t v);
+int elem_i64_all(column_t *c, const int64_t *values, size_t n);
 int elem_f64(column_t *c, double v);
 int row_end(table_t *t, int32_t origin);
 

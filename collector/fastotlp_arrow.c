@@ -130,6 +130,16 @@ int elem_i64(column_t *c, int64_t v) {
     return 0;
 }
 
+int elem_i64_all(column_t *c, const int64_t *values, size_t n) {
+    if (c->valid.p) {  /* a null came before: every value needs its validity bit */
+        for (size_t i = 0; i < n; i++) TRY(elem_i64(c, values[i]));
+        return 0;
+    }
+    TRY(buf_put(&c->data, values, n * sizeof *values));  /* block hashes, offsets: one copy */
+    c->length += (int64_t)n;
+    return 0;
+}
+
 int elem_f64(column_t *c, double v) {
     TRY(column_valid(c, 1));
     TRY(buf_put(&c->data, &v, 8));

@@ -53,7 +53,7 @@ static int put_ids(table_t *t, const span_t *s) {
 static int put_int_list(table_t *t, const int64_t *values, size_t n) {
     column_t *child = put_list_begin(t);
     if (!child) return FALLBACK;
-    for (size_t i = 0; i < n; i++) TRY(elem_i64(child, values[i]));
+    TRY(elem_i64_all(child, values, n));
     return put_list_end(t);
 }
 
