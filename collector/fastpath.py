@@ -85,8 +85,12 @@ def decode(body: bytes, max_value_length: int) -> Columns | None:
     if not enabled():
         return None
     found = _fastotlp.decode(body, max_value_length)
-    if found is None:
-        return None
+    return None if found is None else imported(found)
+
+
+def imported(found: tuple) -> Columns:
+    """The ``Columns`` of what ``_fastotlp.decode`` returned: (spans, key hashes, tables as Arrow
+    capsules with each row's span)."""
     spans, keys, tables = found
     out = Columns(keys=np.frombuffer(keys, dtype=np.uint64), spans=spans)
     exported = {name: (schema, array, origin) for name, schema, array, origin in tables}
