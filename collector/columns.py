@@ -88,6 +88,11 @@ class Columns:
                 for rid, inst, t_ns, source, fingerprint, hashes in self.rows(name)
                 for index, value in enumerate(hashes)]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the tables hold."""
+        return sum(rows.nbytes for rows in self.tables.values())
+
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
         parts = list(self.problems[:3])
@@ -124,7 +129,8 @@ class Columns:
                       if name in part.tables]
             if chosen:
                 out.tables[name] = pa.concat_tables([part.tables[name] for part, _ in chosen])
-                out.origin[name] = np.concatenate([part.origin[name] + at for part, at in chosen]).astype(np.int32)
+                if all(name in part.origin for part, _ in chosen):  # read back from a journal: none
+                    out.origin[name] = np.concatenate([part.origin[name] + at for part, at in chosen]).astype(np.int32)
         for part in parts:
             offset += part.spans
             out.rejected += part.rejected

@@ -18,7 +18,8 @@ from contextlib import contextmanager
 
 from starlette.concurrency import run_in_threadpool
 
-from tokentrace.collector.normalize import Batch, normalize
+from tokentrace.collector.columns import Columns
+from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
 from tokentrace.errors import PayloadError, TokentraceError
 
@@ -42,7 +43,7 @@ class Counters:
         with self._lock:
             self.rejected[reason] += count
 
-    def refuse(self, batch: Batch) -> None:
+    def refuse(self, batch: Columns) -> None:
         """Count what the normalizer refused or left out of ``batch``, by reason."""
         with self._lock:
             self.invalid_spans.update(batch.rejected_by)
@@ -63,9 +64,16 @@ class Counters:
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
-          max_value_length: int) -> Batch:
-    """Decompress, decode and normalize one payload. Pure, so it runs in a worker process as well."""
-    return normalize(decode(decompress(body, content_encoding, max_body_bytes), encoding), max_value_length)
+          max_value_length: int) -> Columns:
+    """Decompress, decode and normalize one payload into Arrow columns. Pure, so it runs in a worker
+    process as well."""
+    return normalize(decode(decompress(body, content_encoding, max_body_bytes), encoding), max_value_length).columns()
+
+
+def _parse_in_worker(*args) -> bytes:
+    """``parse`` in a worker process: the columns go back as bytes (Columns.to_bytes), read in the
+    collector's process without copying; a pickled Arrow table costs a copy on each side."""
+    return parse(*args).to_bytes()
 
 
 def _start_worker(parent_pid: int) -> None:
@@ -113,19 +121,20 @@ class Pipeline:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=False)
 
-    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
+    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         with self._counting_refusals():
             pool = self._pool
             try:
-                batch = pool.submit(parse, *args).result() if pool is not None else parse(*args)
+                batch = Columns.from_bytes(pool.submit(_parse_in_worker, *args).result()) if pool is not None \
+                    else parse(*args)
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = parse(*args)
         return self._checked(batch)
 
-    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
+    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """``batch`` for the event loop: waits on a worker, or on a thread when there is no pool."""
         if self._pool is None:
             return await run_in_threadpool(self.batch, body, encoding, content_encoding)
@@ -133,7 +142,7 @@ class Pipeline:
         pool = self._pool
         with self._counting_refusals():
             try:
-                batch = await asyncio.wrap_future(pool.submit(parse, *args))
+                batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = await run_in_threadpool(parse, *args)
@@ -157,7 +166,7 @@ class Pipeline:
                 self.start()
         broken.shutdown(wait=False, cancel_futures=True)
 
-    def _checked(self, batch: Batch) -> Batch:
+    def _checked(self, batch: Columns) -> Columns:
         if batch.rejected:
             self.counters.reject("invalid_span", batch.rejected)
         if batch.truncated:
