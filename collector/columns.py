@@ -58,6 +58,9 @@ class Columns:
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
     rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
     left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
+    #: The bytes (``to_bytes``) each part of this batch was read from, while it holds exactly them:
+    #: the store journals those instead of writing the batch again.
+    sources: list | None = field(default=None, repr=False, compare=False)
 
     # --- reading ----------------------------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
@@ -123,6 +126,8 @@ class Columns:
         if len(parts) == 1:
             return parts[0]
         out = cls(keys=np.concatenate([part.keys for part in parts]) if parts else np.zeros(0, np.uint64))
+        if parts and all(part.sources is not None for part in parts):
+            out.sources = [source for part in parts for source in part.sources]
         offset = 0
         for name in TABLES:
             chosen = [(part, offset_of) for part, offset_of in zip(parts, _offsets(parts), strict=True)
@@ -176,6 +181,7 @@ class Columns:
         out = cls(spans=header["spans"], rejected=header["rejected"], truncated=header["truncated"],
                   problems=header["problems"], rejected_by=Counter(header["rejected_by"]),
                   left_out=Counter(header["left_out"]))
+        out.sources = [data]
         buffer = pa.py_buffer(data)
         for name, length in header["tables"]:
             rows = ipc.open_stream(buffer.slice(at, length)).read_all()

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from tokentrace.collector.columns import Columns
 from tokentrace.collector.store import SpoolRecord
-from tokentrace.errors import Overloaded
+from tokentrace.errors import Overloaded, StoreError
 
 log = logging.getLogger("tokentrace.collector")
 #: Unmerged bytes past which writes wait, then refuse.
@@ -81,6 +81,7 @@ class Log:
         folder.mkdir(exist_ok=True)
         self._file = None
         self._size = 0
+        self._broken = False
 
     def _segments(self) -> list[tuple[int, Path]]:
         found = []
@@ -117,18 +118,31 @@ class Log:
             if first > int(path.stem):  # written after the cut record: never acknowledged either
                 later.unlink()
 
-    def append(self, records: list[tuple[int, bytes]]) -> None:
-        """Write the records and make them durable (one fdatasync)."""
+    def append(self, seq: int, payload: list[bytes]) -> None:
+        """Write one record (its payload in pieces) and make it durable (one fdatasync)."""
         if self._file is None or self._size >= SEGMENT_BYTES:
-            self._open(records[0][0])
-        chunks = []
-        for seq, payload in records:
-            chunks.append(_HEADER.pack(_MAGIC, seq, len(payload), zlib.crc32(payload)))
-            chunks.append(payload)
-        data = b"".join(chunks)
-        os.write(self._file, data)
-        os.fdatasync(self._file)
-        self._size += len(data)
+            self._open(seq)
+        if self._broken:
+            raise StoreError(f"the journal {self.folder} could not be repaired after a failed write; restart "
+                             f"the collector (it appends every acknowledged batch)")
+        crc, length = 0, 0
+        for piece in payload:
+            crc, length = zlib.crc32(piece, crc), length + len(piece)
+        chunks = [_HEADER.pack(_MAGIC, seq, length, crc), *payload]
+        try:
+            written = os.writev(self._file, chunks)
+            while written < _HEADER.size + length:  # a short write: the rest, from where it stopped
+                written += os.write(self._file, b"".join(chunks)[written:])
+            os.fdatasync(self._file)
+        except OSError:
+            # A record cut short in the middle of the log would end it there at the next start,
+            # hiding the acknowledged records after it: take it back, or take no more.
+            try:
+                os.ftruncate(self._file, self._size)
+            except OSError:
+                self._broken = True
+            raise
+        self._size += _HEADER.size + length
 
     def _open(self, first_seq: int) -> None:
         if self._file is not None:
@@ -193,9 +207,9 @@ class Journal:
                 raise Overloaded(f"the store has {self._bytes >> 20} MiB of acknowledged batches still to append "
                                  f"to its tables; retry later", retry_after=1)
 
-    def add(self, entry: Entry, payload: bytes) -> None:
+    def add(self, entry: Entry, payload: list[bytes]) -> None:
         """Journal a batch durably (it may be acknowledged when this returns), then merge it."""
-        self.log.append([(entry.seq, payload)])
+        self.log.append(entry.seq, payload)
         with self._cond:
             self._pending.append(entry)
             self._bytes += entry.nbytes

@@ -165,3 +165,4 @@ def drop_stored(batch: Columns, keys: SpanKeys, stored: Lookup) -> None:
     fresh = batch.select(keys.fresh(batch, stored))
     batch.duplicates = batch.spans - fresh.spans
     batch.tables, batch.origin, batch.keys, batch.spans = fresh.tables, fresh.origin, fresh.keys, fresh.spans
+    batch.sources = fresh.sources

@@ -118,16 +118,23 @@ def _call(callback: Callable[[], None] | None) -> None:
         callback()
 
 
-def _record(columns: Columns, spool: SpoolRecord | None) -> bytes:
-    """A journal record: the spool file it came from (if any) and the batch's columns."""
-    head = json.dumps(None if spool is None else [spool.sha256, spool.name]).encode()
-    return b"".join([struct.pack("<I", len(head)), head, columns.to_bytes(with_origin=False)])
+def _record(columns: Columns, spool: SpoolRecord | None) -> list[bytes]:
+    """A journal record, in pieces: the spool file it came from (if any) and the batch's columns,
+    as the bytes the parse stage sent them in when the batch is still exactly those (no copy)."""
+    parts = columns.sources or [columns.to_bytes(with_origin=False)]
+    head = json.dumps({"spool": None if spool is None else [spool.sha256, spool.name],
+                       "parts": [len(part) for part in parts]}).encode()
+    return [struct.pack("<I", len(head)), head, *parts]
 
 
 def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
     (size,) = struct.unpack_from("<I", data)
-    spool = json.loads(bytes(data[4:4 + size]))
-    return Columns.from_bytes(data[4 + size:]), None if spool is None else SpoolRecord(*spool)
+    head = json.loads(bytes(data[4:4 + size]))
+    parts, at = [], 4 + size
+    for length in head["parts"]:
+        parts.append(Columns.from_bytes(data[at:at + length]))
+        at += length
+    return Columns.concat(parts), None if head["spool"] is None else SpoolRecord(*head["spool"])
 
 
 def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
@@ -242,12 +249,13 @@ class DuckDBStore(NamedQueryReader):
                 _call(on_stored)
                 return True
             payload = _record(columns, spool)
+            size = sum(len(piece) for piece in payload)
             free = disk_free(self.path)
-            if free is not None and free < MIN_FREE_BYTES + 2 * len(payload):  # its merge needs as much again
+            if free is not None and free < MIN_FREE_BYTES + 2 * size:  # its merge needs as much again
                 raise StoreError(f"the disk holding {self.path} has {free} bytes free: not enough to journal and "
-                                 f"append {len(payload)} bytes")
+                                 f"append {size} bytes")
             # A copy: the caller may write the same object again, and a write changes it in place.
-            entry = journal.Entry(self._seq + 1, copy.copy(columns), len(payload), spool, on_stored)
+            entry = journal.Entry(self._seq + 1, copy.copy(columns), size, spool, on_stored)
             self._journal.add(entry, payload)
         except (Overloaded, StoreError):
             raise
