@@ -177,6 +177,10 @@ class DuckDBStore(NamedQueryReader):
         self._columns()
         self._journal: Journal | None = None
         if read_only:  # no writer state: reading rows needs no numpy, polars or pyarrow
+            if any(Path(self.path + ".journal").glob("*.log")):
+                log.warning("%s.journal holds batches a collector acknowledged but had not appended to the tables "
+                            "when it stopped: this read-only view lacks them; the next collector to open the store "
+                            "appends them", self.path)
             return
         _libraries()
         self._recent = frontier.RecentKeys()
