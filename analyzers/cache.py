@@ -126,8 +126,8 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
     hashes = [row["hash"] for row in reader.rows("lookup_blocks", request_id=request_id, **window)]
     segments = reader.rows("segments_of", request_id=request_id, **window)
-    sightings = reader.rows("prefix_sightings_of", hashes=hashes, before_ns=t) if hashes else []
-    seen, cached_on = _deepest(sightings), _deepest_per_instance(sightings)
+    reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
+    seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
     here_key = request["instance_id"]
     here = next((row for row in _longer(cached_on, block, prompt, cached) if row["instance_id"] == here_key), None)
     eviction, loads = None, []
@@ -224,25 +224,22 @@ def _first_of_deepest(rows: list[dict]) -> dict:
     return min(rows, key=lambda row: (-row["block_index"], row["t_ns"], row["request_id"] or ""))
 
 
-def _deepest(sightings: list[dict]) -> dict | None:
-    """The deepest block any earlier prompt or entry had (any instance), and who had it first."""
-    if not sightings:
+def _deepest(reach: list[dict]) -> dict | None:
+    """The deepest block any earlier prompt or entry had (any instance), and who had it first
+    (``reach``: prefix_reach rows, one per instance and source)."""
+    if not reach:
         return None
-    row = _first_of_deepest(sightings)
+    row = _first_of_deepest(reach)
     return {"last_block": row["block_index"], "request_id": row["request_id"], "instance_id": row["instance_id"],
             "source": row["source"], "t_ns": row["t_ns"]}
 
 
-def _deepest_per_instance(sightings: list[dict]) -> list[dict]:
+def _deepest_per_instance(reach: list[dict]) -> list[dict]:
     """Per instance, the deepest block a cache entry stored there held, and the first such entry."""
-    by_instance: dict = {}
-    for row in sightings:
-        if row["source"] == "insert":
-            by_instance.setdefault(row["instance_id"], []).append(row)
-    deepest = [_first_of_deepest(rows) for rows in by_instance.values()]
+    stored = [row for row in reach if row["source"] == "insert"]
     return [{"instance_id": row["instance_id"], "last_block": row["block_index"], "request_id": row["request_id"],
              "fingerprint": row["fingerprint"], "t_ns": row["t_ns"]}
-            for row in sorted(deepest, key=lambda row: (-row["block_index"], str(row["instance_id"])))]
+            for row in sorted(stored, key=lambda row: (-row["block_index"], str(row["instance_id"])))]
 
 
 def _find_eviction(reader: TraceReader, instance_id: str | None, deepest: int, hashes: list[int], t: int,

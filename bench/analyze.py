@@ -60,8 +60,9 @@ _TIMES = {"start_ns", "end_ns", "t_ns", "seen_ns"}
 _IDS = {"trace_id", "span_id", "parent_span_id"}
 _REQUEST_IDS = {"request_id", "entry_request_id", "evicted_by_request_id"}
 _REQUEST_ID_LISTS = {"prefill_request_ids", "decode_request_ids"}
-_HASHES = {"hash", "fingerprint", "matched_entry"}
-_NOT_COPIED = {"schema_migrations", "spool_files"}
+_HASHES = {"hash", "fingerprint", "matched_entry", "fresh_hash"}
+_HASH_LISTS = {"hashes"}
+_NOT_COPIED = {"schema_migrations", "spool_files", "journal_state"}
 
 
 def _workload(chunk: int, base: int) -> Workload:
@@ -85,8 +86,10 @@ def _generate(task: tuple[int, int]) -> Batch:
 
 
 def _tables(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
-    rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "
-                       "ORDER BY table_name, ordinal_position").fetchall()
+    """The columns of every stored table (not the views over them)."""
+    rows = con.execute("SELECT c.table_name, c.column_name FROM information_schema.columns c "
+                       "JOIN information_schema.tables t USING (table_schema, table_name) "
+                       "WHERE t.table_type = 'BASE TABLE' ORDER BY c.table_name, c.ordinal_position").fetchall()
     tables: dict[str, list[str]] = {}
     for table, column in rows:
         if table not in _NOT_COPIED:
@@ -107,6 +110,7 @@ def build(path: Path, requests: int, base: int = BASE_CHUNKS, replicate: bool = 
         for done, batch in enumerate(pool.imap(_generate, [(k, base) for k in range(ingested)]), start=1):
             store.write(batch)
             if replicate:
+                store.settle()  # the journaled batch is in the tables (collector/journal.py)
                 con = store._con
                 ends.append({t: con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in _tables(con)})
             if done % 10 == 0:
@@ -129,6 +133,8 @@ def _column(table: str, column: str) -> str:
         return f"list_transform({column}, lambda x: rid(x, $offset))"
     if column in _HASHES:
         return f"xor({column}, $salt)"
+    if column in _HASH_LISTS:
+        return f"list_transform({column}, lambda x: xor(x, $salt))"
     if (table, column) == ("spans", "attributes"):  # the JSON repeats the request id and entry fingerprint
         rid_key, fp_key = json.dumps(c.REQUEST_ID) + ":", json.dumps(c.ENTRY_FINGERPRINT) + ":"
         fp = f"CAST(json_extract_string(attributes, '$.\"{c.ENTRY_FINGERPRINT}\"') AS BIGINT)"

@@ -5,8 +5,10 @@
    spans/s counts write() only; generating and normalizing are the same for both and reported apart.
 2. Fill: generating and normalizing run at ~10-40k spans/s on this 2-core machine, too slow to build
    10M spans in minutes, so the store grows by copies of that pool, re-keyed in Arrow (ids suffixed,
-   hashes XOR-salted, times shifted past the pool: fresh requests, same shape) and appended with each
-   backend's bulk Arrow insert, bounded by --spans and --seconds (the run says the size reached).
+   hashes XOR-salted, times shifted past the pool: fresh requests, same shape) and appended in bulk:
+   the DuckDB store through its write role (journal and merge: what its writer does with a large
+   group), ClickHouse with its bulk Arrow insert; bounded by --spans and --seconds (the run says the
+   size reached).
 3. Reads on the filled store: the reader role and the analyzers' named queries for random requests,
    p50/p99 per call on each backend (and the analyzers' verdicts when they are installed).
 4. On-disk bytes per span: DuckDB's file after CHECKPOINT, ClickHouse's active parts.
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -35,7 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from synth import Workload
 
 from tokentrace.collector import sqlfiles, stores
-from tokentrace.collector.normalize import TABLES, Batch, normalize
+from tokentrace.collector.columns import Columns
+from tokentrace.collector.normalize import normalize
+from tokentrace.collector.store_clickhouse import _expand
+from tokentrace.collector.tables import PACKED
 
 BACKENDS = ("duckdb", "chdb")
 GROUP_SPANS = 50_000  # what the writer thread groups under load (collector/writer.py)
@@ -43,6 +49,7 @@ _IDS = {"request_id", "trace_id", "span_id", "parent_span_id", "entry_request_id
 _ID_LISTS = {"prefill_request_ids", "decode_request_ids"}
 _TIMES = {"start_ns", "end_ns", "t_ns", "seen_ns"}
 _HASHES = {"hash", "fingerprint", "matched_entry"}
+_HASH_LISTS = {"hashes"}
 
 
 def open_stores(tmp: Path) -> dict:
@@ -51,38 +58,36 @@ def open_stores(tmp: Path) -> dict:
             "chdb": stores.open_store(stores.parse(f"chdb://{tmp / 'chdb'}"))}
 
 
-def make_pool(pool_spans: int, start_ns: int) -> tuple[list[Batch], float, Workload]:
+def make_pool(pool_spans: int, start_ns: int) -> tuple[list[Columns], float, Workload]:
     """Groups of normalized engine-shaped spans; (groups, seconds to generate + normalize, workload)."""
     workload = Workload(seed=3, instances=4, start_ns=start_ns)
     batches = workload.batches(512)
     groups, began = [], time.perf_counter()
     while sum(g.spans for g in groups) < pool_spans:
-        group = Batch()
-        while group.spans < GROUP_SPANS:
-            group.extend(normalize(next(batches)))
-        groups.append(group)
+        parts = []
+        while sum(part.spans for part in parts) < GROUP_SPANS:
+            parts.append(normalize(next(batches)).columns())
+        groups.append(Columns.concat(parts))
     return groups, time.perf_counter() - began, workload
 
 
-def write_pool(opened: dict, groups: list[Batch]) -> dict[str, float]:
-    """write() every group to every store; seconds per backend."""
+def write_pool(opened: dict, groups: list[Columns]) -> dict[str, float]:
+    """write() every group to every store (a copy each: a write changes its batch); seconds per
+    backend, DuckDB's until its merge thread has appended the group."""
     seconds = dict.fromkeys(opened, 0.0)
     for group in groups:
         for backend, store in opened.items():
             began = time.perf_counter()
-            store.write(group)
+            store.write(Columns(dict(group.tables), dict(group.origin), group.keys, group.spans))
+            if hasattr(store, "settle"):
+                store.settle()
             seconds[backend] += time.perf_counter() - began
     return seconds
 
 
-def pool_tables(store, groups: list[Batch]) -> dict[str, pa.Table]:
-    """The pool as one Arrow table per table, in TABLES column order (packed tables expanded)."""
-    tables = {}
-    for table in TABLES:
-        parts = [t for t in (store._table(g, table) for g in groups) if t is not None]
-        if parts:
-            tables[table] = pa.concat_tables(parts).combine_chunks()
-    return tables
+def pool_tables(groups: list[Columns]) -> dict[str, pa.Table]:
+    """The pool as one Arrow table per table (packed tables packed)."""
+    return Columns.concat(groups).tables
 
 
 def rekey(table: pa.Table, cycle: int, shift_ns: int) -> pa.Table:
@@ -100,6 +105,9 @@ def rekey(table: pa.Table, cycle: int, shift_ns: int) -> pa.Table:
             column = pc.add(column, shift_ns)
         elif name in _HASHES:
             column = pc.bit_wise_xor(column, pa.scalar(salt, pa.int64()))
+        elif name in _HASH_LISTS:
+            flat = pc.bit_wise_xor(pc.list_flatten(column), pa.scalar(salt, pa.int64()))
+            column = pa.ListArray.from_arrays(column.offsets, flat)
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=table.schema)
 
@@ -122,24 +130,15 @@ def fill(opened: dict, tables: dict[str, pa.Table], pool_spans: int, shift_ns: i
 
 
 def bulk_insert(store, copies: dict[str, pa.Table]) -> None:
-    """Each backend's bulk Arrow append, as its write() ends (DuckDB: one transaction)."""
-    if hasattr(store, "_con"):
-        con = store._con
-        con.execute("BEGIN")
-        for table, data in copies.items():
-            con.from_arrow(data).insert_into(table)
-        if "prefix_blocks" in copies:
-            # What write() adds for these blocks: each copy's hashes are salted, so every
-            # (hash, instance, source) is new and its first row is its earliest.
-            con.register("copied_blocks", copies["prefix_blocks"])
-            con.execute("INSERT INTO prefix_sightings SELECT hash, arg_min(block_index, t_ns), min(t_ns), "
-                        "arg_min(request_id, t_ns), instance_id, source, arg_min(fingerprint, t_ns) "
-                        "FROM copied_blocks GROUP BY hash, instance_id, source")
-            con.unregister("copied_blocks")
-        con.execute("COMMIT")
+    """Each backend's bulk append: DuckDB's write role (journal, then one merge transaction),
+    ClickHouse's Arrow insert (packed tables expanded, as its write() inserts them)."""
+    if hasattr(store, "settle"):  # spans=0: fresh ids, nothing for the exactly-once check to look up
+        store.write(Columns(copies, {name: np.zeros(t.num_rows, np.int32) for name, t in copies.items()}))
+        store.settle()
     else:
         for table, data in copies.items():
-            store._writer.insert_arrow(table, data, settings={"insert_deduplicate": 0})
+            rows = _expand(table, data.cast(store._packed[table])) if table in PACKED else data
+            store._writer.insert_arrow(table, rows, settings={"insert_deduplicate": 0})
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -247,7 +246,7 @@ def main() -> int:
             for backend in BACKENDS:
                 print(f"  {backend:7} write(): {pool / written[backend]:,.0f} spans/s "
                       f"({len(groups)} groups of ~{GROUP_SPANS:,})")
-            tables = pool_tables(opened["chdb"], groups)
+            tables = pool_tables(groups)
             shift = workload.clock - start_ns + 1_000_000_000
             del groups
             print(f"fill: re-keyed copies of the pool, up to {args.spans:,} spans or {args.seconds:.0f} s")

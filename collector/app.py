@@ -303,6 +303,7 @@ class Collector:
             "pending": self.budget.snapshot(),
             **self.counters.snapshot(),
             "spool": self.spool.snapshot() if self.spool else None,
+            "journal": self.store.journal_state() if hasattr(self.store, "journal_state") else None,
         }
         return (503 if problems else 200), body
 
@@ -355,15 +356,19 @@ def create_app(collector: Collector) -> FastAPI:
             payload = await _inflate(body, request.headers.get("content-encoding"), limit, hold)
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(payload, encoding)
-            await asyncio.wrap_future(collector.queue.submit(batch, spool))
+            # Once stored, the store releases what it still holds of the batch (collector/budget.py).
+            await asyncio.wrap_future(collector.queue.submit(batch, spool, on_stored=hold.release))
         except TokentraceError as exc:
+            hold.release()
             # Status and retryability come from the error's class (core/errors.py): 503 + Retry-After
             # only for conditions that pass; input that can never succeed is 4xx.
             if not getattr(exc, "counted", False):
                 collector.counters.reject(exc.code)
             return _otlp_error(exc.http_status, str(exc), encoding, retry_headers(exc))
-        finally:
+        except BaseException:
             hold.release()
+            raise
+        hold.keep(batch.nbytes)
         return Response(encode_response(encoding, batch.rejected, batch.message()),
                         media_type=encoding.media_type)
 

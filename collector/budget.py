@@ -7,6 +7,12 @@ parsed and batches waiting for the writer are all inside the one bound. Its cost
 generic spans) to 4.5 (engine spans) times the protobuf size in Python objects. A gzip body is
 charged again by its decompressed size once that is known.
 
+A committed request keeps part of its cost until its rows are in the store's tables: the DuckDB
+store acknowledges a batch once it is in its journal and appends it to the tables behind that
+(collector/journal.py), holding its columns in memory meanwhile. At the acknowledgement the hold
+shrinks to the size of those columns and the store releases it once they are appended
+(``Hold.keep``), so batches waiting to be appended count against the same bound.
+
 A refused request gets 503 + Retry-After before its body is read (Content-Length known) or as soon
 as the bytes received pass the budget (chunked). The first request is always admitted, so a budget
 smaller than one body still lets requests through one at a time.
@@ -56,25 +62,38 @@ class Budget:
 
 
 class Hold:
-    """What one request holds of a ``Budget``; ``release`` gives it all back."""
+    """What one request holds of a ``Budget``; ``release`` gives it all back. Safe from any thread:
+    the store's merge thread may release a hold while the request's handler shrinks it."""
 
     def __init__(self, budget: Budget):
         self.budget = budget
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def take(self, cost: int) -> bool:
         """Hold ``cost`` more bytes if the budget admits them."""
         if not self.budget.take(cost):
             return False
-        self.bytes += cost
+        with self._lock:
+            self.bytes += cost
         return True
 
     def give(self, cost: int) -> None:
         """Give back part of what is held."""
-        cost = min(cost, self.bytes)
+        with self._lock:
+            cost = min(cost, self.bytes)
+            self.bytes -= cost
         self.budget.give(cost)
-        self.bytes -= cost
+
+    def keep(self, cost: int) -> None:
+        """Give back all but ``cost`` bytes (what a store still holds of the request)."""
+        with self._lock:
+            extra = max(0, self.bytes - cost)
+            self.bytes -= extra
+        self.budget.give(extra)
 
     def release(self) -> None:
         """Give back everything."""
-        self.give(self.bytes)
+        with self._lock:
+            cost, self.bytes = self.bytes, 0
+        self.budget.give(cost)

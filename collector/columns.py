@@ -58,6 +58,9 @@ class Columns:
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
     rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
     left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
+    #: The bytes (``to_bytes``) each part of this batch was read from, while it holds exactly them:
+    #: the store journals those instead of writing the batch again.
+    sources: list | None = field(default=None, repr=False, compare=False)
 
     # --- reading ----------------------------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
@@ -87,6 +90,11 @@ class Columns:
         return [(rid, inst, t_ns, source, index, value, fingerprint)
                 for rid, inst, t_ns, source, fingerprint, hashes in self.rows(name)
                 for index, value in enumerate(hashes)]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the tables hold."""
+        return sum(rows.nbytes for rows in self.tables.values())
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
@@ -118,13 +126,16 @@ class Columns:
         if len(parts) == 1:
             return parts[0]
         out = cls(keys=np.concatenate([part.keys for part in parts]) if parts else np.zeros(0, np.uint64))
+        if parts and all(part.sources is not None for part in parts):
+            out.sources = [source for part in parts for source in part.sources]
         offset = 0
         for name in TABLES:
             chosen = [(part, offset_of) for part, offset_of in zip(parts, _offsets(parts), strict=True)
                       if name in part.tables]
             if chosen:
                 out.tables[name] = pa.concat_tables([part.tables[name] for part, _ in chosen])
-                out.origin[name] = np.concatenate([part.origin[name] + at for part, at in chosen]).astype(np.int32)
+                if all(name in part.origin for part, _ in chosen):  # read back from a journal: none
+                    out.origin[name] = np.concatenate([part.origin[name] + at for part, at in chosen]).astype(np.int32)
         for part in parts:
             offset += part.spans
             out.rejected += part.rejected
@@ -170,6 +181,7 @@ class Columns:
         out = cls(spans=header["spans"], rejected=header["rejected"], truncated=header["truncated"],
                   problems=header["problems"], rejected_by=Counter(header["rejected_by"]),
                   left_out=Counter(header["left_out"]))
+        out.sources = [data]
         buffer = pa.py_buffer(data)
         for name, length in header["tables"]:
             rows = ipc.open_stream(buffer.slice(at, length)).read_all()

@@ -19,14 +19,12 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
-import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from tokentrace.collector import fastpath
 from tokentrace.collector.columns import Columns
-from tokentrace.collector.normalize import MARKED, Batch, normalize
+from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
-from tokentrace.collector.tables import PACKED
 from tokentrace.errors import PayloadError, TokentraceError
 
 log = logging.getLogger("tokentrace.collector")
@@ -49,7 +47,7 @@ class Counters:
         with self._lock:
             self.rejected[reason] += count
 
-    def refuse(self, batch: Columns | Batch) -> None:
+    def refuse(self, batch: Columns) -> None:
         """Count what the normalizer refused or left out of ``batch``, by reason."""
         with self._lock:
             self.invalid_spans.update(batch.rejected_by)
@@ -71,7 +69,8 @@ class Counters:
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
           max_value_length: int) -> Columns:
-    """Decompress, decode and normalize one payload. Pure, so it runs in a worker process as well."""
+    """Decompress, decode and normalize one payload into Arrow columns. Pure, so it runs in a worker
+    process as well."""
     payload = decompress(body, content_encoding, max_body_bytes)
     if encoding.name == "protobuf":
         columns = fastpath.decode(payload, max_value_length)
@@ -80,21 +79,10 @@ def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_bod
     return normalize(decode(payload, encoding), max_value_length).columns()
 
 
-def as_batch(columns: Columns) -> Batch:
-    """The parsed payload as the normalizer's ``Batch``: what this branch's writer and stores take.
-    A bridge, not a design: it goes once the writer takes ``Columns`` (issue 17's store rework), and
-    until then it costs back much of what the compiled decoder saves."""
-    batch = Batch(spans=columns.spans, rejected=columns.rejected, truncated=columns.truncated,
-                  problems=list(columns.problems), rejected_by=Counter(columns.rejected_by),
-                  left_out=Counter(columns.left_out))
-    counts = np.zeros((columns.spans, len(MARKED)), dtype=np.int64)
-    for column, name in enumerate(MARKED):
-        rows = columns.rows(name)
-        (batch.packed if name in PACKED else batch.rows)[name] = rows
-        if rows:
-            counts[:, column] = np.bincount(columns.origin[name], minlength=columns.spans)
-    batch.marks = np.cumsum(counts, axis=0)
-    return batch
+def _parse_in_worker(*args) -> bytes:
+    """``parse`` in a worker process: the columns go back as bytes (Columns.to_bytes), read in the
+    collector's process without copying; a pickled Arrow table costs a copy on each side."""
+    return parse(*args).to_bytes()
 
 
 def _start_worker(parent_pid: int) -> None:
@@ -144,19 +132,20 @@ class Pipeline:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=False)
 
-    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
+    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         with self._counting_refusals():
             pool = self._pool
             try:
-                batch = pool.submit(parse, *args).result() if pool is not None else parse(*args)
+                batch = Columns.from_bytes(pool.submit(_parse_in_worker, *args).result()) if pool is not None \
+                    else parse(*args)
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = parse(*args)
         return self._checked(batch)
 
-    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Batch:
+    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """``batch`` for the event loop: waits on a worker, or on a thread when there is no pool."""
         if self._pool is None:
             return await run_in_threadpool(self.batch, body, encoding, content_encoding)
@@ -164,7 +153,7 @@ class Pipeline:
         pool = self._pool
         with self._counting_refusals():
             try:
-                batch = await asyncio.wrap_future(pool.submit(parse, *args))
+                batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
             except BrokenProcessPool:
                 self._rebuild(pool)
                 batch = await run_in_threadpool(parse, *args)
@@ -188,7 +177,7 @@ class Pipeline:
                 self.start()
         broken.shutdown(wait=False, cancel_futures=True)
 
-    def _checked(self, batch: Columns) -> Batch:
+    def _checked(self, batch: Columns) -> Columns:
         if batch.rejected:
             self.counters.reject("invalid_span", batch.rejected)
         if batch.truncated:
@@ -199,4 +188,4 @@ class Pipeline:
             error = PayloadError(f"no valid span in the request: {batch.message()}")
             error.counted = True  # as invalid_span, above
             raise error
-        return as_batch(batch)
+        return batch

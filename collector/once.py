@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
-from tokentrace.collector.normalize import MARKED, Batch
+from tokentrace.collector.columns import Columns
 
 MINUTE_NS = 60_000_000_000
 DEFAULT_CAPACITY = 4_000_000
@@ -79,19 +79,21 @@ class SpanKeys:
             self.horizon = minute_counts["minute"].max() + 1 if minute_counts.height else -(2**62)
             return
         rows = since(horizon * MINUTE_NS)
-        self.add(rows["trace_id"].to_list(), rows["span_id"].to_list(), rows["start_ns"].to_numpy())
+        self.add(key_hashes(rows["trace_id"].to_list(), rows["span_id"].to_list()), rows["start_ns"].to_numpy())
         self.horizon = horizon
 
-    def fresh(self, batch: Batch, stored: Lookup) -> np.ndarray:
+    def fresh(self, batch: Columns, stored: Lookup) -> np.ndarray:
         """Mask of the spans of ``batch`` to store: not stored yet, and first of their key in it."""
-        spans = batch.rows["spans"]
-        if not spans:
+        if not batch.spans:
             return np.zeros(0, dtype=bool)
-        traces, ids = [row[0] for row in spans], [row[1] for row in spans]
-        starts = np.array([row[5] for row in spans], dtype=np.int64)
-        hashes = key_hashes(traces, ids)
-        keep = _first_of_each(hashes, traces, ids)
+        spans = batch.tables["spans"]
+        hashes, starts = batch.keys, spans.column("start_ns").to_numpy()
+        keep = _first_of_each(hashes, spans)
         doubt = keep & (self._known(hashes, starts) | (starts // MINUTE_NS < self.horizon))
+        if not doubt.any():
+            return keep
+        traces = spans.column("trace_id").to_pylist()
+        ids = spans.column("span_id").to_pylist()
         for where in np.array_split(np.flatnonzero(doubt), max(1, -(-int(doubt.sum()) // LOOKUP_SPANS))):
             if not len(where):
                 continue
@@ -101,11 +103,12 @@ class SpanKeys:
                     keep[i] = False
         return keep
 
-    def add(self, traces: list[str], ids: list[str], starts: np.ndarray) -> None:
-        """Record the keys of spans just committed; drop the oldest minutes beyond capacity."""
-        if not len(traces):
+    def add(self, hashes: np.ndarray, starts: np.ndarray) -> None:
+        """Record the key hashes (``key_hashes``) of spans just committed, by their start times;
+        drop the oldest minutes beyond capacity."""
+        if not len(hashes):
             return
-        hashes, minutes = key_hashes(traces, ids), np.asarray(starts, dtype=np.int64) // MINUTE_NS
+        minutes = np.asarray(starts, dtype=np.int64) // MINUTE_NS
         for minute in np.unique(minutes):
             if minute < self.horizon:
                 continue
@@ -119,6 +122,11 @@ class SpanKeys:
             oldest = min(self._minutes)
             self._size -= sum(len(chunk) for chunk in self._minutes.pop(oldest))
             self.horizon = oldest + 1
+
+    def add_batch(self, batch: Columns) -> None:
+        """Record the spans of a batch just committed."""
+        if batch.spans:
+            self.add(batch.keys, batch.tables["spans"].column("start_ns").to_numpy())
 
     def _known(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
         known = np.zeros(len(hashes), dtype=bool)
@@ -134,12 +142,13 @@ class SpanKeys:
         return known
 
 
-def _first_of_each(hashes: np.ndarray, traces: list[str], ids: list[str]) -> np.ndarray:
+def _first_of_each(hashes: np.ndarray, spans) -> np.ndarray:
     """Mask of the first span of each key in a batch (hashes equal, ids compared exactly)."""
     keep = np.ones(len(hashes), dtype=bool)
     _, first, counts = np.unique(hashes, return_index=True, return_counts=True)
     if (counts == 1).all():
         return keep
+    traces, ids = spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist()
     seen: set[tuple[str, str]] = set()
     repeated = np.isin(hashes, np.unique(hashes[first[counts > 1]]))
     for i in np.flatnonzero(repeated):
@@ -149,24 +158,11 @@ def _first_of_each(hashes: np.ndarray, traces: list[str], ids: list[str]) -> np.
     return keep
 
 
-def drop_stored(batch: Batch, keys: SpanKeys, stored: Lookup) -> None:
+def drop_stored(batch: Columns, keys: SpanKeys, stored: Lookup) -> None:
     """Leave out of ``batch``, in place, the spans already stored and every row they made; after
     it the batch holds what the store writes (what counters and /metrics then see) and
     ``duplicates`` how many spans were left out."""
-    fresh = select(batch, keys.fresh(batch, stored))
+    fresh = batch.select(keys.fresh(batch, stored))
     batch.duplicates = batch.spans - fresh.spans
-    batch.rows, batch.packed, batch.marks, batch.spans = fresh.rows, fresh.packed, fresh.marks, fresh.spans
-
-
-def select(batch: Batch, keep: np.ndarray) -> Batch:
-    """The batch with only the spans of ``keep`` and the rows they made (``Batch.marks``)."""
-    if keep.all():
-        return batch
-    out = Batch(spans=int(keep.sum()), rejected=batch.rejected, truncated=batch.truncated,
-                problems=batch.problems)
-    counts = np.diff(batch.marks, axis=0, prepend=np.zeros((1, len(MARKED)), dtype=np.int64))
-    for column, (rows, kept) in enumerate(zip(batch.lists(), out.lists(), strict=True)):
-        origin = np.repeat(np.arange(len(keep)), counts[:, column])
-        kept.extend(rows[i] for i in np.flatnonzero(keep[origin]))
-    out.marks = np.cumsum(counts[keep], axis=0)
-    return out
+    batch.tables, batch.origin, batch.keys, batch.spans = fresh.tables, fresh.origin, fresh.keys, fresh.spans
+    batch.sources = fresh.sources

@@ -46,8 +46,8 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from tokentrace.collector.columns import Columns
 from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.normalize import Batch
 from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
@@ -271,19 +271,20 @@ class SpoolIngester:
         unchanged = size == after.st_size == before.st_size and after.st_mtime_ns == before.st_mtime_ns
         return b"".join(chunks) if unchanged else None
 
-    def _decode(self, name: str, data: bytes) -> Batch:
+    def _decode(self, name: str, data: bytes) -> Columns:
         if len(data) > self.pipeline.max_body_bytes:
             self.counters.reject("too_large")
             raise PayloadError(f"file of {len(data)} bytes is over the limit of {self.pipeline.max_body_bytes}")
         encoding = SUFFIXES[Path(name).suffix]
         if encoding.name == "protobuf":
             return self.pipeline.batch(data, encoding)
-        batch = Batch()
+        parts = []
         for number, document in enumerate(_json_documents(data), start=1):
             try:
-                batch.extend(self.pipeline.batch(document, encoding))
+                parts.append(self.pipeline.batch(document, encoding))
             except PayloadError as exc:
                 raise PayloadError(f"line {number}: {exc}") from exc
+        batch = Columns.concat(parts) if parts else Columns()
         if not batch.spans:
             raise PayloadError("the file holds no span")
         return batch

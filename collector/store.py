@@ -4,9 +4,13 @@ dashboards a ``TraceReader``. One backend class implements both (``DuckDBStore``
 suite (tests/test_store_conformance.py). Where the backends differ, each item says so.
 
 Writer contract
-    - ``write(batch, spool)`` returns only once every row of ``batch`` is stored: the HTTP request
-      is acknowledged after that, never before.
-        DuckDB: one transaction, committed (WAL) before it returns.
+    - ``write(batch, spool, on_stored)`` returns only once every row of ``batch`` is stored
+      durably: the HTTP request is acknowledged after that, never before. Readers of the store see
+      those rows from then on; ``on_stored`` (when given) is called once they are in the tables,
+      whatever the store holds of the batch in memory until then released (collector/budget.py).
+        DuckDB: committed to the journal (one row, WAL) before it returns, appended to the tables
+        by the merge thread in a later transaction that deletes the journal row; a reader waits for
+        that merge (collector/journal.py).
         ClickHouse: one INSERT per table, ``requests`` last, each committed as a part before the
         next; no transaction spans tables (store_clickhouse.py).
     - On failure it raises ``StoreError``.
@@ -31,9 +35,10 @@ Writer contract
       server takes any number of collectors at once.
 
 Reader contract
-    - Reads stored data only: DuckDB committed transactions; ClickHouse INSERTed parts, so a
-      reader may see the earlier tables of a batch being written, but a visible ``requests`` row
-      has all its batch's rows. Row order is only what a query's ORDER BY fixes.
+    - Reads stored data only: DuckDB committed transactions, after waiting until what was written
+      before the read is merged from the journal (so a writer reads its own writes); ClickHouse
+      INSERTed parts, so a reader may see the earlier tables of a batch being written, but a
+      visible ``requests`` row has all its batch's rows. Row order is only what a query's ORDER BY fixes.
     - An unknown id gives ``None`` (one object) or an empty frame (collections), never an error.
     - Frames carry their documented columns even when empty, with the same dtypes on every
       backend; times are integer nanoseconds.
@@ -51,6 +56,7 @@ Reader contract
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -61,6 +67,7 @@ if TYPE_CHECKING:  # polars and pyarrow where frames and appends are built: read
     import polars as pl
     import pyarrow as pa
 
+    from tokentrace.collector.columns import Columns
     from tokentrace.collector.normalize import Batch
 
 
@@ -77,6 +84,14 @@ class SpoolRecord:
         return cls(hashlib.sha256(data).hexdigest(), name)
 
 
+def as_columns(batch: Columns | Batch) -> Columns:
+    """The batch as ``Columns`` (a normalizer ``Batch``, as tests and benchmarks build them, is
+    converted; its ``spans``/``duplicates`` are the writer's to update afterwards)."""
+    from tokentrace.collector.columns import Columns
+
+    return batch if isinstance(batch, Columns) else batch.columns()
+
+
 def packed_schemas(schemas: dict[str, pa.Schema]) -> dict[str, pa.Schema]:
     """The Arrow schema of each packed table's rows as the normalizer stages them: the table's own
     column types (``schemas``, read from the store) plus the packed-only columns."""
@@ -86,16 +101,6 @@ def packed_schemas(schemas: dict[str, pa.Schema]) -> dict[str, pa.Schema]:
     packed_only = {"start_ns": pa.int64(), "offsets": pa.list_(pa.int64()), "hashes": pa.list_(pa.int64())}
     return {table: pa.schema([(name, packed_only.get(name) or schemas[table].field(name).type) for name in columns])
             for table, columns in PACKED.items()}
-
-
-def arrow_rows(schema: pa.Schema, rows: list[tuple]) -> pa.Table:
-    """Rows (tuples in ``schema`` order) as one Arrow table: how every backend appends in bulk."""
-    import pyarrow as pa
-
-    columns = list(zip(*rows, strict=True))
-    # From lists, not the tuples zip gives: pyarrow converts a list 1.1-2.7 times as fast (measured).
-    arrays = [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)]
-    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def write_failure(exc: BaseException, message: str) -> StoreError | RejectedBatch:
@@ -150,7 +155,8 @@ class NamedQueryReader:
 class TraceWriter(Protocol):
     """The ingest side of a store (contract in the module docstring)."""
 
-    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
+    def write(self, batch: Columns, spool: SpoolRecord | None = None,
+              on_stored: Callable[[], None] | None = None) -> bool:
         """Store the batch durably; False when ``spool`` was already ingested."""
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import clickhouse_connect
@@ -40,8 +41,10 @@ import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from tokentrace.collector import once, sqlfiles
-from tokentrace.collector.normalize import PACKED, TABLES, Batch
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
+from tokentrace.collector.columns import Columns
+from tokentrace.collector.normalize import Batch
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, as_columns, packed_schemas, write_failure
+from tokentrace.collector.tables import PACKED, TABLES
 from tokentrace.errors import StoreError
 
 #: Insert order: ``requests`` next to last, so that a request visible to readers has all its rows;
@@ -187,21 +190,24 @@ class ClickHouseStore(NamedQueryReader):
     #: insert blocks with the same deduplication tokens (see ``write``).
     group_writes = False
 
-    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
-        """Insert ``batch`` table by table, ``spans`` last (guarantees in the module docstring)."""
+    def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
+              on_stored: Callable[[], None] | None = None) -> bool:
+        """Insert ``batch`` table by table, ``spans`` last (guarantees in the module docstring);
+        every table is written when this returns, so ``on_stored`` is called before it does."""
+        columns = as_columns(batch)
         try:
             if spool is not None and self.spool_seen(spool.sha256):
+                if on_stored is not None:
+                    on_stored()
                 return False
-            in_file = batch.spans
-            once.drop_stored(batch, self._keys, self._stored_keys)
-            fresh, spans = batch, batch.rows["spans"]
+            in_file = columns.spans
+            once.drop_stored(columns, self._keys, self._stored_keys)
             # One token per table from the keys of the spans written: a resend after a crash
             # mid-batch finds the tables already inserted and the server drops those blocks.
-            digest = hashlib.blake2b(once.key_hashes([r[0] for r in spans], [r[1] for r in spans]).tobytes(),
-                                     digest_size=16).hexdigest()
+            digest = hashlib.blake2b(columns.keys.astype(np.uint64).tobytes(), digest_size=16).hexdigest()
             settings = {**_INSERT_SETTINGS, "insert_deduplicate": 1}
             for table in WRITE_ORDER:
-                data = self._table(fresh, table)
+                data = self._table(columns, table)
                 if data is None:
                     continue
                 settings["insert_deduplication_token"] = f"once:{digest}:{table}"
@@ -209,21 +215,27 @@ class ClickHouseStore(NamedQueryReader):
             if spool is not None:
                 self._writer.insert("spool_files", [(spool.sha256, spool.name, in_file, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
-            self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
-            return True
+            self._keys.add_batch(columns)
         except Exception as exc:
-            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+            raise write_failure(exc, f"writing {columns.spans} spans to {self.path} failed: {exc}") from exc
+        finally:
+            if columns is not batch:  # the contract's in-place counts, for a caller's Batch
+                batch.spans, batch.duplicates = columns.spans, columns.duplicates
+        if on_stored is not None:
+            on_stored()
+        return True
 
     def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
         rows = self.frame("span_keys", starts=starts, traces=traces)
         return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
-    def _table(self, batch: Batch, table: str) -> pa.Table | None:
+    def _table(self, batch: Columns, table: str) -> pa.Table | None:
+        rows = batch.tables.get(table)
+        if rows is None:
+            return None
         if table in PACKED:
-            packed = batch.packed.get(table)
-            return _expand(table, arrow_rows(self._packed[table], packed)) if packed else None
-        rows = batch.rows.get(table)
-        return arrow_rows(self._schemas[table], rows) if rows else None
+            return _expand(table, rows.cast(self._packed[table]))
+        return rows.cast(self._schemas[table])
 
     def close(self) -> None:
         """Close every client (chdb releases its data directory when the last one closes)."""

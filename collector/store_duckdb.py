@@ -8,41 +8,53 @@ no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector'
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import copy
+import json
+import logging
 import os
 import re
+import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
 
 from tokentrace.collector import sqlfiles
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, arrow_rows, packed_schemas, write_failure
-from tokentrace.collector.tables import PACKED, TABLES
-from tokentrace.errors import NotFound, StoreError
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, as_columns, write_failure
+from tokentrace.collector.tables import PACKED, PACKED_TYPES, TABLES, TYPES
+from tokentrace.errors import NotFound, Overloaded, StoreError
 
 if TYPE_CHECKING:
+    from tokentrace.collector.journal import Entry, Journal, Log
     from tokentrace.collector.normalize import Batch
 
-#: numpy, polars, pyarrow and the writer's exactly-once module, bound by ``_libraries()`` for the
-#: writer and for frames: a read-only store answering ``rows()`` (``tokentrace analyze --db``)
-#: imports none of them (issue 17).
-np = pl = pa = pc = once = None
+log = logging.getLogger("tokentrace.collector")
+
+#: numpy, polars, pyarrow and the writer's modules, bound by ``_libraries()`` for the writer and for
+#: frames: a read-only store answering ``rows()`` (``tokentrace analyze --db``) imports none of them
+#: (issue 17).
+np = pl = pa = pc = once = frontier = journal = Columns = None
 
 
 def _libraries() -> None:
-    global np, pl, pa, pc, once
+    global np, pl, pa, pc, once, frontier, journal, Columns
     if once is None:
         import numpy
         import polars
         import pyarrow
         import pyarrow.compute
 
+        from tokentrace.collector import columns
+        from tokentrace.collector import frontier as fresh
+        from tokentrace.collector import journal as log_ahead
         from tokentrace.collector import once as exactly_once
 
-        np, pl, pa, pc, once = numpy, polars, pyarrow, pyarrow.compute, exactly_once
+        np, pl, pa, pc, frontier, journal = numpy, polars, pyarrow, pyarrow.compute, fresh, log_ahead
+        Columns, once = columns.Columns, exactly_once
+
 
 CHECKPOINT_THRESHOLD = "256MB"
 #: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
@@ -57,18 +69,6 @@ def disk_free(path: str) -> int | None:
     except OSError:
         return None
     return stat.f_bavail * stat.f_frsize
-def _arrow_types() -> dict:
-    return {
-        "VARCHAR": pa.string(),
-        "BIGINT": pa.int64(),
-        "INTEGER": pa.int32(),
-        "DOUBLE": pa.float64(),
-        "BOOLEAN": pa.bool_(),
-        "VARCHAR[]": pa.list_(pa.string()),
-        "DOUBLE[]": pa.list_(pa.float64()),
-    }
-
-
 def _polars_type(duckdb_type: str) -> pl.DataType | None:
     """The polars dtype of a DuckDB result type; None for types left to polars' inference."""
     if duckdb_type.endswith("[]"):
@@ -78,62 +78,22 @@ def _polars_type(duckdb_type: str) -> pl.DataType | None:
             "HUGEINT": pl.Int128, "UBIGINT": pl.UInt64, "FLOAT": pl.Float32}.get(duckdb_type)
 
 
-SIGHTING_COLUMNS = ("hash", "block_index", "t_ns", "request_id", "instance_id", "source", "fingerprint")
-_MIX = 0x9E3779B97F4A7C15  # a numpy uint64 where used: numpy loads with the writer
+#: Where each packed table's rows are stored (009_packed_lists.sql; the names in TABLES are views
+#: that expand them), and the columns stored beyond the packed form.
+LISTS: dict[str, str] = {"decode_steps": "decode_step_lists", "prefix_blocks": "prefix_block_lists"}
+LIST_EXTRA: dict[str, tuple[tuple[str, str], ...]] = {
+    "decode_steps": (), "prefix_blocks": (("fresh_from", "INTEGER"), ("fresh_hash", "BIGINT")),
+}
 
 
-def _salt(instance_id: str | None, source: str | None) -> int:
-    """A stable 64-bit number for one (instance, source) pair, mixed into the block hash's key."""
-    text = "\x00".join("\x01" if part is None else "\x02" + part for part in (instance_id, source))
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
-def first_sightings(staged: pa.Table, recent: RecentKeys) -> pa.Table | None:
-    """The prefix_sightings rows of staged packed prefix_blocks (normalize.PACKED): for each
-    (hash, instance_id, source), its earliest block (least t_ns; ties keep the first staged), kept
-    only when ``recent`` has not recorded the key lately. None when there is nothing to append."""
-    _libraries()
-    lists = staged.column("hashes").combine_chunks()
-    if not len(lists):
-        return None
-    parent = pc.list_parent_indices(lists).to_numpy()
-    hashes = pc.list_flatten(lists).to_numpy()
-    if not len(hashes):
-        return None
-    offsets = lists.offsets.to_numpy().astype(np.int64)
-    offsets = offsets[:-1] - offsets[0]  # an Array may be a slice of a larger one
-    index = np.arange(len(hashes), dtype=np.int64) - offsets[parent]
-    t_ns = staged.column("t_ns").to_numpy()[parent]
-    pairs: dict[tuple, int] = {}
-    group_of_row = np.fromiter(
-        (pairs.setdefault(pair, len(pairs)) for pair in zip(staged.column("instance_id").to_pylist(),
-                                                             staged.column("source").to_pylist(), strict=True)),
-        dtype=np.int64, count=staged.num_rows)
-    salts = np.array([_salt(*pair) for pair in pairs], dtype=np.uint64)
-    group = group_of_row[parent]
-    order = np.lexsort((t_ns, group, hashes))  # by hash, then pair, then time; stable
-    sorted_hash, sorted_group = hashes[order], group[order]
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = (sorted_hash[1:] != sorted_hash[:-1]) | (sorted_group[1:] != sorted_group[:-1])
-    picked = order[first]
-    keys = (hashes[picked].view(np.uint64) ^ salts[group[picked]]) * np.uint64(_MIX)
-    keys ^= keys >> np.uint64(31)
-    picked = picked[recent.fresh(keys)]
-    if not len(picked):
-        return None
-    rows = pa.array(parent[picked])
-    return pa.table({
-        "hash": pa.array(hashes[picked]), "block_index": pa.array(index[picked]), "t_ns": pa.array(t_ns[picked]),
-        "request_id": staged.column("request_id").take(rows), "instance_id": staged.column("instance_id").take(rows),
-        "source": staged.column("source").take(rows), "fingerprint": staged.column("fingerprint").take(rows),
-    })
 _LIST_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)\[\]")
 
 
 def bind_lists(sql: str, params: dict) -> tuple[str, dict]:
     """Expand each ``$name[]`` of a named query into one bound parameter per element of the list
     ``params[name]`` (``NULL`` for an empty list): DuckDB's planner uses an ART index for an IN list
-    of values, and scans the table for ``= ANY($list)``."""
+    of values, and scans the table for ``= ANY($list)``. A plain ``$name`` of the same list in the
+    same query stays bound to the whole list."""
     lists = {match.group(1) for match in _LIST_PARAM.finditer(sql)}
     if not lists:
         return sql, params
@@ -146,60 +106,47 @@ def bind_lists(sql: str, params: dict) -> tuple[str, dict]:
         name = match.group(1)
         return ", ".join(f"${name}_{index}" for index in range(len(params[name]))) or "NULL"
 
-    return _LIST_PARAM.sub(expand, sql), bound
+    sql = _LIST_PARAM.sub(expand, sql)
+    for name in lists:
+        if re.search(rf"\${name}\b", sql):
+            bound[name] = params[name]
+    return sql, bound
 
 
-class RecentKeys:
-    """64-bit keys recorded lately, in two generations of about ``capacity`` keys each: a key in
-    either is a repeat, every key offered joins the new generation (so recurring keys stay), and
-    when the new generation is full the old one is dropped. A key that returns after two
-    generations is recorded once more, which costs a row and changes no answer. Generations are
-    sorted numpy arrays probed with ``searchsorted``: a few microseconds per thousand keys."""
-
-    def __init__(self, capacity: int = 1_000_000):
-        _libraries()
-        self.capacity = capacity
-        self._new = np.empty(0, dtype=np.uint64)  # sorted
-        self._pending: list[np.ndarray] = []  # sorted chunks not yet folded into _new
-        self._new_size = 0
-        self._old = np.empty(0, dtype=np.uint64)  # sorted
-
-    @staticmethod
-    def _among(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        if not len(sorted_keys):
-            return np.zeros(len(keys), dtype=bool)
-        at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
-        return sorted_keys[at] == keys
-
-    def fresh(self, keys: np.ndarray) -> np.ndarray:
-        """Mask of the (distinct) ``keys`` not recorded lately; all of them count as recorded now."""
-        # Probed in sorted order: numpy's binary search then starts from the previous key's place,
-        # 5-10 times as fast as random probes into a generation of a million keys (measured).
-        order = np.argsort(keys)
-        probe = keys[order]
-        seen_sorted = self._among(self._old, probe) | self._among(self._new, probe)
-        for chunk in self._pending:
-            seen_sorted |= self._among(chunk, probe)
-        seen = np.empty_like(seen_sorted)
-        seen[order] = seen_sorted
-        self._pending.append(probe)
-        self._new_size += len(keys)
-        if len(self._pending) >= 8 or self._new_size >= self.capacity:  # fold: one probe per generation
-            self._new, self._pending = _merge(self._new, self._pending), []
-        if self._new_size >= self.capacity:
-            distinct = np.ones(len(self._new), dtype=bool)
-            distinct[1:] = self._new[1:] != self._new[:-1]
-            self._old = self._new[distinct]
-            self._new, self._new_size = np.empty(0, dtype=np.uint64), 0
-        return ~seen
+def _call(callback: Callable[[], None] | None) -> None:
+    if callback is not None:
+        callback()
 
 
-def _merge(sorted_keys: np.ndarray, chunks: list[np.ndarray]) -> np.ndarray:
-    """``sorted_keys`` and the ``chunks`` in one sorted array: the small chunks are sorted together
-    and inserted in one pass, linear in the generation's size (sorting the whole generation again
-    at every fold took a tenth of the writer's time at a million keys)."""
-    small = np.sort(np.concatenate(chunks)) if chunks else np.empty(0, dtype=np.uint64)
-    return np.insert(sorted_keys, np.searchsorted(sorted_keys, small), small)
+def _record(columns: Columns, spool: SpoolRecord | None) -> list[bytes]:
+    """A journal record, in pieces: the spool file it came from (if any) and the batch's columns,
+    as the bytes the parse stage sent them in when the batch is still exactly those (no copy)."""
+    parts = columns.sources or [columns.to_bytes(with_origin=False)]
+    head = json.dumps({"spool": None if spool is None else [spool.sha256, spool.name],
+                       "parts": [len(part) for part in parts]}).encode()
+    return [struct.pack("<I", len(head)), head, *parts]
+
+
+def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
+    (size,) = struct.unpack_from("<I", data)
+    head = json.loads(bytes(data[4:4 + size]))
+    parts, at = [], 4 + size
+    for length in head["parts"]:
+        parts.append(Columns.from_bytes(data[at:at + length]))
+        at += length
+    return Columns.concat(parts), None if head["spool"] is None else SpoolRecord(*head["spool"])
+
+
+def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
+    """The (trace id, span id) of the spans of ``entries`` in the traces ``traces``."""
+    found: set[tuple[str, str]] = set()
+    wanted = pa.array(traces, pa.string())
+    for entry in entries:
+        spans = entry.columns.tables.get("spans")
+        if spans is not None:
+            hit = spans.filter(pc.is_in(spans.column("trace_id"), value_set=wanted))
+            found.update(zip(hit.column("trace_id").to_pylist(), hit.column("span_id").to_pylist(), strict=True))
+    return found
 
 
 class DuckDBStore(NamedQueryReader):
@@ -221,22 +168,31 @@ class DuckDBStore(NamedQueryReader):
         if not read_only:
             # DuckDB checkpoints whenever its WAL passes 16 MB, rewriting the changed parts of the
             # ART indexes each time; at ingest rates that halved write throughput (measured 21k vs
-            # 31k spans/s). A larger WAL costs a longer replay after a crash: seconds.
+            # 31k spans/s). A larger WAL costs a longer replay after a crash: seconds. Only the
+            # merge thread commits to the tables, so a checkpoint never holds up a sender.
             self._con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_THRESHOLD}'")
             self._migrate()
         self._local = threading.local()
         self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
-        columns = self._columns()
+        self._columns()
+        self._journal: Journal | None = None
         if read_only:  # no writer state: reading rows needs no numpy, polars or pyarrow
+            if any(Path(self.path + ".journal").glob("*.log")):
+                log.warning("%s.journal holds batches a collector acknowledged but had not appended to the tables "
+                            "when it stopped: this read-only view lacks them; the next collector to open the store "
+                            "appends them", self.path)
             return
         _libraries()
-        self._schemas = self._arrow_schemas(columns)
-        self._expand = {table: sqlfiles.read("duckdb", f"expand/{table}.sql") for table in PACKED}
-        self._recent = RecentKeys()
+        self._recent = frontier.RecentKeys()
+        self._inserts = {name: f"INSERT INTO {LISTS.get(name, name)} SELECT * FROM staged" for name in TABLES}
+        self._merger = self._con.cursor()
+        log_file = journal.Log(Path(self.path + ".journal"))
+        self._seq = self._recover(log_file)
         self._keys = once.SpanKeys()
-        if not read_only:
-            self._keys.load(self._writer_frame("span_key_minutes"),
-                            lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
+        self._keys.load(self._writer_frame("span_key_minutes"),
+                        lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
+        self._journal = journal.Journal(self._merge, log_file)
+        self._journal.start(after=self._seq)
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -258,65 +214,111 @@ class DuckDBStore(NamedQueryReader):
                 con.execute("ROLLBACK")
                 raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
 
-    def _columns(self) -> dict[str, list[tuple[str, str]]]:
-        """(name, type) of each table's columns; StoreError unless they are this version's (TABLES).
-        One catalog query (1.4 ms; one information_schema query per table took 36 ms of every CLI verdict)."""
+    def _columns(self) -> None:
+        """StoreError unless every table has this version's columns and types (TABLES, TYPES; the
+        packed tables' lists too). One catalog query (1.4 ms; one information_schema query per
+        table took 36 ms of every CLI verdict)."""
         listed: dict[str, list[tuple[str, str]]] = {}
         for table, name, kind in self._con.execute(
             "SELECT table_name, column_name, data_type FROM duckdb_columns() "
             "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY table_name, column_index"
         ).fetchall():
             listed.setdefault(table, []).append((name, kind))
-        found = {}
-        for table, columns in TABLES.items():
-            rows = listed.get(table, [])
-            if [name for name, _ in rows] != list(columns):
-                raise StoreError(f"table {table} of {self.path} has columns {[n for n, _ in rows]}, "
-                                 f"expected {list(columns)}: the file comes from another version")
-            found[table] = rows
-        return found
-
-    def _arrow_schemas(self, columns: dict[str, list[tuple[str, str]]]) -> dict[str, pa.Schema]:
-        types = _arrow_types()
-        schemas = {table: pa.schema([(name, types[kind]) for name, kind in rows]) for table, rows in columns.items()}
-        return schemas | {"packed:" + table: schema for table, schema in packed_schemas(schemas).items()}
+        expected = {table: list(zip(columns, TYPES[table], strict=True)) for table, columns in TABLES.items()}
+        for table, stored in LISTS.items():
+            expected[stored] = [*zip(PACKED[table], PACKED_TYPES[table], strict=True), *LIST_EXTRA[table]]
+        for table, columns in expected.items():
+            if listed.get(table, []) != columns:
+                raise StoreError(f"table {table} of {self.path} has columns {listed.get(table, [])}, "
+                                 f"expected {columns}: the file comes from another version")
 
     # --- writer role ------------------------------------------------------------------------------
-    def write(self, batch: Batch, spool: SpoolRecord | None = None) -> bool:
-        """Store ``batch`` in one committed transaction (TraceWriter contract)."""
-        con = self._con
+    def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
+              on_stored: Callable[[], None] | None = None) -> bool:
+        """Store ``batch`` (TraceWriter contract): in the journal when this returns, in the tables
+        for every reader of this store, and ``on_stored`` called once the merge thread appended it
+        (collector/journal.py)."""
+        columns = as_columns(batch)
         try:
-            con.execute("BEGIN")
-            if spool is not None:
-                if con.execute("SELECT 1 FROM spool_files WHERE sha256 = ?", [spool.sha256]).fetchall():
-                    con.execute("ROLLBACK")
-                    return False
-                con.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
-                            [spool.sha256, spool.name, batch.spans, time.time_ns()])
+            self._journal.make_room()
+            unmerged = self._journal.unmerged()  # before the lookups: what the tables may not hold yet
+            if spool is not None and (self._spool_stored(spool.sha256)
+                                      or any(e.spool and e.spool.sha256 == spool.sha256 for e in unmerged)):
+                _call(on_stored)
+                return False
             # Exactly once per span (once.py): rows of spans already stored are left out.
-            once.drop_stored(batch, self._keys, self._stored_keys)
-            for table, rows in batch.rows.items():
-                if rows:
-                    con.from_arrow(self._arrow(table, rows)).insert_into(table)
-            for table, rows in batch.packed.items():
-                if rows:
-                    staged = self._arrow("packed:" + table, rows)
-                    con.register("staged", staged)
-                    con.execute(self._expand[table])
-                    con.unregister("staged")
-                    if table == "prefix_blocks":
-                        self._record_sightings(con, staged)
-            con.execute("COMMIT")
-            spans = batch.rows["spans"]
-            self._keys.add([r[0] for r in spans], [r[1] for r in spans], [r[5] for r in spans])
-            return True
-        except Exception as exc:  # whatever failed, the transaction must not outlive this call
-            with contextlib.suppress(duckdb.Error):  # the failed statement may have ended it
-                con.execute("ROLLBACK")
+            once.drop_stored(columns, self._keys,
+                             lambda starts, traces: self._stored_keys(starts, traces) | _keys_in(unmerged, traces))
+            if not columns.tables and spool is None:
+                _call(on_stored)
+                return True
+            payload = _record(columns, spool)
+            size = sum(len(piece) for piece in payload)
+            free = disk_free(self.path)
+            if free is not None and free < MIN_FREE_BYTES + 2 * size:  # its merge needs as much again
+                raise StoreError(f"the disk holding {self.path} has {free} bytes free: not enough to journal and "
+                                 f"append {size} bytes")
+            # A copy: the caller may write the same object again, and a write changes it in place.
+            entry = journal.Entry(self._seq + 1, copy.copy(columns), size, spool, on_stored)
+            self._journal.add(entry, payload)
+        except (Overloaded, StoreError):
+            raise
+        except Exception as exc:  # I/O: a full disk, a journal that cannot be written
+            raise write_failure(exc, f"writing {columns.spans} spans to {self.path} failed: {exc}") from exc
+        finally:
+            if columns is not batch:  # the contract's in-place counts, for a caller's Batch
+                batch.spans, batch.duplicates = columns.spans, columns.duplicates
+        self._seq += 1
+        self._keys.add_batch(columns)
+        return True
+
+    def _spool_stored(self, sha256: str) -> bool:
+        return bool(self._con.execute("SELECT 1 FROM spool_files WHERE sha256 = ?", [sha256]).fetchall())
+
+    def _merge(self, entries: list[Entry]) -> None:
+        """Append journaled batches to the tables and record the last one's number, in one transaction."""
+        cursor = self._merger
+        try:
+            cursor.execute("BEGIN")
+            self._append(cursor, Columns.concat([entry.columns for entry in entries]))
+            for entry in entries:
+                if entry.spool is not None:
+                    cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
+                                   [entry.spool.sha256, entry.spool.name, entry.columns.spans, time.time_ns()])
+            cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
+            cursor.execute("COMMIT")
+        except Exception:
             with contextlib.suppress(duckdb.Error):
-                con.unregister("staged")
-            self._recent = RecentKeys()  # keys of the rolled-back rows must be recorded again
-            raise write_failure(exc, f"writing {batch.spans} spans to {self.path} failed: {exc}") from exc
+                cursor.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):
+                cursor.unregister("staged")
+            self._recent = frontier.RecentKeys()  # keys of the rolled-back rows must be recorded again
+            raise
+
+    def _append(self, cursor: duckdb.DuckDBPyConnection, columns: Columns) -> None:
+        """One INSERT per table; packed block lists get their first new block (collector/frontier.py)."""
+        for name, rows in columns.tables.items():
+            if name == "prefix_blocks":
+                fresh_from, fresh_hash = frontier.fresh_frontiers(rows, self._recent)
+                rows = rows.append_column("fresh_from", fresh_from).append_column("fresh_hash", fresh_hash)
+            cursor.register("staged", rows)
+            cursor.execute(self._inserts[name])
+            cursor.unregister("staged")
+
+    def _recover(self, log_file: Log) -> int:
+        """Append what the journal holds beyond the tables (a collector stopped before merging it),
+        in order; the last sequence number journaled."""
+        [(merged,)] = self._con.execute("SELECT merged_seq FROM journal_state").fetchall()
+        entries = []
+        for seq, data in log_file.records_after(merged):
+            columns, spool = _read_record(data)
+            entries.append(journal.Entry(seq, columns, len(data), spool))
+        if entries:
+            log.warning("the journal of %s holds %d acknowledged batches not yet in its tables; appending them",
+                        self.path, len(entries))
+        for at in range(0, len(entries), 64):
+            self._merge(entries[at:at + 64])
+        return entries[-1].seq if entries else merged
 
     def limit_memory(self, limit_bytes: int) -> None:
         """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
@@ -333,20 +335,23 @@ class DuckDBStore(NamedQueryReader):
         rows = self._writer_frame("span_keys", starts=starts, traces=traces)
         return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
-    def _record_sightings(self, con: duckdb.DuckDBPyConnection, staged: pa.Table) -> None:
-        """Append to prefix_sightings the first row of each (hash, instance, source) among the staged
-        blocks that was not recorded lately (003_prefix_sightings.sql), in numpy: a GROUP BY over the
-        unnested blocks plus a polars hash cost a quarter of the writer's time (docs/benchmarks.md)."""
-        chosen = first_sightings(staged, self._recent)
-        if chosen is not None:
-            con.from_arrow(chosen).insert_into("prefix_sightings")
+    def settle(self) -> None:
+        """Wait until what was written before this call is in the tables (collector/journal.py)."""
+        if self._journal is not None:
+            self._journal.settle()
 
-    def _arrow(self, schema_name: str, rows: list[tuple]) -> pa.Table:
-        return arrow_rows(self._schemas[schema_name], rows)
+    def journal_state(self) -> dict | None:
+        """Unmerged batches, their bytes and the last merge error (None for a read-only store)."""
+        return None if self._journal is None else self._journal.snapshot()
 
     def close(self) -> None:
-        """Checkpoint (so the file is self-contained) and close."""
+        """Merge what is journaled, checkpoint (so the file is self-contained) and close."""
         try:
+            if self._journal is not None:
+                self._journal.close()
+                if self._journal.unmerged():
+                    log.error("the journal of %s keeps %d batches: they are appended at its next open",
+                              self.path, len(self._journal.unmerged()))
             if not self.read_only:
                 self._con.execute("CHECKPOINT")
             self._con.close()
@@ -356,9 +361,11 @@ class DuckDBStore(NamedQueryReader):
     def probe(self) -> None:
         """Raise StoreError unless the store answers and its disk has room (health check)."""
         try:
-            self._cursor().execute("SELECT 1").fetchall()
+            self._thread_cursor().execute("SELECT 1").fetchall()
         except duckdb.Error as exc:
             raise StoreError(f"the store {self.path} does not answer: {exc}") from exc
+        if self._journal is not None and self._journal.error is not None:
+            raise StoreError(f"appending journaled batches to the tables of {self.path} fails: {self._journal.error}")
         if not self.read_only:
             free = disk_free(self.path)
             if free is not None and free < MIN_FREE_BYTES:
@@ -367,6 +374,11 @@ class DuckDBStore(NamedQueryReader):
 
     # --- reader role ------------------------------------------------------------------------------
     def _cursor(self) -> duckdb.DuckDBPyConnection:
+        """This thread's reader cursor, once what was written before is in the tables (``settle``)."""
+        self.settle()
+        return self._thread_cursor()
+
+    def _thread_cursor(self) -> duckdb.DuckDBPyConnection:
         cursor = getattr(self._local, "cursor", None)
         if cursor is None:
             cursor = self._local.cursor = self._con.cursor()

@@ -11,9 +11,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
-from tokentrace.collector.normalize import Batch
+from tokentrace.collector.columns import Columns
 from tokentrace.collector.store import SpoolRecord, TraceWriter
 from tokentrace.errors import Overloaded, RejectedBatch, StoreError
 
@@ -35,11 +36,14 @@ class WriteQueue:
         self._thread = threading.Thread(target=self._run, name="tokentrace-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: Batch, spool: SpoolRecord | None = None) -> Future:
-        """Queue a batch; the future resolves to the writer's result once committed."""
+    def submit(self, batch: Columns, spool: SpoolRecord | None = None,
+               on_stored: Callable[[], None] | None = None) -> Future:
+        """Queue a batch; the future resolves to the writer's result once committed. ``on_stored``
+        is called once the batch's rows are in the store's tables, if its write succeeds
+        (TraceWriter contract)."""
         future: Future = Future()
         try:
-            self._queue.put_nowait((batch, spool, future))
+            self._queue.put_nowait((batch, spool, future, on_stored))
         except queue.Full:
             raise Overloaded(f"the write queue is full ({self.capacity} batches waiting)", retry_after=1) from None
         return future
@@ -78,18 +82,16 @@ class WriteQueue:
                 self._write_group(group)
             except BaseException as exc:  # supervision: only _STOP ends this thread (issue 11)
                 log.exception("unexpected error in the writer; failing its group and going on")
-                for _batch, _spool, future in group:
+                for _batch, _spool, future, _stored in group:
                     if not future.done():
                         future.set_exception(StoreError(f"unexpected writer error: {exc!r}"))
 
     def _write_group(self, group: list) -> None:
         plain = [item for item in group if item[1] is None]
         if len(plain) > 1 and getattr(self._writer, "group_writes", True):
-            merged = Batch()
-            for batch, _, _ in plain:
-                merged.extend(batch)
+            merged = Columns.concat([batch for batch, _, _, _ in plain])
             try:
-                self._writer.write(merged)
+                self._writer.write(merged, on_stored=_all_of([stored for _, _, _, stored in plain]))
             except Exception as exc:  # the store rolled back; find the batch that failed, alone
                 log.warning("group write failed, retrying batch by batch: %s", exc)
             else:
@@ -100,9 +102,9 @@ class WriteQueue:
             self._write_one(item)
 
     def _write_one(self, item: tuple) -> None:
-        batch, spool, future = item
+        batch, spool, future, stored = item
         try:
-            result = self._writer.write(batch, spool)
+            result = self._writer.write(batch, spool, on_stored=stored)
         except RejectedBatch as exc:  # this batch's values: its sender hears 400, the store is fine
             log.warning("the store refused a batch: %s", exc)
             future.set_exception(exc)
@@ -117,7 +119,13 @@ class WriteQueue:
 
     def _done(self, items: list, result: bool, count: bool = True) -> None:
         self.last_error = None
-        for batch, _spool, future in items:
+        for batch, _spool, future, _stored in items:
             if result and count:
                 self._on_written(batch)
             future.set_result(result)
+
+
+def _all_of(calls: list[Callable[[], None] | None]) -> Callable[[], None]:
+    """One callback that calls each of ``calls`` (None: nothing)."""
+    chosen = [call for call in calls if call is not None]
+    return lambda: [call() for call in chosen]

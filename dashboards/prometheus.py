@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -32,8 +33,8 @@ from tokentrace.analyzers.outcome import COMPLETED, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
-from tokentrace.collector.normalize import TABLES, Batch
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.store import TraceReader, as_columns
+from tokentrace.collector.tables import TABLES
 
 log = logging.getLogger("tokentrace.metrics")
 router = APIRouter()
@@ -169,7 +170,7 @@ class MetricsState:
                  max_pending_verdicts: int = MAX_PENDING_VERDICTS):
         self.reader, self.slo = reader, slo
         self._lock = threading.Lock()
-        self._pending: list[Batch] = []
+        self._pending: list[dict[str, pa.Table]] = []
         self._pending_rows = 0
         self.counters: dict[tuple[str, tuple], float] = defaultdict(float)
         self.histograms: dict[tuple[str, tuple], Histogram] = {}
@@ -189,17 +190,19 @@ class MetricsState:
         self._thread.start()
 
     # -- writer side ---------------------------------------------------------------------------
-    def observe(self, batch: Batch) -> None:
+    def observe(self, batch) -> None:
         """Called by the writer thread after ``batch`` is committed: keep it for the next fold."""
         # Only what a fold reads is kept: the spans rows (attributes, events) are most of a batch's
         # memory, and a batch of foreign spans (no request, no decode step) was kept whole until the
         # next scrape, outside the receiver's byte budget (issue 11 item 3).
-        kept = Batch(rows={name: batch.rows[name] for name in _FOLDED},
-                     packed={"decode_steps": batch.packed["decode_steps"]})
+        batch = as_columns(batch)
+        # Copied: a batch read from bytes shares one buffer, which a slice kept here would keep whole.
+        kept = {name: batch.tables[name].take(np.arange(batch.tables[name].num_rows))
+                for name in (*_FOLDED, "decode_steps") if name in batch.tables}
         self._last_write = time.monotonic()
         with self._lock:
             self._pending.append(kept)
-            self._pending_rows += batch.spans + len(batch.rows["requests"]) + len(batch.packed["decode_steps"])
+            self._pending_rows += batch.spans + batch.count("requests") + batch.count("decode_steps")
             if self._pending_rows >= FOLD_AT_ROWS:  # nobody scraping: keep memory bounded
                 self._fold()
 
@@ -222,8 +225,11 @@ class MetricsState:
             log.exception("metrics: folding %d batches failed", len(batches))
             self.counters[("tokentrace_metrics_fold_errors", ())] += 1
 
-    def _fold_batches(self, batches: list[Batch]) -> None:
-        rows = {name: [row for b in batches for row in b.rows[name]] for name in _FOLDED}
+    def _fold_batches(self, batches: list[dict[str, pa.Table]]) -> None:
+        tables = {name: pa.concat_tables(parts) for name in (*_FOLDED, "decode_steps")
+                  if (parts := [b[name] for b in batches if name in b])}
+        rows = {name: list(zip(*(c.to_pylist() for c in tables[name].columns), strict=True)) if name in tables else []
+                for name in _FOLDED if name != "requests"}
         for row in rows["resources"]:
             r = dict(zip(TABLES["resources"], row, strict=True))
             if r["instance_id"]:
@@ -232,10 +238,10 @@ class MetricsState:
                 self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "",
                                                 r["host_name"] or "")
                 self._declared[r["instance_id"]] = measures_of(r["attributes"])
-        if rows["requests"]:
-            self._fold_requests(pl.DataFrame(rows["requests"], schema=list(_REQUEST_COLUMNS), orient="row",
-                                             infer_schema_length=None))
-        self._fold_itl([row for b in batches for row in b.packed["decode_steps"]])
+        if "requests" in tables:
+            self._fold_requests(pl.from_arrow(tables["requests"]))
+        if "decode_steps" in tables:
+            self._fold_itl(tables["decode_steps"])
         self._fold_heartbeats(rows["heartbeats"])
         self._fold_routes(rows["routes"])
         for row in rows["cache_evictions"]:
@@ -329,19 +335,21 @@ class MetricsState:
                                       met="true" if met else "false")
                 self.counters[("tokentrace_slo_requests", labels)] += n
 
-    def _fold_itl(self, packed: list[tuple]) -> None:
+    def _fold_itl(self, packed: pa.Table) -> None:
         """Gaps between consecutive decode-step offsets, per instance: one flat array per instance,
         differences taken across it, the differences that span two requests dropped."""
-        by_instance: dict[str, list[list[int]]] = defaultdict(list)
-        for _rid, instance, _start, offsets in packed:
-            if len(offsets) > 1:
-                by_instance[instance].append(offsets)
-        for instance, rows in by_instance.items():
-            lengths = np.fromiter((len(o) for o in rows), dtype=np.int64, count=len(rows))
-            flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-            gaps = np.diff(flat)
+        offsets = packed.column("offsets").combine_chunks()
+        lengths = pc.list_value_length(offsets).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = pc.list_flatten(offsets).to_numpy()
+        # An unknown instance is labelled "unknown" either way (``_labels``).
+        codes = pc.dictionary_encode(pc.fill_null(packed.column("instance_id").combine_chunks(), ""))
+        for code, instance in enumerate(codes.dictionary.to_pylist()):
+            rows = (codes.indices.to_numpy(zero_copy_only=False) == code) & (lengths > 1)
+            if not rows.any():
+                continue
+            gaps = np.diff(flat[np.repeat(rows, lengths)])
             keep = np.ones(gaps.size, dtype=bool)
-            keep[np.cumsum(lengths)[:-1] - 1] = False  # last offset of one request -> first of the next
+            keep[np.cumsum(lengths[rows])[:-1] - 1] = False  # last offset of one request -> first of the next
             key = (ITL, self._labels(instance))
             self.histograms.setdefault(key, Histogram(TOKEN_LATENCY_BUCKETS)).observe(gaps[keep] / 1e9)
 

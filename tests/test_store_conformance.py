@@ -15,8 +15,9 @@ from harness_store import BACKENDS, store_url
 from polars.testing import assert_frame_equal
 
 from tokentrace.collector import sqlfiles, stores
+from tokentrace.collector.columns import Columns
 from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.normalize import TABLES, Batch
+from tokentrace.collector.normalize import TABLES
 from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 from tokentrace.collector.store import SpoolRecord
 
@@ -33,7 +34,7 @@ def payloads():
             "vllm": (golden.FIXTURES / "vllm_native_spans.json").read_bytes(), "ids": ids}
 
 
-def _batches(payloads: dict) -> list[tuple[Batch, SpoolRecord | None]]:
+def _batches(payloads: dict) -> list[tuple[Columns, SpoolRecord | None]]:
     """What the conformance store receives: the JSON twice (a plain resend, then as a spool file)."""
     pipeline = Pipeline(Counters(), 16 * 1024 * 1024, 65536)
     golden_batch = pipeline.batch(payloads["golden"], Encoding("protobuf", PROTOBUF))
@@ -239,7 +240,7 @@ def test_spool_file_is_stored_once_and_a_second_write_stores_nothing(loaded, pay
 
 
 # --- exactly once, whatever the sender retries (issue 11 item 2) ----------------------------------
-def _deliveries(payloads: dict) -> list[tuple[str, list[tuple[Batch, SpoolRecord | None]]]]:
+def _deliveries(payloads: dict) -> list[tuple[str, list[tuple[Columns, SpoolRecord | None]]]]:
     """Ways a sender delivers the same three payloads more than once, each after one clean delivery
     (a batch object per delivery: a write leaves the stored spans out of the batch it is given)."""
     def golden():
@@ -251,9 +252,7 @@ def _deliveries(payloads: dict) -> list[tuple[str, list[tuple[Batch, SpoolRecord
     def vllm():
         return _batches(payloads)[2][0]
 
-    merged = Batch()
-    for batch in (vllm(), golden()):  # a group of the writer: other spans, other order
-        merged.extend(batch)
+    merged = Columns.concat([vllm(), golden()])  # a group of the writer: other spans, other order
     return [
         ("the same batches three times", [(make(), None) for make in (golden, json_, vllm) * 2]),
         ("as spool files after plain sends", [(golden(), SpoolRecord("01" * 32, "a.pb")),
@@ -266,8 +265,8 @@ def _snapshot(store) -> dict:
     """Every table's rows (sorted) and the window report: what must not change on a resend."""
     from tokentrace.analyzers.report import summarize
 
-    tables = {table: sorted(map(repr, _table(store, table).rows())) for table in [*TABLES, "prefix_sightings"]
-              if table != "prefix_sightings" or hasattr(store, "_cursor")}
+    tables = {table: sorted(map(repr, _table(store, table).rows())) for table in [*TABLES, "prefix_block_lists"]
+              if table != "prefix_block_lists" or hasattr(store, "_cursor")}  # DuckDB's first new blocks too
     return {"tables": tables, "report": summarize(store, None).as_dict()}
 
 

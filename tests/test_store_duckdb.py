@@ -1,19 +1,23 @@
-"""DuckDB store internals that keep verdicts fast: list parameters, the sightings filter, and the
+"""DuckDB store internals that keep ingest and verdicts fast: list parameters, the first new block
+of each packed block list (collector/frontier.py) and the verdict query that relies on it, and the
 plans of the hash lookups (an index scan, not a scan of every row; bench/analyze.py has the times).
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import golden
 import numpy as np
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.collector import sqlfiles
-from tokentrace.collector.normalize import normalize
-from tokentrace.collector.store_duckdb import DuckDBStore, RecentKeys, bind_lists, first_sightings
+from tokentrace.collector.columns import arrow_table
+from tokentrace.collector.frontier import RecentKeys, fresh_frontiers
+from tokentrace.collector.normalize import Batch, normalize
+from tokentrace.collector.store_duckdb import DuckDBStore, bind_lists
+from tokentrace.fingerprint import block_hashes
 
 
 def test_list_parameters_become_one_bound_value_each():
@@ -23,6 +27,8 @@ def test_list_parameters_become_one_bound_value_each():
     assert params == {"t": 9, "hashes_0": 5, "hashes_1": 6}
     sql, params = bind_lists("SELECT 1 WHERE h IN ($hashes[])", {"hashes": []})
     assert (sql, params) == ("SELECT 1 WHERE h IN (NULL)", {})
+    sql, params = bind_lists("SELECT $hashes::BIGINT[] WHERE h IN ($hashes[])", {"hashes": [5]})  # the whole list too
+    assert (sql, params) == ("SELECT $hashes::BIGINT[] WHERE h IN ($hashes_0)", {"hashes_0": 5, "hashes": [5]})
 
 
 def test_recent_keys_drop_repeats_and_forget_after_two_generations():
@@ -35,7 +41,7 @@ def test_recent_keys_drop_repeats_and_forget_after_two_generations():
     assert recent.fresh(np.array([2, 1], dtype=np.uint64)).tolist() == [True, False]  # 2 was forgotten
 
 
-def test_sightings_keep_the_first_appearance_of_each_key_once(tmp_path):
+def test_a_second_copy_of_a_trace_has_no_new_blocks(tmp_path):
     body, _ = golden.encode(golden.load("golden_engine_trace.json"), 1_790_000_000_000_000_000)
     batch = normalize(ExportTraceServiceRequest.FromString(body))
     store = DuckDBStore(tmp_path / "s.duckdb")
@@ -43,15 +49,95 @@ def test_sightings_keep_the_first_appearance_of_each_key_once(tmp_path):
     again, _ = golden.encode(golden.load("golden_engine_trace.json"), 1_790_000_000_000_000_000)
     store.write(normalize(ExportTraceServiceRequest.FromString(again)))  # other spans, the same blocks
     assert store.counts()["prefix_blocks"] == 2 * sum(len(row[-1]) for row in batch.packed["prefix_blocks"])
+    rows = store._cursor().execute("SELECT source, fresh_from, fresh_hash = hashes[1] FROM prefix_block_lists "
+                                   "ORDER BY source, fresh_from NULLS LAST").fetchall()
+    assert rows == [("insert", 0, True), ("insert", None, None), ("lookup", 0, True), ("lookup", None, None)]
+    store.close()
+
+
+def test_first_new_blocks_match_a_row_by_row_reference():
+    """fresh_frontiers takes rows by time (ties: staged order) and a block as new unless its (hash,
+    instance, source) was in an earlier row or in memory: the same as a loop over the rows."""
+    rng = np.random.default_rng(17)
+    rows = []
+    for n in range(400):
+        hashes = [int(h) for h in rng.integers(-40, 40, size=int(rng.integers(1, 12)))]  # repeats within a row
+        rows.append((f"r{n}", [None, "a", "b"][n % 3], int(rng.integers(0, 20)) * 1000, ["lookup", "insert"][n % 2],
+                     int(rng.integers(0, 2**62)) if n % 2 else None, hashes))
+    staged = arrow_table("prefix_blocks", rows)
+    expected, known = [None] * len(rows), set()
+    for at in sorted(range(len(rows)), key=lambda i: rows[i][2]):
+        _, inst, _, source, _, hashes = rows[at]
+        for index, value in enumerate(hashes):
+            if (value, inst, source) not in known and expected[at] is None:
+                expected[at] = index
+            known.add((value, inst, source))
+    recent = RecentKeys()
+    fresh_from, fresh_hash = fresh_frontiers(staged, recent)
+    assert fresh_from.to_pylist() == expected
+    assert fresh_hash.to_pylist() == [None if i is None else row[-1][i] for row, i in zip(rows, expected, strict=True)]
+    again, _ = fresh_frontiers(staged, recent)  # the same rows again: every key is known now
+    assert again.to_pylist() == [None] * len(rows)
+
+
+_REACH_REFERENCE = """
+-- prefix_reach over every stored block (what ClickHouse's twin reads): the deepest block of the
+-- prompt each instance and source had before the moment, and its first holder.
+SELECT instance_id, source, block_index, t_ns, request_id, fingerprint
+FROM (SELECT *, row_number() OVER (PARTITION BY instance_id, source
+                                   ORDER BY block_index DESC, t_ns, coalesce(request_id, '')) AS place
+      FROM prefix_blocks WHERE t_ns < $before AND list_extract($prompt::BIGINT[], block_index + 1) = hash)
+WHERE place = 1
+ORDER BY block_index DESC, instance_id, source
+"""
+
+
+def _conversations(seed: int, turns: int) -> list[tuple]:
+    """Packed prefix_blocks rows of chat sessions on three instances: shared system prompts, growing
+    histories, sessions that move between instances, edited turns (a branch inside a history)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 1000) for _ in range(rng.choice((16, 48, 80)))] for _ in range(3)]
+    sessions = [list(rng.choice(systems)) for _ in range(12)]
+    rows, t = [], 1_000_000_000
+    for turn in range(turns):
+        at = rng.randrange(len(sessions))
+        history = sessions[at]
+        if rng.random() < 0.15 and len(history) > 40:  # an edited earlier message: the prompt branches
+            history[rng.randrange(16, len(history)):] = []
+        prompt = history + [rng.randrange(1, 1000) for _ in range(rng.randrange(4, 40))]
+        instance = f"i{rng.randrange(3)}"
+        t += rng.randrange(1, 3) * 1_000_000  # some rows share a moment
+        rows.append((f"t{turn}", instance, t, "lookup", None, block_hashes(prompt, 16)))
+        stored = prompt + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 30))]
+        inserted = block_hashes(stored, 16)
+        if inserted and rng.random() < 0.8:
+            rows.append((f"t{turn}", instance, t + 500_000, "insert", inserted[-1], inserted))
+        sessions[at] = stored
+    return rows
+
+
+@pytest.mark.parametrize("capacity", [1_000_000, 40], ids=["memory holds every key", "memory forgets"])
+def test_prefix_reach_equals_a_scan_of_every_block(tmp_path, capacity):
+    """The verdict's query reads only the rows whose first new block is one of the prompt's; it must
+    answer as a scan of every stored block does, for every prompt, also when the memory of recent
+    keys is too small and blocks count as new again."""
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    store._recent = RecentKeys(capacity=capacity)
+    rows = _conversations(seed=capacity, turns=400)
+    for at in range(0, len(rows), 64):  # several merges, as a collector receives them
+        batch = Batch()
+        batch.packed["prefix_blocks"].extend(rows[at:at + 64])
+        store.write(batch)
     cursor = store._cursor()
-    [(sightings,)] = cursor.execute("SELECT count(*) FROM prefix_sightings").fetchall()
-    [(keys,)] = cursor.execute("SELECT count(DISTINCT (hash, instance_id, source)) FROM prefix_blocks").fetchall()
-    assert sightings == keys
-    # The first appearance of each key is the earliest row of that key in prefix_blocks.
-    first = cursor.execute("SELECT hash, instance_id, source, min(t_ns) FROM prefix_blocks "
-                           "GROUP BY ALL ORDER BY ALL").fetchall()
-    assert cursor.execute("SELECT hash, instance_id, source, t_ns FROM prefix_sightings ORDER BY ALL").fetchall() \
-        == first
+    compared = 0
+    for rid, _, t_ns, source, _, hashes in rows:
+        if source != "lookup":
+            continue
+        got = store.rows("prefix_reach", hashes=hashes, before_ns=t_ns)
+        expected = cursor.execute(_REACH_REFERENCE, {"before": t_ns, "prompt": hashes}).fetchall()
+        assert [tuple(row.values()) for row in got] == expected, rid
+        compared += bool(expected)
+    assert compared > 100  # most prompts met an earlier one
     store.close()
 
 
@@ -67,18 +153,18 @@ def _scans(cursor, sql: str, params: dict) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["prefix_sightings_of", "segment_matches"])
+@pytest.mark.parametrize("name", ["prefix_reach", "segment_matches"])
 def test_hash_lookups_take_the_art_index(tmp_path, name):
     """A second filter in the same scan (t_ns < before) turns DuckDB's index scan into a scan of the
-    whole table: 180 ms instead of 7 ms per cache verdict at 53M sightings. Several hashes, as a
-    verdict asks (one value would be an equality, which keeps the index either way)."""
+    whole table: 180 ms instead of 7 ms per cache verdict at 53M rows. Several hashes, as a verdict
+    asks (one value would be an equality, which keeps the index either way)."""
     store = DuckDBStore(tmp_path / "s.duckdb")
     for base in (1_790_000_000_000_000_000, 1_790_000_010_000_000_000):  # the same trace 10 s later
         body, _ = golden.encode(golden.load("golden_engine_trace.json"), base)
         store.write(normalize(ExportTraceServiceRequest.FromString(body)))
     cursor = store._cursor()
-    table = "prefix_sightings" if name == "prefix_sightings_of" else "segments"
-    hashes = [row[0] for row in cursor.execute(f"SELECT DISTINCT hash FROM {table} ORDER BY hash").fetchall()]
+    table, column = ("prefix_blocks", "hash") if name == "prefix_reach" else ("segments", "hash")
+    hashes = [row[0] for row in cursor.execute(f"SELECT DISTINCT {column} FROM {table} ORDER BY 1").fetchall()]
     assert len(hashes) >= 2
     # A moment inside the table's time range, so that its statistics cannot drop the time filter.
     [(before,)] = cursor.execute(f"SELECT max(t_ns) FROM {table}").fetchall()
@@ -86,36 +172,6 @@ def test_hash_lookups_take_the_art_index(tmp_path, name):
     params = {k: v for k, v in {"hashes": hashes, "before_ns": before, "request_id": "another"}.items()
               if f"${k}" in text}
     sql, bound = bind_lists(text, params)
-    assert _scans(cursor, sql, bound) == ["Index Scan"]
-    store.close()
-
-
-def test_first_sightings_match_the_sql_reference(tmp_path):
-    """The writer's numpy grouping (store_duckdb.first_sightings) keeps, for each (hash, instance,
-    source), the earliest staged block, as sql/duckdb/expand/prefix_sightings.sql states it: the
-    same keys and times, NULL instances included; ties keep the first block staged."""
-    rng = np.random.default_rng(17)
-    store = DuckDBStore(tmp_path / "s.duckdb")
-    rows = []
-    for n in range(300):
-        hashes = [int(h) for h in rng.integers(-40, 40, size=int(rng.integers(0, 12)))]  # repeats within a row
-        rows.append((f"r{n}", [None, "a", "b"][n % 3], int(rng.integers(0, 20)) * 1000, ["lookup", "insert"][n % 2],
-                     int(rng.integers(0, 2**62)) if n % 2 else None, hashes))
-    staged = store._arrow("packed:prefix_blocks", rows)
-    recent = RecentKeys()
-    got = first_sightings(staged, recent).to_pylist()
-    cursor = store._cursor()
-    cursor.register("staged", staged)
-    expected = cursor.execute(sqlfiles.read("duckdb", "expand/prefix_sightings.sql")).fetchall()
-    assert sorted((r["hash"], r["instance_id"] or "", r["source"], r["t_ns"]) for r in got) \
-        == sorted((h, inst or "", source, t) for h, _, t, _, inst, source, _ in expected)
-    first: dict = {}
-    for rid, inst, t_ns, source, fingerprint, hashes in rows:
-        for index, value in enumerate(hashes):
-            key = (value, inst, source)
-            if key not in first or t_ns < first[key]["t_ns"]:
-                first[key] = {"hash": value, "block_index": index, "t_ns": t_ns, "request_id": rid,
-                              "instance_id": inst, "source": source, "fingerprint": fingerprint}
-    assert sorted(got, key=repr) == sorted(first.values(), key=repr)
-    assert first_sightings(staged, recent) is None  # every key recorded now: nothing new to append
+    assert "Index Scan" in _scans(cursor, sql, bound)
+    assert "Sequential Scan" not in _scans(cursor, sql, bound)
     store.close()

@@ -1,0 +1,293 @@
+"""The DuckDB store's write-ahead journal: a batch is acknowledged once it is on disk in an
+append-only log beside the store file, and appended to the typed tables behind that, in large
+groups (issue 17).
+
+Why: a DuckDB commit of ~12 typed tables cost 10-15 ms whatever its size (each table's append
+and commit work is per table and column; docs/benchmarks.md), so with a few senders each waiting
+for its acknowledgement the collector could not commit more than ~50k engine spans/s however fast
+it parsed. Now the acknowledged write is one append and one ``fdatasync`` of the batch's columns
+(collector/columns.py) for every batch the writer thread took at once, and a merge thread appends
+everything journaled since its last merge to the tables in one DuckDB transaction that also
+records the last sequence number it holds (``journal_state``). A batch is therefore in the tables
+exactly once: after a crash the store appends the records after that number (``records_after``)
+before it takes new writes, and a record cut short by the crash was never acknowledged (its
+checksum fails; the log is cut there).
+
+Visibility: readers of the store first wait until everything journaled when they were called is
+merged (``settle``), so a caller reads its own writes as before; the wait is at most about one
+merge. A read-only open (``tokentrace analyze --db``) cannot merge: it reads the tables without
+what a killed collector left in its journal, which the next collector to open the store appends.
+
+Memory: unmerged batches are held until merged. The collector counts them against its byte
+budget (collector/budget.py: the store releases a request's bytes once its rows are appended);
+past ``max_bytes`` a write also waits for the merge thread and then refuses (Overloaded: 503 +
+Retry-After), so a slow disk slows senders instead of growing the collector.
+
+Files: ``STORE.journal/SEQ.log``, a new one past ``SEGMENT_BYTES``; a file whose records are all
+merged is deleted. Record: magic, sequence number, length and CRC-32 of the payload (little
+endian), then the payload.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokentrace.collector.columns import Columns
+from tokentrace.collector.store import SpoolRecord
+from tokentrace.errors import Overloaded, StoreError
+
+log = logging.getLogger("tokentrace.collector")
+#: Unmerged bytes past which writes wait, then refuse.
+MAX_UNMERGED_BYTES = 256 << 20
+#: Most spans appended in one merge transaction (a long stall is merged in several).
+MERGE_SPANS = 200_000
+#: Seconds a reader waits for the merge before it reads what is merged.
+SETTLE_TIMEOUT_S = 10.0
+#: Seconds a write waits for room before it refuses.
+ROOM_TIMEOUT_S = 2.0
+#: Size past which the log starts a new file.
+SEGMENT_BYTES = 64 << 20
+_RETRY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+_HEADER = struct.Struct("<IQII")  # magic, sequence number, payload length, CRC-32 of the payload
+_MAGIC = 0x544A524E
+
+
+@dataclass
+class Entry:
+    """One journaled batch: its sequence number, its rows and their size."""
+
+    seq: int
+    columns: Columns
+    nbytes: int
+    spool: SpoolRecord | None = None  #: the spool file it came from (recorded with its rows)
+    on_stored: Callable[[], None] | None = None  #: called once its rows are in the tables
+
+
+class Log:
+    """The append-only files of the journal (module docstring)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(exist_ok=True)
+        self._file = None
+        self._size = 0
+        self._broken = False
+
+    def _segments(self) -> list[tuple[int, Path]]:
+        found = []
+        for path in self.folder.glob("*.log"):
+            if path.stem.isdigit():
+                found.append((int(path.stem), path))
+        return sorted(found)
+
+    def records_after(self, seq: int) -> Iterator[tuple[int, memoryview]]:
+        """The records with a sequence number above ``seq``, in order; a torn or corrupt record
+        ends the log (it was never acknowledged: the fdatasync that would have made it so did not
+        return), and the file is cut there."""
+        for _, path in self._segments():
+            data = path.read_bytes()
+            view, at = memoryview(data), 0
+            while at < len(data):
+                if at + _HEADER.size > len(data):
+                    return self._cut(path, at)
+                magic, number, length, crc = _HEADER.unpack_from(data, at)
+                end = at + _HEADER.size + length
+                if magic != _MAGIC or end > len(data) or zlib.crc32(view[at + _HEADER.size:end]) != crc:
+                    return self._cut(path, at)
+                if number > seq:
+                    yield number, view[at + _HEADER.size:end]
+                at = end
+
+    def _cut(self, path: Path, at: int) -> None:
+        log.warning("journal %s ends in a record cut short at byte %d (a crash while writing it): dropped",
+                    path, at)
+        with open(path, "r+b") as handle:
+            handle.truncate(at)
+            os.fsync(handle.fileno())
+        for first, later in self._segments():
+            if first > int(path.stem):  # written after the cut record: never acknowledged either
+                later.unlink()
+
+    def append(self, seq: int, payload: list[bytes]) -> None:
+        """Write one record (its payload in pieces) and make it durable (one fdatasync)."""
+        if self._file is None or self._size >= SEGMENT_BYTES:
+            self._open(seq)
+        if self._broken:
+            raise StoreError(f"the journal {self.folder} could not be repaired after a failed write; restart "
+                             f"the collector (it appends every acknowledged batch)")
+        crc, length = 0, 0
+        for piece in payload:
+            crc, length = zlib.crc32(piece, crc), length + len(piece)
+        chunks = [_HEADER.pack(_MAGIC, seq, length, crc), *payload]
+        try:
+            written = os.writev(self._file, chunks)
+            while written < _HEADER.size + length:  # a short write: the rest, from where it stopped
+                written += os.write(self._file, b"".join(chunks)[written:])
+            os.fdatasync(self._file)
+        except OSError:
+            # A record cut short in the middle of the log would end it there at the next start,
+            # hiding the acknowledged records after it: take it back, or take no more.
+            try:
+                os.ftruncate(self._file, self._size)
+            except OSError:
+                self._broken = True
+            raise
+        self._size += _HEADER.size + length
+
+    def _open(self, first_seq: int) -> None:
+        if self._file is not None:
+            os.close(self._file)
+        self._file = os.open(self.folder / f"{first_seq:020d}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._file).st_size
+        directory = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the new file's name is durable too
+        finally:
+            os.close(directory)
+
+    def drop_through(self, seq: int) -> None:
+        """Delete the files whose records all have sequence numbers up to ``seq``."""
+        segments = self._segments()
+        for (_, path), (next_first, _) in itertools.pairwise(segments):
+            if next_first <= seq + 1:
+                path.unlink(missing_ok=True)
+
+    def close(self, merged_all: bool) -> None:
+        """Close the file; when everything is merged, the log is removed."""
+        if self._file is not None:
+            os.close(self._file)
+            self._file = None
+        if merged_all:
+            for _, path in self._segments():
+                path.unlink()
+            if not any(self.folder.iterdir()):
+                self.folder.rmdir()
+
+
+class Journal:
+    """Unmerged journal entries and the thread that merges them (module docstring).
+
+    ``merge(entries)`` is the store's: it appends the entries' rows and records the last sequence
+    number in one transaction, raising on failure (the entries are then merged again later)."""
+
+    def __init__(self, merge: Callable[[list[Entry]], None], log_file: Log, max_bytes: int = MAX_UNMERGED_BYTES):
+        self._merge, self.log = merge, log_file
+        self.max_bytes = max_bytes
+        self._pending: deque[Entry] = deque()
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self.journaled = 0  #: highest sequence number journaled
+        self.merged = 0  #: highest sequence number merged
+        self.error: str | None = None  #: why the latest merge failed, until one succeeds
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokentrace-merge", daemon=True)
+
+    def start(self, after: int) -> None:
+        """Start merging; sequence numbers up to ``after`` are already in the tables."""
+        self.journaled = self.merged = after
+        self._thread.start()
+
+    # --- the writer's side ------------------------------------------------------------------------
+    def make_room(self, timeout: float = ROOM_TIMEOUT_S) -> None:
+        """Wait while the unmerged bytes are over the bound; Overloaded when they stay over it."""
+        with self._cond:
+            if self._bytes <= self.max_bytes:
+                return
+            if not self._cond.wait_for(lambda: self._bytes <= self.max_bytes or self._stopping, timeout):
+                raise Overloaded(f"the store has {self._bytes >> 20} MiB of acknowledged batches still to append "
+                                 f"to its tables; retry later", retry_after=1)
+
+    def add(self, entry: Entry, payload: list[bytes]) -> None:
+        """Journal a batch durably (it may be acknowledged when this returns), then merge it."""
+        self.log.append(entry.seq, payload)
+        with self._cond:
+            self._pending.append(entry)
+            self._bytes += entry.nbytes
+            self.journaled = entry.seq
+            self._cond.notify_all()
+
+    def unmerged(self) -> list[Entry]:
+        """The entries not merged yet (a copy)."""
+        with self._cond:
+            return list(self._pending)
+
+    # --- readers ----------------------------------------------------------------------------------
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> bool:
+        """Wait until everything journaled before this call is merged; False on timeout (and at once
+        while merges are failing: a reader then reads what is merged)."""
+        with self._cond:
+            target = self.journaled
+            return self._cond.wait_for(
+                lambda: self.merged >= target or self._stopping or self.error is not None, timeout)
+
+    def snapshot(self) -> dict:
+        """A JSON-ready view for /healthz."""
+        with self._cond:
+            return {"unmerged_batches": len(self._pending), "unmerged_bytes": self._bytes,
+                    "last_merge_error": self.error}
+
+    # --- the merge thread -------------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Merge what is journaled, then stop the thread and close the log."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cond:
+            merged_all = not self._pending
+        self.log.close(merged_all)
+
+    def _take(self) -> list[Entry]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending or self._stopping)
+            taken, spans = [], 0
+            for entry in self._pending:
+                if taken and spans + entry.columns.spans > MERGE_SPANS:
+                    break
+                taken.append(entry)
+                spans += entry.columns.spans
+            return taken
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            entries = self._take()
+            if not entries:
+                return  # stopping, and nothing left
+            try:
+                self._merge(entries)
+            except Exception as exc:  # the entries stay journaled and pending: merged again later
+                log.exception("appending %d journaled batches to the tables failed; retrying", len(entries))
+                with self._cond:
+                    self.error = str(exc)
+                    self._cond.notify_all()
+                    if self._stopping and failures >= len(_RETRY_S):
+                        return  # stopping: they stay in the journal for the next start
+                time.sleep(_RETRY_S[min(failures, len(_RETRY_S) - 1)])
+                failures += 1
+                continue
+            failures = 0
+            with self._cond:
+                for _ in entries:
+                    self._bytes -= self._pending.popleft().nbytes
+                self.merged = entries[-1].seq
+                self.error = None
+                self._cond.notify_all()
+            for entry in entries:
+                if entry.on_stored is not None:
+                    entry.on_stored()
+            try:
+                self.log.drop_through(entries[-1].seq)
+            except OSError:  # a file that stays is read past at the next start: nothing is lost
+                log.exception("deleting merged journal files failed")
