@@ -58,9 +58,11 @@ class Columns:
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
     rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
     left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
-    #: The bytes (``to_bytes``) each part of this batch was read from, while it holds exactly them:
-    #: the store journals those instead of writing the batch again.
-    sources: list | None = field(default=None, repr=False, compare=False)
+    #: What each part of this batch was parsed from, while it holds exactly those rows: (kind,
+    #: max_value_length, bytes), kind "columns" (``to_bytes``) or an OTLP encoding ("protobuf",
+    #: "json") of a payload that parses to them. The store journals these instead of the columns
+    #: (collector/journal.py): no second serialization, and a protobuf payload is half the bytes.
+    sources: list[tuple[str, int, bytes]] | None = field(default=None, repr=False, compare=False)
 
     # --- reading ----------------------------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
@@ -93,8 +95,9 @@ class Columns:
 
     @property
     def nbytes(self) -> int:
-        """Memory the tables hold."""
-        return sum(rows.nbytes for rows in self.tables.values())
+        """Memory the tables' buffers hold (their total size: Table.nbytes, which counts only the
+        parts a slice references, took 0.36 ms for an engine batch against 0.013 ms)."""
+        return sum(rows.get_total_buffer_size() for rows in self.tables.values())
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
@@ -181,7 +184,7 @@ class Columns:
         out = cls(spans=header["spans"], rejected=header["rejected"], truncated=header["truncated"],
                   problems=header["problems"], rejected_by=Counter(header["rejected_by"]),
                   left_out=Counter(header["left_out"]))
-        out.sources = [data]
+        out.sources = [("columns", 0, data)]
         buffer = pa.py_buffer(data)
         for name, length in header["tables"]:
             rows = ipc.open_stream(buffer.slice(at, length)).read_all()

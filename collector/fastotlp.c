@@ -120,10 +120,12 @@ static PyObject *tuple_of_names(const char *const *names, int n) {
 
 /* --- the module ------------------------------------------------------------------------------------ */
 /* The decoder's scratch (attribute maps, JSON being assembled) lives from call to call: fresh
- * buffers each time cost page faults that showed in profiles. decode() holds the GIL throughout;
- * only while it builds the result can the garbage collector run a finalizer that calls decode()
- * again, and that call finds the decoder busy and leaves its payload to Python. Only the tables'
- * buffers are new per call: they move into Arrow. */
+ * buffers each time cost page faults that showed in profiles. decode() walks the body without the
+ * GIL (issue 17: the collector decodes on threads of its own process, beside its HTTP loop and its
+ * writer, instead of paying a worker process's pickling and pipe for every batch); only a float's
+ * repr takes the GIL back, briefly (fastotlp_json.c). The shared decoder serves one call at a
+ * time, under the GIL's protection when it is taken; a call that finds it taken (another thread,
+ * or a finalizer that runs while a result is built) gets a decoder of its own for that call. */
 static decoder_t *shared;
 static int busy;
 
@@ -137,27 +139,38 @@ static void attrs_trim(attrs_t *a) {
     if (a->cap > (1u << 16) || a->poolcap > (1u << 20)) attrs_free(a);
 }
 
-static decoder_t *decoder_start(int64_t max_len) {
-    if (!shared && !(shared = calloc(1, sizeof *shared))) return NULL;
-    decoder_t *d = shared;
+static int decoder_start(decoder_t *d, int64_t max_len) {
     d->max_len = max_len;
     d->span_index = 0;
     for (int i = 0; i < T_COUNT; i++) {
         if (table_init(&d->tables[i], TABLE_NAMES[i], TABLE_SPECS[i], TABLE_NCOLS[i]) < 0) {
             for (int k = 0; k <= i; k++) table_free(&d->tables[k]);
-            return NULL;
+            return -1;
         }
     }
-    return d;
+    return 0;
 }
+
+#define SCRATCH_MAPS(d) {&(d)->attrs, &(d)->event_attrs, &(d)->resource_attrs, &(d)->scratch}
+#define SCRATCH_BUFS(d) {&(d)->keys, &(d)->events, &(d)->links, &(d)->events_json, &(d)->links_json, \
+                         &(d)->resource_json, &(d)->skip, &(d)->views}
 
 static void decoder_end(decoder_t *d) {
     for (int i = 0; i < T_COUNT; i++) table_free(&d->tables[i]);
-    attrs_t *maps[] = {&d->attrs, &d->event_attrs, &d->resource_attrs, &d->scratch};
+    attrs_t *maps[] = SCRATCH_MAPS(d);
     for (size_t i = 0; i < sizeof maps / sizeof *maps; i++) attrs_trim(maps[i]);
-    buf_t *bufs[] = {&d->keys, &d->events, &d->links, &d->events_json, &d->links_json, &d->resource_json,
-                     &d->skip, &d->views};
+    buf_t *bufs[] = SCRATCH_BUFS(d);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) scratch_trim(bufs[i]);
+}
+
+/* A decoder of one call's own: everything it holds goes with it. */
+static void decoder_free(decoder_t *d) {
+    decoder_end(d);
+    attrs_t *maps[] = SCRATCH_MAPS(d);
+    for (size_t i = 0; i < sizeof maps / sizeof *maps; i++) attrs_free(maps[i]);
+    buf_t *bufs[] = SCRATCH_BUFS(d);
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) buf_free(bufs[i]);
+    free(d);
 }
 
 static PyObject *bytearray_of(const buf_t *b) {
@@ -208,15 +221,30 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     long long max_len = PyLong_AsLongLongAndOverflow(limit, &overflow);
     if (overflow) max_len = overflow > 0 ? INT64_MAX : INT64_MIN;
     /* Below 0 every span's name and status message count as cut, even absent ones: Python's. */
-    decoder_t *d = CONFIG.ready && max_len >= 0 && !busy ? decoder_start(max_len) : NULL;
     PyObject *result = NULL;
-    if (d) {
-        view_t whole = {body.buf ? (const uint8_t *)body.buf : EMPTY_TEXT, (size_t)body.len};
-        busy = 1;
-        if (decode_request(d, whole) == 0) result = result_of(d);
-        decoder_end(d);
-        busy = 0;
+    decoder_t *d = NULL;
+    int own = 0;
+    if (CONFIG.ready && max_len >= 0) {
+        if (!busy && (shared || (shared = calloc(1, sizeof *shared)))) {
+            d = shared;
+            busy = 1;  /* taken under the GIL: no other thread can take it between the test and here */
+        } else if ((d = calloc(1, sizeof *d))) {
+            own = 1;
+        }
     }
+    if (d && decoder_start(d, max_len) == 0) {
+        view_t whole = {body.buf ? (const uint8_t *)body.buf : EMPTY_TEXT, (size_t)body.len};
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = decode_request(d, whole);
+        Py_END_ALLOW_THREADS
+        if (rc == 0) result = result_of(d);
+        decoder_end(d);
+    }
+    if (own)
+        decoder_free(d);
+    else if (d)
+        busy = 0;
     PyBuffer_Release(&body);
     if (!result) {  /* never an exception: whatever went wrong, the Python path decides */
         PyErr_Clear();

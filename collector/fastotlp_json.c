@@ -94,13 +94,17 @@ static int json_double(buf_t *b, double v) {
         TRY(json_int(b, (int64_t)v));
         return buf_put(b, ".0", 2);
     }
+    /* decode() runs without the GIL; Python's own repr needs it, for as long as it takes. */
+    PyGILState_STATE gil = PyGILState_Ensure();
     char *text = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (!text) {
+    int rc = FALLBACK;
+    if (text) {
+        rc = buf_put(b, text, strlen(text));
+        PyMem_Free(text);
+    } else {
         PyErr_Clear();
-        return FALLBACK;
     }
-    int rc = buf_put(b, text, strlen(text));
-    PyMem_Free(text);
+    PyGILState_Release(gil);
     return rc;
 }
 

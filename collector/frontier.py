@@ -42,6 +42,22 @@ class RecentKeys(_frontier.RecentKeys):
         return np.frombuffer(super().fresh(np.ascontiguousarray(keys, dtype=np.uint64)), dtype=bool)
 
 
+def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list]:
+    """Each row's index into the column's distinct values (the last index for NULL), and those values."""
+    encoded = pc.dictionary_encode(column.combine_chunks())
+    values = encoded.dictionary.to_pylist()
+    return encoded.indices.fill_null(len(values)).to_numpy().astype(np.int64), [*values, None]
+
+
+def _salts(staged: pa.Table) -> np.ndarray:
+    """The salt (``salt``) of each row's instance and source, one hash per distinct pair."""
+    instances, instance_values = _codes(staged.column("instance_id"))
+    sources, source_values = _codes(staged.column("source"))
+    pairs, row_pair = np.unique(instances * len(source_values) + sources, return_inverse=True)
+    per_pair = [salt(instance_values[p // len(source_values)], source_values[p % len(source_values)]) for p in pairs]
+    return np.array(per_pair, dtype=np.uint64)[row_pair.reshape(-1)]
+
+
 def fresh_frontiers(staged: pa.Table, recent: RecentKeys) -> tuple[pa.Array, pa.Array]:
     """``fresh_from`` and ``fresh_hash`` (both NULL where nothing is new) of the packed
     ``prefix_blocks`` rows ``staged``, taken as if written in order of time (ties: staged order),
@@ -51,12 +67,7 @@ def fresh_frontiers(staged: pa.Table, recent: RecentKeys) -> tuple[pa.Array, pa.
     offsets = lists.offsets.to_numpy().astype(np.int64)
     starts = offsets - offsets[0]  # an Array may be a slice of a larger one
     hashes = np.ascontiguousarray(pc.list_flatten(lists).to_numpy(), dtype=np.int64)
-    pairs: dict[tuple, int] = {}
-    group = np.fromiter(
-        (pairs.setdefault(pair, len(pairs)) for pair in zip(staged.column("instance_id").to_pylist(),
-                                                             staged.column("source").to_pylist(), strict=True)),
-        dtype=np.int64, count=rows)
-    salts = np.array([salt(*pair) for pair in pairs], dtype=np.uint64)[group] if rows else np.zeros(0, np.uint64)
+    salts = _salts(staged)
     order = np.argsort(staged.column("t_ns").to_numpy(), kind="stable").astype(np.int64)
     fresh_from = np.frombuffer(recent.frontiers(hashes, starts, salts, order), dtype=np.int32)
     missing = fresh_from < 0

@@ -68,21 +68,26 @@ class Counters:
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
-          max_value_length: int) -> Columns:
-    """Decompress, decode and normalize one payload into Arrow columns. Pure, so it runs in a worker
-    process as well."""
+          max_value_length: int, fast: bool = True) -> Columns:
+    """Decompress, decode and normalize one payload into Arrow columns (through the compiled decoder
+    unless ``fast`` is False). Pure, so it runs in a worker process as well."""
     payload = decompress(body, content_encoding, max_body_bytes)
-    if encoding.name == "protobuf":
-        columns = fastpath.decode(payload, max_value_length)
+    if fast:
+        columns = _decoded(payload, encoding, max_value_length)
         if columns is not None:
             return columns
     return normalize(decode(payload, encoding), max_value_length).columns()
 
 
+def _decoded(payload: bytes, encoding: Encoding, max_value_length: int) -> Columns | None:
+    """The compiled decoder's columns of a protobuf payload, or None (the normalizer's to do)."""
+    return fastpath.decode(payload, max_value_length) if encoding.name == "protobuf" else None
+
+
 def _parse_in_worker(*args) -> bytes:
-    """``parse`` in a worker process: the columns go back as bytes (Columns.to_bytes), read in the
-    collector's process without copying; a pickled Arrow table costs a copy on each side."""
-    return parse(*args).to_bytes()
+    """What the compiled decoder left to the normalizer, in a worker process: the columns go back as
+    bytes (Columns.to_bytes), read in the collector's process without copying."""
+    return parse(*args, fast=False).to_bytes()
 
 
 def _start_worker(parent_pid: int) -> None:
@@ -104,11 +109,16 @@ def _start_worker(parent_pid: int) -> None:
 
 
 class Pipeline:
-    """Turns payloads into Batches, in worker processes when ``workers`` > 0, counting refusals.
+    """Turns payloads into Columns, counting refusals: protobuf through the compiled decoder on a
+    thread of this process, and what it leaves to the normalizer in worker processes when
+    ``workers`` > 0.
 
-    Parsing is CPU-bound Python; in the collector's process it would share one core (the GIL) with
-    HTTP and the writer. Worker processes give it the machine's other cores. A worker that dies
-    breaks its pool: the pool is rebuilt and the payload parsed in-process, so no request fails.
+    The decoder holds no GIL while it decodes, so on a thread it has the machine's other core
+    without a process: shipping its columns back from a worker (pickling, a pipe, a copy on each
+    side) cost four times the decoding itself (py-spy, docs/benchmarks.md). The normalizer is
+    CPU-bound Python; in the collector's process it would share one core (the GIL) with HTTP and the
+    writer, so worker processes give it the other cores. A worker that dies breaks its pool: the
+    pool is rebuilt and the payload parsed in-process, so no request fails.
     """
 
     def __init__(self, counters: Counters, max_body_bytes: int, max_value_length: int, workers: int = 0):
@@ -136,28 +146,44 @@ class Pipeline:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         with self._counting_refusals():
+            batch = self._fast(*args)
             pool = self._pool
             try:
-                batch = Columns.from_bytes(pool.submit(_parse_in_worker, *args).result()) if pool is not None \
-                    else parse(*args)
+                if batch is None:
+                    batch = Columns.from_bytes(pool.submit(_parse_in_worker, *args).result()) if pool is not None \
+                        else parse(*args, fast=False)
             except BrokenProcessPool:
                 self._rebuild(pool)
-                batch = parse(*args)
+                batch = parse(*args, fast=False)
         return self._checked(batch)
 
     async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
-        """``batch`` for the event loop: waits on a worker, or on a thread when there is no pool."""
+        """``batch`` for the event loop: the compiled decoder on a thread (it holds no GIL while it
+        decodes), and what it leaves to the normalizer on a worker, or a thread without workers."""
         if self._pool is None:
             return await run_in_threadpool(self.batch, body, encoding, content_encoding)
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         pool = self._pool
         with self._counting_refusals():
+            batch = await run_in_threadpool(self._fast, *args) if encoding.name == "protobuf" else None
             try:
-                batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
+                if batch is None:
+                    batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
             except BrokenProcessPool:
                 self._rebuild(pool)
-                batch = await run_in_threadpool(parse, *args)
+                batch = await run_in_threadpool(parse, *args, False)
         return self._checked(batch)
+
+    @staticmethod
+    def _fast(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
+              max_value_length: int) -> Columns | None:
+        if encoding.name != "protobuf":
+            return None
+        payload = decompress(body, content_encoding, max_body_bytes)
+        columns = _decoded(payload, encoding, max_value_length)
+        if columns is not None:  # what the store journals: the payload parses to these columns again
+            columns.sources = [(encoding.name, max_value_length, payload)]
+        return columns
 
     @contextmanager
     def _counting_refusals(self) -> Iterator[None]:

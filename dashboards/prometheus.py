@@ -172,6 +172,8 @@ class MetricsState:
         self._lock = threading.Lock()
         self._pending: list[dict[str, pa.Table]] = []
         self._pending_rows = 0
+        #: Guards only _pending: the writer's hand-over never waits for a fold or a scrape (_lock).
+        self._inbox = threading.Lock()
         self.counters: dict[tuple[str, tuple], float] = defaultdict(float)
         self.histograms: dict[tuple[str, tuple], Histogram] = {}
         self.gauges: dict[tuple[str, tuple], float] = {}
@@ -196,15 +198,20 @@ class MetricsState:
         # memory, and a batch of foreign spans (no request, no decode step) was kept whole until the
         # next scrape, outside the receiver's byte budget (issue 11 item 3).
         batch = as_columns(batch)
-        # Copied: a batch read from bytes shares one buffer, which a slice kept here would keep whole.
-        kept = {name: batch.tables[name].take(np.arange(batch.tables[name].num_rows))
-                for name in (*_FOLDED, "decode_steps") if name in batch.tables}
+        kept = {name: batch.tables[name] for name in (*_FOLDED, "decode_steps") if name in batch.tables}
+        if any(kind == "columns" for kind, _, _ in batch.sources or ()):  # its tables share one buffer,
+            # which a slice kept here would keep whole
+            kept = {name: table.take(np.arange(table.num_rows)) for name, table in kept.items()}
         self._last_write = time.monotonic()
-        with self._lock:
+        with self._inbox:
             self._pending.append(kept)
             self._pending_rows += batch.spans + batch.count("requests") + batch.count("decode_steps")
-            if self._pending_rows >= FOLD_AT_ROWS:  # nobody scraping: keep memory bounded
-                self._fold()
+            due = self._pending_rows >= FOLD_AT_ROWS
+        if due and self._lock.acquire(blocking=False):  # nobody scraping: the verdict thread folds,
+            try:                                          # so that memory stays bounded
+                self._wake.notify_all()
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
         """Stop the verdict thread."""
@@ -216,7 +223,8 @@ class MetricsState:
 
     # -- fold (under the lock) -----------------------------------------------------------------
     def _fold(self) -> None:
-        batches, self._pending, self._pending_rows = self._pending, [], 0
+        with self._inbox:
+            batches, self._pending, self._pending_rows = self._pending, [], 0
         if not batches:
             return
         try:
@@ -388,10 +396,14 @@ class MetricsState:
     def _verdict_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._verdicts and not self._stopping:
+                while not self._verdicts and not self._stopping and self._pending_rows < FOLD_AT_ROWS:
                     self._wake.wait()
                 if self._stopping:
                     return
+                if self._pending_rows >= FOLD_AT_ROWS:  # off the writer's thread (observe)
+                    self._fold()
+                if not self._verdicts:
+                    continue
                 row = dict(zip(_ROW, self._verdicts[0], strict=True))
                 history = self._history[row["instance_id"]].before(row) if row["category"] in _COMPONENT else None
             began = time.monotonic()

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 from harness_collector import CollectorProcess, wait_for
 from test_collector_errors import make_request
 
@@ -55,15 +56,22 @@ def kill_mid_stream(collector: CollectorProcess, spans: int) -> list[str]:
     return list(acked)
 
 
-def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory):
+@pytest.mark.parametrize("parser", ["decoder", "normalizer"])
+def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory, monkeypatch, parser):
+    """Killed while batches stream in: every acknowledged span is stored after a restart (its
+    journal appended). With the compiled decoder the payloads are parsed in the collector's process;
+    with it off (TOKENTRACE_FASTPATH=0) in its worker, which must exit once its collector is gone."""
+    if parser == "normalizer":
+        monkeypatch.setenv("TOKENTRACE_FASTPATH", "0")  # the collector process inherits it
     collector = collector_factory("--parse-workers", "1").start()
     assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
     workers = _parse_workers(collector.proc.pid)  # the pool starts its workers on demand
-    assert workers
+    assert bool(workers) == (parser == "normalizer")
     snapshot = kill_mid_stream(collector, 3000)
     # Orphaned parse workers notice their collector is gone and exit.
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30, "the orphaned workers to exit")
-    restarted = collector_factory(db=collector.db).start()  # DuckDB replays its WAL on open
+    monkeypatch.delenv("TOKENTRACE_FASTPATH", raising=False)
+    restarted = collector_factory(db=collector.db).start()  # appends its journal, DuckDB replays its WAL
     assert restarted.health()["status"] == "ok"
     assert restarted.stop() == 0
     assert _stored(restarted, snapshot) == len(snapshot)
@@ -103,7 +111,8 @@ def _parse_workers(pid: int) -> list[int]:
             if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text(errors="replace")]
 
 
-def test_a_killed_parse_worker_costs_no_request(collector_factory):
+def test_a_killed_parse_worker_costs_no_request(collector_factory, monkeypatch):
+    monkeypatch.setenv("TOKENTRACE_FASTPATH", "0")  # every payload to the worker (the normalizer's path)
     collector = collector_factory("--parse-workers", "1").start()
     assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
     workers = _parse_workers(collector.proc.pid)

@@ -37,19 +37,33 @@ def _counts(path: Path) -> dict[str, int]:
         store.close()
 
 
-def test_a_batch_journaled_and_never_merged_is_appended_at_the_next_open_once(tmp_path):
+def _parsed_batch(offset_s: int = 0):
+    """The golden trace as the collector's parse stage gives it: decoded, with the payload it came
+    from (Columns.sources), which the journal then holds instead of the columns."""
+    from tokentrace.collector.ingest import Counters, Pipeline
+    from tokentrace.collector.otlp import PROTOBUF, Encoding
+
+    body, _ = golden.encode(golden.load("golden_engine_trace.json"), BASE + offset_s * 1_000_000_000)
+    batch = Pipeline(Counters(), 1 << 24, 65_536).batch(body, Encoding("protobuf", PROTOBUF))
+    assert batch.sources and batch.sources[0][0] == "protobuf"
+    return batch
+
+
+@pytest.mark.parametrize("made_by", ["_golden_batch", "_parsed_batch"], ids=["columns", "payload"])
+def test_a_batch_journaled_and_never_merged_is_appended_at_the_next_open_once(tmp_path, made_by):
     """A child process journals three batches with its merge thread stopped, then dies (os._exit:
-    no close, no merge). The next open appends them, once; opening again appends nothing more."""
+    no close, no merge). The next open appends them, once; opening again appends nothing more.
+    Journaled as columns (a batch built in Python) or as the OTLP payload they were decoded from."""
     path = tmp_path / "s.duckdb"
     child = textwrap.dedent(f"""
         import os, sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_store_journal import _golden_batch
+        from test_store_journal import {made_by} as made
         from tokentrace.collector.store_duckdb import DuckDBStore
         store = DuckDBStore({str(path)!r})
         store._journal._merge = lambda entries: threading.Event().wait()  # a merge that never ends
         for offset in (0, 10, 20):
-            assert store.write(_golden_batch(offset))
+            assert store.write(made(offset))
         print(store.journal_state()["unmerged_batches"] + (store._journal.merged == 0) * 100, flush=True)
         os._exit(0)
     """)
