@@ -189,6 +189,9 @@ class Journal:
         self.journaled = 0  #: highest sequence number journaled
         self.merged = 0  #: highest sequence number merged
         self.error: str | None = None  #: why the latest merge failed, until one succeeds
+        self.merges = 0  #: merges done
+        self.merged_spans = 0  #: spans they appended
+        self.last_merge_s = 0.0  #: how long the latest merge took
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokentrace-merge", daemon=True)
 
@@ -234,7 +237,8 @@ class Journal:
         """A JSON-ready view for /healthz."""
         with self._cond:
             return {"unmerged_batches": len(self._pending), "unmerged_bytes": self._bytes,
-                    "last_merge_error": self.error}
+                    "merges": self.merges, "merged_spans": self.merged_spans,
+                    "last_merge_ms": round(self.last_merge_s * 1000, 1), "last_merge_error": self.error}
 
     # --- the merge thread -------------------------------------------------------------------------
     def close(self, timeout: float = 60.0) -> None:
@@ -265,6 +269,7 @@ class Journal:
             entries = self._take()
             if not entries:
                 return  # stopping, and nothing left
+            began = time.monotonic()
             try:
                 self._merge(entries)
             except Exception as exc:  # the entries stay journaled and pending: merged again later
@@ -283,6 +288,9 @@ class Journal:
                     self._bytes -= self._pending.popleft().nbytes
                 self.merged = entries[-1].seq
                 self.error = None
+                self.merges += 1
+                self.merged_spans += sum(entry.columns.spans for entry in entries)
+                self.last_merge_s = time.monotonic() - began
                 self._cond.notify_all()
             for entry in entries:
                 if entry.on_stored is not None:
