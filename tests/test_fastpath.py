@@ -267,3 +267,20 @@ def test_decoded_columns_travel_as_bytes():
     assert_same(Columns.from_bytes(got.to_bytes()), reference(body))
     arrow = pa.Table.from_pydict({"n": [1]})  # the imported tables are ordinary pyarrow tables
     assert pa.concat_tables([got.tables["spans"], got.tables["spans"]]).num_rows == 2 * got.spans and arrow
+
+
+def test_threads_decoding_at_once_get_what_one_thread_gets():
+    """The decoder holds no GIL while it walks a body (collector/ingest.py decodes on several threads
+    of the collector's process): bodies decoded by eight threads at once, each many times, equal
+    the Python reference; floats (whose repr takes the GIL back) are in every one of them."""
+    import concurrent.futures
+
+    rng = random.Random(SEED + 1)
+    bodies = [engine_request(rng, requests=40, odd=False).SerializeToString() for _ in range(8)]
+    expected = [reference(body) for body in bodies]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            results = list(pool.map(lambda body: fastpath.decode(body, MAX), bodies * 3))
+            for got, want in zip(results, expected * 3, strict=True):
+                assert got is not None
+                assert_same(got, want)
