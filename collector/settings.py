@@ -116,8 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_attribute_length", 65536, "TOKENTRACE_MAX_ATTRIBUTE_LENGTH",
             "longer attribute strings are truncated (and reported in partial success)", _positive),
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
-            "processes that decode and normalize payloads; 0 parses in the collector (default: cores - 1, "
-            "at most 4)", _non_negative),
+            "processes that normalize the payloads the compiled decoder leaves to Python (JSON, rare values); "
+            "0 normalizes them in the collector (default: cores - 1, at most 4)", _non_negative),
     Setting("slo", None, "TOKENTRACE_SLO",
             "service-level objectives, e.g. ttft=2s,tpot=50ms;model=NAME:ttft=1s (docs/metrics.md)", _slo),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
