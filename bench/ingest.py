@@ -168,7 +168,8 @@ def main() -> int:
     parser.add_argument("--senders", type=int, default=4)
     parser.add_argument("--spans-per-batch", type=int, default=512)
     parser.add_argument("--max-requests", type=int, default=20_000, help="upper bound on requests sent")
-    parser.add_argument("--distinct-batches", type=int, default=120, help="batches generated up front")
+    parser.add_argument("--distinct-batches", type=int, default=3000,
+                        help="batches generated up front (cached in .cache/: a repeat would be a resend, stored once)")
     parser.add_argument("--shape", choices=("engine", "light"), default="engine",
                         help="engine: the shim's spans (arrays of offsets and hashes); light: small generic spans")
     args = parser.parse_args()

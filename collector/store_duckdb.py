@@ -173,6 +173,8 @@ class DuckDBStore(NamedQueryReader):
                     f"the store {self.path} is held by a running collector; ask it with --url instead"
                 ) from exc
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        # A long migration or query would otherwise draw DuckDB's progress bar on the collector's stdout.
+        self._con.execute("SET enable_progress_bar = false")
         if not read_only:
             # DuckDB checkpoints whenever its WAL passes 16 MB, rewriting the changed parts of the
             # ART indexes each time; at ingest rates that halved write throughput (measured 21k vs

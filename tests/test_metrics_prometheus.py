@@ -19,7 +19,7 @@ from harness_prometheus import PROMTOOL, PrometheusProcess, now, require_prometh
 pytestmark = pytest.mark.slow
 
 TOKEN = "metrics-test-token"
-SLO = "ttft=10s,tpot=1ms,e2e=60s;instance=engine-b:tpot=10s"
+SLO = "ttft=10s,tpot=0.001ms,e2e=60s;instance=engine-b:tpot=10s"
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "grafana" / "tokentrace.json"
 SYSTEM = {"role": "system", "content": "You answer questions about observability of inference servers. " * 3}
@@ -149,7 +149,8 @@ def test_slo_attainment_equals_the_report(scraped):
     for name, counts in slo["objectives"].items():
         met = _by(prom.query(f'sum by (met) (tokentrace_slo_requests_total{{slo="{name}"}})'), "met")
         assert met.get("true", 0) == counts["met"] and met.get("false", 0) == counts["missed"], name
-    # tpot=1ms is missed by every engine-a request with a TPOT; engine-b's own objective is 10 s.
+    # tpot=1us (no real decode step is that fast) is missed by every engine-a request with a TPOT;
+    # engine-b's own objective is 10 s.
     assert slo["objectives"]["tpot"]["missed"] >= 2
     good = _by(prom.query('sum by (met) (tokentrace_slo_requests_total{slo="all"})'), "met")
     assert good.get("true", 0) == slo["all"]["good"]
