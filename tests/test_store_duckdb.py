@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import golden
 import numpy as np
@@ -174,4 +175,73 @@ def test_hash_lookups_take_the_art_index(tmp_path, name):
     sql, bound = bind_lists(text, params)
     assert "Index Scan" in _scans(cursor, sql, bound)
     assert "Sequential Scan" not in _scans(cursor, sql, bound)
+    store.close()
+
+
+# slot_holders before it bounded the queue spans it reads: a join with every llm.queue span stored.
+_HOLDERS_REFERENCE = """
+SELECT request_id, prompt_tokens, cached_tokens, completion_tokens, start_ns, end_ns, admitted_ns
+FROM (
+    SELECT r.request_id, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.start_ns, r.end_ns,
+           coalesce(q.end_ns, r.start_ns + CAST(coalesce(r.queue_ms, 0) * 1e6 AS BIGINT)) AS admitted_ns
+    FROM requests r
+    LEFT JOIN phases q ON q.request_id = r.request_id AND q.name = 'llm.queue'
+    WHERE r.instance_id = $instance_id AND r.request_id <> $request_id
+      AND r.end_ns > $t0_ns AND r.start_ns < $t1_ns
+)
+WHERE admitted_ns < $t1_ns
+ORDER BY admitted_ns
+"""
+
+
+def _row_groups(cursor, sql: str, params: dict, table: str) -> tuple[int, int]:
+    """(scanned, total) row groups of ``table``'s scan in the executed plan (EXPLAIN ANALYZE)."""
+    plan = cursor.execute("EXPLAIN ANALYZE " + sql, params).fetchall()[0][1]
+    found = []
+    for block in plan.split("Table Scan")[1:]:
+        if f".{table}" in block.split("Row Groups Scanned")[0]:
+            scanned, total = re.search(r"Row Groups Scanned: ([\d,]+) / ([\d,]+)", block).groups()
+            found.append((int(scanned.replace(",", "")), int(total.replace(",", ""))))
+    assert len(found) == 1, plan
+    return found[0]
+
+
+def test_slot_holders_read_the_queue_spans_of_their_window_only(tmp_path):
+    """A slow verdict asks who held the batch slots while a request queued; the query joined every
+    llm.queue span ever stored (1.25M requests: 52-92 ms of a 140 ms verdict), so verdicts slowed as
+    the store grew. It must read the phases row groups of its window, and answer as that join does:
+    with queue spans that end before or after their request's span (clock skew) and requests with no
+    queue span (arrival + queue_ms)."""
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    cursor = store._cursor()
+    n, step = 600_000, 1_000_000  # one request a millisecond on two instances, 5 row groups of phases
+    cursor.execute(
+        "INSERT INTO requests (request_id, trace_id, span_id, instance_id, start_ns, end_ns, queue_ms, "
+        "prompt_tokens, cached_tokens, completion_tokens) "
+        "SELECT 'r' || i, 't' || i, 's' || i, 'i' || (i % 2), i * $step, i * $step + 40 * $step + (i % 7) * $step, "
+        "(i % 5) * 0.5, 100 + i % 13, i % 3, 8 FROM range($n) t(i)", {"n": n, "step": step})
+    # Every request but each 10th has a queue span; some end up to 20 s off their request (skew).
+    cursor.execute(
+        "INSERT INTO phases (request_id, instance_id, trace_id, span_id, name, start_ns, end_ns) "
+        "SELECT 'r' || i, 'i' || (i % 2), 't' || i, 'q' || i, 'llm.queue', i * $step + skew, "
+        "i * $step + skew + (i % 4) * $step FROM "
+        "(SELECT i, CASE WHEN i % 97 = 0 THEN -20_000::BIGINT * $step "
+        "                WHEN i % 89 = 0 THEN 20_000::BIGINT * $step ELSE 0 END "
+        " AS skew FROM range($n) t(i)) WHERE i % 10 <> 0", {"n": n, "step": step})
+    sql = store._queries.text("slot_holders")
+    compared = 0
+    for at in (50, 1_234, 97 * 1_000, 300_001, 599_990):
+        t0 = at * step
+        params = {"instance_id": f"i{at % 2}", "request_id": f"r{at}", "t0_ns": t0, "t1_ns": t0 + 3 * step}
+        got = store.rows("slot_holders", **params)
+        expected = cursor.execute(_HOLDERS_REFERENCE, params).fetchall()
+        assert [tuple(row.values()) for row in got] == expected, at
+        compared += len(expected)
+        scanned, total = _row_groups(cursor, sql, params, "phases")
+        assert total >= 4 and scanned <= 2, (at, scanned, total)
+    assert compared > 100
+    # No request held a slot (no such instance): no phases row group read either.
+    params = {"instance_id": "elsewhere", "request_id": "r5", "t0_ns": 5 * step, "t1_ns": 8 * step}
+    assert store.rows("slot_holders", **params) == []
+    assert _row_groups(cursor, sql, params, "phases")[0] == 0
     store.close()

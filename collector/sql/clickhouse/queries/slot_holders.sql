@@ -10,13 +10,20 @@ FROM (
                                                       ceil(coalesce(r.queue_ms, 0) * 1e6 - 0.5)))) AS admitted_ns
     FROM requests AS r
     -- Only the queue spans of the requests in question (the join's result is the same): without the
-    -- IN, ClickHouse builds the join's right side from every llm.queue span ever stored.
+    -- IN, ClickHouse builds the join's right side from every llm.queue span ever stored. As DuckDB's,
+    -- only those between the candidates' earliest start and latest end, give or take a minute of skew.
     LEFT JOIN (
         SELECT request_id, end_ns FROM phases
         WHERE name = 'llm.queue'
           AND request_id IN (SELECT request_id FROM requests
                              WHERE instance_id = {instance_id:Nullable(String)}
                                AND end_ns > {t0_ns:Nullable(Int64)} AND start_ns < {t1_ns:Nullable(Int64)})
+          AND end_ns >= (SELECT min(start_ns) FROM requests
+                         WHERE instance_id = {instance_id:Nullable(String)} AND request_id <> {request_id:Nullable(String)}
+                           AND end_ns > {t0_ns:Nullable(Int64)} AND start_ns < {t1_ns:Nullable(Int64)}) - 60000000000
+          AND start_ns <= (SELECT max(end_ns) FROM requests
+                           WHERE instance_id = {instance_id:Nullable(String)} AND request_id <> {request_id:Nullable(String)}
+                             AND end_ns > {t0_ns:Nullable(Int64)} AND start_ns < {t1_ns:Nullable(Int64)}) + 60000000000
     ) AS q ON q.request_id = r.request_id
     WHERE r.instance_id = {instance_id:Nullable(String)}
       AND r.request_id <> {request_id:Nullable(String)}
