@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         from tokentrace.analyzers.render import render
 
         print(render(args.analysis, result))
+    args._quick_exit = True  # printed; nothing of ours is left open (the store is closed)
     return 0
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from tokentrace import __version__
 from tokentrace.errors import TokentraceError
@@ -68,9 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(_named_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
     except TokentraceError as exc:
         print(f"tokentrace {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    if argv is None and getattr(args, "_quick_exit", False):
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit now, without the interpreter's teardown, for a command that has printed its answer and
+    holds nothing open (``analyze``): unloading modules and DuckDB's buffers cost 30 ms at the median
+    and up to 90 ms of a 260 ms cache verdict at 1.25M requests (measured). Only the real command
+    line leaves this way; ``main(argv)`` from Python returns."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # a reader that stopped early (| head): as Python itself reports it
+        os._exit(120)
+    os._exit(code)
