@@ -104,12 +104,9 @@ class Columns:
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
-        parts = list(self.problems[:3])
-        if len(self.problems) > 3:
-            parts.append(f"and {len(self.problems) - 3} more")
-        if self.truncated:
-            parts.append(f"{self.truncated} attribute values were truncated to the length limit")
-        return "; ".join(parts)
+        from tokentrace.collector.normalize import partial_success_message
+
+        return partial_success_message(self.problems, self.truncated)
 
     # --- changing ---------------------------------------------------------------------------------
     def select(self, keep: np.ndarray) -> Columns:

@@ -66,6 +66,17 @@ class _Untyped(Exception):
         self.reason = reason
 
 
+def partial_success_message(problems: list[str], truncated: int) -> str:
+    """OTLP's partial-success message for a parsed payload (Batch or Columns): the first three
+    problems, how many more, and how many attribute values were cut, in one line."""
+    parts = list(problems[:3])
+    if len(problems) > 3:
+        parts.append(f"and {len(problems) - 3} more")
+    if truncated:
+        parts.append(f"{truncated} attribute values were truncated to the length limit")
+    return "; ".join(parts)
+
+
 @dataclass
 class Batch:
     """Rows for every table (lists of tuples in ``TABLES`` column order) plus what was refused."""
@@ -85,12 +96,7 @@ class Batch:
 
     def message(self) -> str:
         """The partial-success message: what was refused or changed, in one line."""
-        parts = list(self.problems[:3])
-        if len(self.problems) > 3:
-            parts.append(f"and {len(self.problems) - 3} more")
-        if self.truncated:
-            parts.append(f"{self.truncated} attribute values were truncated to the length limit")
-        return "; ".join(parts)
+        return partial_success_message(self.problems, self.truncated)
 
     def expanded(self, table: str) -> list[tuple]:
         """Rows of ``table`` in ``TABLES`` order, packed tables expanded (the reference semantics)."""
