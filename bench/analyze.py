@@ -8,8 +8,9 @@ Then measures:
 - ``analyze slow`` and ``analyze cache`` query time for random requests (in-process, warm);
 - CLI wall time of ``tokentrace analyze slow|cache --db FILE --json`` including Python start-up, and
   of the same through a collector serving the file (``--url``), next to the floors measured in the
-  same run: ``python -c pass``, ``python -c "import duckdb"`` (all a ``--db`` verdict imports of its
-  libraries) and ``python -c "import duckdb, polars, pyarrow"``;
+  same run: ``python -c pass``, ``python -c "import _duckdb"`` (all a ``--db`` verdict imports of its
+  libraries: DuckDB's engine module), ``import duckdb`` (its Python package) and ``import duckdb,
+  polars, pyarrow``;
 - ``analyze report --since 1h`` query time and CLI wall time;
 and prints the store size on disk and bytes per span. Every figure is given as wall time and as CPU
 time (of this process, or of the CLI child): on a shared machine wall time measures the neighbours
@@ -307,7 +308,8 @@ def main() -> int:
         compileall.compile_dir(ROOT / folder, quiet=1)
     runs = min(20, len(sample))
     line("python -c pass (floor)", [_child("-c", "pass") for _ in range(runs)], 300)
-    line("import duckdb (floor of --db)", [_child("-c", "import duckdb") for _ in range(runs)], 300)
+    line("import _duckdb (floor of --db)", [_child("-c", "import _duckdb") for _ in range(runs)], 300)
+    line("import duckdb (its package)", [_child("-c", "import duckdb") for _ in range(runs)], 300)
     line("import duckdb+polars+pyarrow", [_child("-c", "import duckdb, polars, pyarrow") for _ in range(runs)], 300)
     line("CLI analyze slow --db", [_cli("slow", "--request-id", rid, "--db", str(path), "--json")
                                    for rid in sample[:runs]], 300)
