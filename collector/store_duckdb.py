@@ -24,8 +24,9 @@ try:
     # DuckDB's engine without its Python package around it (a relational API, expression builders,
     # hooks for Python objects as tables, a version lookup through importlib.metadata): what a
     # read-only verdict uses (connect, execute, fetchall, the exceptions) is the engine's, and the
-    # package's objects are these same ones. 50-60 ms to import instead of 180-230 (measured), most
-    # of `tokentrace analyze --db`'s start-up. The writer and frames import the package as well
+    # package's objects are these same ones. `python -c "import _duckdb"` takes 60 ms, with
+    # "import duckdb" 180 (measured); 45 ms less for `tokentrace analyze --db` (A/B in one run,
+    # docs/benchmarks.md). The writer and frames import the package as well
     # (``_libraries``): registering Arrow tables needs its hooks.
     import _duckdb as duckdb
 except ImportError:  # a DuckDB whose engine module is not top-level (1.x: duckdb.duckdb)

@@ -286,7 +286,7 @@ def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
     missing = _cli("cache", "--request-id", "no-such-request", "--db", str(collector.db))
     assert missing.returncode == 2 and "no request with id 'no-such-request'" in missing.stderr
     # Issue 17 item 3: a --db verdict (slow: queueing and blockers; cache: an eviction) reads rows as
-    # Python tuples through DuckDB's engine module alone: not duckdb's Python package (130 ms of
+    # Python tuples through DuckDB's engine module alone: not duckdb's Python package (~120 ms of
     # start-up), polars, pyarrow or numpy (0.3-0.4 s between them).
     for kind, rid in (("slow", "demo-queued"), ("cache", "demo-evicted-2")):
         ran = subprocess.run([sys.executable, "-c", _IMPORTS, "analyze", kind, "--request-id", rid, "--db",
