@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import polars as pl
 import pytest
@@ -13,6 +15,7 @@ from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import attainment, missed_objectives, parse_slo
 from tokentrace.collector.normalize import TABLES, Batch
 from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.dashboards import prometheus
 from tokentrace.dashboards.prometheus import ITL, MetricsState
 from tokentrace.errors import ConfigError
 
@@ -162,3 +165,28 @@ def test_avoidable_prefill_comes_from_the_gateways_routing_decisions(tmp_path):
         store.close()
     labels = 'model_name="unknown",engine="0",instance_id="up-b",held_by="up-a"'
     assert f"tokentrace_avoidable_prefill_tokens_total{{{labels}}} 128" in text.splitlines()
+
+
+def test_batches_handed_over_during_a_verdict_pause_are_folded_in_it(tmp_path, monkeypatch):
+    """While ingest is busy the verdict thread pauses three times as long as each verdict took, and
+    a verdict waits for the merge: batches handed over meanwhile waited for the pause to end (850,000
+    rows under overload). The pause folds them as they come, and the collector's stop ends it."""
+    monkeypatch.setattr(prometheus, "FOLD_AT_ROWS", 1)
+    # The state's own thread would fold an idle wait's batches too; here the pause is the only folder.
+    monkeypatch.setattr(MetricsState, "_verdict_loop", lambda self: None)
+    store = DuckDBStore(tmp_path / "m.duckdb")
+    state = MetricsState(store)
+    pause = threading.Thread(target=state._pause, args=(time.monotonic() + 600,))
+    try:
+        pause.start()
+        batch = Batch()
+        batch.rows["requests"] += [_request_row("a", "i1", 1.0)]
+        state.observe(batch)
+        with state._lock:  # a fold runs under this lock: once it is free and nothing waits, it ran
+            assert state._wake.wait_for(lambda: state._pending_rows == 0, timeout=30)
+        assert pause.is_alive()  # folded inside the pause, not after it
+    finally:
+        state.close()
+        pause.join(30)
+    assert not pause.is_alive()
+    assert "tokentrace_requests_total" in state.render({"accepted_spans": 0, "rejected": {}})
