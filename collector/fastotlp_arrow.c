@@ -300,6 +300,9 @@ static int schema_of_table(struct ArrowSchema *s, const table_t *t) {
     return 0;
 }
 
+/* Unused bytes past which an exported buffer is cut to its length (give). */
+#define SHRINK_SLACK 4096
+
 /* What an exported array owns: its buffers (moved out of the builder) and its children. */
 typedef struct {
     const void *buffers[3];
@@ -341,9 +344,17 @@ static int array_fill(struct ArrowArray *a, int64_t length, int64_t n_buffers, i
     return 0;
 }
 
-/* Hand a builder buffer to the array (never a NULL data buffer: one byte at least). */
+/* Hand a builder buffer to the array (never a NULL data buffer: one byte at least), cut to its
+ * length: a buffer grown by doubling holds up to twice what it exports, and an exported batch stays
+ * in memory until the store has merged it, counted against the byte budget by its exported size
+ * (Columns.nbytes). Without the cut, a collector under overload held ~1.3x its unmerged columns in
+ * malloc (bench/overload.py, docs/benchmarks.md). glibc shrinks in place: no copy. */
 static int give(owned_t *own, int slot, buf_t *b) {
     if (!b->p) TRY(buf_reserve(b, 1));
+    if (b->cap - b->n >= SHRINK_SLACK && b->n) {
+        uint8_t *cut = realloc(b->p, b->n);
+        if (cut) b->p = cut;  /* a failed shrink keeps the larger buffer, still valid */
+    }
     own->buffers[slot] = own->owned[slot] = b->p;
     b->p = NULL;
     b->n = b->cap = 0;
