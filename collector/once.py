@@ -12,8 +12,9 @@ Finding out cheaply which spans are stored (``SpanKeys``): a B-tree or ART index
 characters per span costs more than the rest of the write (measured with DuckDB 1.x on this
 machine: 55k keys/s with a primary key, and 1.8 s per batch of 10k known keys through ON CONFLICT).
 A resent span has the span's own start time, so the collector keeps, in memory, a 64-bit hash of the
-key of every stored span that started after a horizon, grouped by minute of start time (8 bytes a
-span; ``capacity`` spans, the oldest minutes dropped first). Then:
+key of every stored span that started after a horizon, with the 10-second bucket of its start time,
+in a hash table in C (collector/spankeys.c: 12 bytes a slot, at most 3/4 of the slots used;
+``capacity`` spans, the oldest buckets dropped first, a quarter of the capacity at a time). Then:
 
 - a span starting after the horizon whose hash is not in memory is new: no query at all (the
   common case);
@@ -24,6 +25,12 @@ span; ``capacity`` spans, the oldest minutes dropped first). Then:
 At start the memory is filled from the store's newest minutes (named queries ``span_key_minutes``
 and ``span_keys_since``), so a resend after a restart is recognised too. Spans repeated within one
 batch keep their first copy.
+
+Why buckets of 10 seconds and a hash table (issue 17): the memory was sorted arrays per minute,
+folded (sorted again whole) every ninth batch of the minute, and at a sustained 60k spans/s the
+writer spent 3-4 us a span on it by the end of each minute (``bench/ingest.py``, 60 s); at 100k
+spans/s a minute holds 6M spans, more than the capacity, so the current minute itself was dropped
+and every span looked up in the store. A bucket of 10 s holds 1M spans at that rate.
 """
 
 from __future__ import annotations
@@ -33,10 +40,17 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
+from tokentrace.collector import _spankeys
 from tokentrace.collector.columns import Columns
 
 MINUTE_NS = 60_000_000_000
-DEFAULT_CAPACITY = 4_000_000
+#: Start times are kept by bucket of this many nanoseconds (a divisor of a minute).
+BUCKET_NS = 10_000_000_000
+_PER_MINUTE = MINUTE_NS // BUCKET_NS
+#: Spans held at most: 48 MiB of slots when full (3M keys in 4M slots of 12 bytes).
+DEFAULT_CAPACITY = 3_000_000
+#: Buckets held at most (start times spread over years by a sender's clock): the oldest go first.
+MAX_BUCKETS = 65_536
 #: Spans looked up in the store per query (each binds its start times and trace ids as values).
 LOOKUP_SPANS = 2_000
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9))
@@ -59,13 +73,13 @@ def key_hashes(trace_ids: list[str], span_ids: list[str]) -> np.ndarray:
 
 
 class SpanKeys:
-    """The keys of stored spans that started after ``horizon`` (in memory, module docstring)."""
+    """The keys of stored spans that started in or after bucket ``horizon`` (module docstring)."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
-        self.capacity = capacity
-        self._minutes: dict[int, list[np.ndarray]] = {}  # minute -> sorted hash chunks
-        self._size = 0
-        #: Spans starting before this minute may be stored without being in memory.
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_buckets: int = MAX_BUCKETS):
+        self.capacity, self.max_buckets = capacity, max_buckets
+        self._table = _spankeys.KeyTable()
+        self._counts: dict[int, int] = {}  # bucket -> keys held
+        #: Spans starting before this bucket (start_ns // BUCKET_NS) may be stored without being in memory.
         self.horizon = -(2**62)
 
     def load(self, minute_counts: pl.DataFrame, since: Callable[[int], pl.DataFrame]) -> None:
@@ -76,11 +90,19 @@ class SpanKeys:
                 break
             taken, horizon = taken + spans, minute
         if horizon is None:
-            self.horizon = minute_counts["minute"].max() + 1 if minute_counts.height else -(2**62)
+            self.horizon = (minute_counts["minute"].max() + 1) * _PER_MINUTE if minute_counts.height else -(2**62)
             return
         rows = since(horizon * MINUTE_NS)
         self.add(key_hashes(rows["trace_id"].to_list(), rows["span_id"].to_list()), rows["start_ns"].to_numpy())
-        self.horizon = horizon
+        self.horizon = max(self.horizon, horizon * _PER_MINUTE)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the table's slots take."""
+        return self._table.nbytes
 
     def fresh(self, batch: Columns, stored: Lookup) -> np.ndarray:
         """Mask of the spans of ``batch`` to store: not stored yet, and first of their key in it."""
@@ -89,7 +111,7 @@ class SpanKeys:
         spans = batch.tables["spans"]
         hashes, starts = batch.keys, spans.column("start_ns").to_numpy()
         keep = _first_of_each(hashes, spans)
-        doubt = keep & (self._known(hashes, starts) | (starts // MINUTE_NS < self.horizon))
+        doubt = keep & (self._known(hashes, starts) | (starts // BUCKET_NS < self.horizon))
         if not doubt.any():
             return keep
         traces = spans.column("trace_id").to_pylist()
@@ -105,23 +127,29 @@ class SpanKeys:
 
     def add(self, hashes: np.ndarray, starts: np.ndarray) -> None:
         """Record the key hashes (``key_hashes``) of spans just committed, by their start times;
-        drop the oldest minutes beyond capacity."""
+        past the capacity (or ``max_buckets``), drop the oldest buckets down to three quarters."""
+        buckets = np.asarray(starts, dtype=np.int64) // BUCKET_NS
+        kept = buckets >= self.horizon
+        if not kept.all():
+            hashes, buckets = hashes[kept], buckets[kept]
         if not len(hashes):
             return
-        minutes = np.asarray(starts, dtype=np.int64) // MINUTE_NS
-        for minute in np.unique(minutes):
-            if minute < self.horizon:
-                continue
-            chunk = np.sort(hashes[minutes == minute])
-            chunks = self._minutes.setdefault(int(minute), [])
-            chunks.append(chunk)
-            if len(chunks) > 8:  # fold, so a probe costs one search per minute
-                self._minutes[int(minute)] = [np.sort(np.concatenate(chunks))]
-            self._size += len(chunk)
-        while self._size > self.capacity and self._minutes:
-            oldest = min(self._minutes)
-            self._size -= sum(len(chunk) for chunk in self._minutes.pop(oldest))
-            self.horizon = oldest + 1
+        added = np.frombuffer(self._table.add(np.ascontiguousarray(hashes, dtype=np.uint64),
+                                              buckets.astype(np.int32)), dtype=bool)
+        for bucket, count in zip(*np.unique(buckets[added], return_counts=True), strict=True):
+            self._counts[int(bucket)] = self._counts.get(int(bucket), 0) + int(count)
+        if len(self._table) > self.capacity or len(self._counts) > self.max_buckets:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        size, buckets = len(self._table), len(self._counts)
+        horizon = self.horizon
+        for bucket in sorted(self._counts):
+            if size <= self.capacity * 3 // 4 and buckets <= self.max_buckets * 3 // 4:
+                break
+            size, buckets, horizon = size - self._counts.pop(bucket), buckets - 1, bucket + 1
+        self.horizon = horizon
+        self._table.drop_before(horizon)
 
     def add_batch(self, batch: Columns) -> None:
         """Record the spans of a batch just committed."""
@@ -129,17 +157,8 @@ class SpanKeys:
             self.add(batch.keys, batch.tables["spans"].column("start_ns").to_numpy())
 
     def _known(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        known = np.zeros(len(hashes), dtype=bool)
-        minutes = starts // MINUTE_NS
-        for minute in np.unique(minutes):
-            chunks = self._minutes.get(int(minute))
-            if not chunks:
-                continue
-            at = np.flatnonzero(minutes == minute)
-            for chunk in chunks:
-                probe = np.minimum(np.searchsorted(chunk, hashes[at]), len(chunk) - 1)
-                known[at] |= chunk[probe] == hashes[at]
-        return known
+        """Mask of the hashes held (whatever their start: a span before the horizon is doubted anyway)."""
+        return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool).copy()
 
 
 def _first_of_each(hashes: np.ndarray, spans) -> np.ndarray:

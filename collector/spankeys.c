@@ -1,0 +1,269 @@
+/* The writer's memory of stored span keys: 64-bit key hashes, each with the time bucket of its
+ * span's start, in one open-addressing hash table (collector/once.py explains what is kept and
+ * why).
+ *
+ * It replaces sorted numpy arrays per minute of start time, which were folded (re-sorted whole)
+ * every ninth batch: at a sustained 60k spans/s all of a minute's keys were sorted again and again,
+ * 3-4 us per span by the minute's end (issue 17). Here a key costs one probe to test and one to add;
+ * dropping every key of the buckets before a horizon rebuilds the table once (the caller drops a
+ * quarter of the capacity at a time, so each key is moved a bounded number of times).
+ *
+ * Slots: the key (8 bytes) and its bucket (4 bytes); EMPTY in the bucket marks a free slot, so
+ * every 64-bit key, 0 included, can be held. At most 3/4 of the slots are used.
+ *
+ * Buffers come in through the buffer protocol (numpy arrays), so nothing here knows numpy. Every
+ * call holds the GIL: a table is the writer thread's, and a call never runs beside another.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MIX UINT64_C(0x9E3779B97F4A7C15)
+#define EMPTY INT32_MIN
+#define MIN_SLOTS 1024
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *keys;
+    int32_t *buckets;
+    size_t mask; /* slots - 1, a power of two minus one */
+    size_t size; /* keys held */
+} KeyTable;
+
+static inline size_t slot_of(uint64_t key, size_t mask) {
+    return (size_t)((key * MIX) >> 17) & mask;
+}
+
+static int table_alloc(KeyTable *self, size_t slots) {
+    uint64_t *keys = PyMem_RawMalloc(slots * sizeof *keys);
+    int32_t *buckets = PyMem_RawMalloc(slots * sizeof *buckets);
+    if (keys == NULL || buckets == NULL) {
+        PyMem_RawFree(keys);
+        PyMem_RawFree(buckets);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < slots; i++)
+        buckets[i] = EMPTY;
+    self->keys = keys;
+    self->buckets = buckets;
+    self->mask = slots - 1;
+    self->size = 0;
+    return 0;
+}
+
+/* 1 when the key is held. */
+static inline int table_has(const KeyTable *self, uint64_t key) {
+    for (size_t at = slot_of(key, self->mask);; at = (at + 1) & self->mask) {
+        if (self->buckets[at] == EMPTY)
+            return 0;
+        if (self->keys[at] == key)
+            return 1;
+    }
+}
+
+/* Adds the key with its bucket; 1 when it was not held (a held key keeps its first bucket). */
+static inline int table_put(KeyTable *self, uint64_t key, int32_t bucket) {
+    for (size_t at = slot_of(key, self->mask);; at = (at + 1) & self->mask) {
+        if (self->buckets[at] == EMPTY) {
+            self->keys[at] = key;
+            self->buckets[at] = bucket;
+            self->size++;
+            return 1;
+        }
+        if (self->keys[at] == key)
+            return 0;
+    }
+}
+
+/* Moves the keys whose bucket is at least `from` into a table of `slots` slots. */
+static int table_rebuild(KeyTable *self, size_t slots, int64_t from) {
+    KeyTable old = *self;
+    if (table_alloc(self, slots) < 0) {
+        *self = old;
+        return -1;
+    }
+    for (size_t i = 0; i <= old.mask; i++)
+        if (old.buckets[i] != EMPTY && old.buckets[i] >= from)
+            table_put(self, old.keys[i], old.buckets[i]);
+    PyMem_RawFree(old.keys);
+    PyMem_RawFree(old.buckets);
+    return 0;
+}
+
+static int keytable_init(KeyTable *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "", names))
+        return -1;
+    PyMem_RawFree(self->keys);
+    PyMem_RawFree(self->buckets);
+    self->keys = NULL;
+    self->buckets = NULL;
+    return table_alloc(self, MIN_SLOTS);
+}
+
+static void keytable_dealloc(KeyTable *self) {
+    PyMem_RawFree(self->keys);
+    PyMem_RawFree(self->buckets);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd-byte items, got %zd bytes", what, itemsize, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int ready(const KeyTable *self) {
+    if (self->keys == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyTable.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *keytable_has(KeyTable *self, PyObject *arg) {
+    if (!ready(self))
+        return NULL;
+    Py_buffer keys;
+    if (get_buffer(arg, &keys, 8, "keys") < 0)
+        return NULL;
+    Py_ssize_t count = keys.len / 8;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count);
+    if (out != NULL) {
+        char *mask = PyBytes_AS_STRING(out);
+        const uint64_t *values = keys.buf;
+        for (Py_ssize_t i = 0; i < count; i++)
+            mask[i] = (char)table_has(self, values[i]);
+    }
+    PyBuffer_Release(&keys);
+    return out;
+}
+
+static PyObject *keytable_add(KeyTable *self, PyObject *args) {
+    if (!ready(self))
+        return NULL;
+    PyObject *objects[2];
+    if (!PyArg_ParseTuple(args, "OO", &objects[0], &objects[1]))
+        return NULL;
+    Py_buffer keys, buckets;
+    if (get_buffer(objects[0], &keys, 8, "keys") < 0)
+        return NULL;
+    if (get_buffer(objects[1], &buckets, 4, "buckets") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t count = keys.len / 8;
+    if (buckets.len / 4 != count) {
+        PyErr_SetString(PyExc_ValueError, "keys and buckets must have as many items");
+        goto done;
+    }
+    const int32_t *at = buckets.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (at[i] == EMPTY) {
+            PyErr_SetString(PyExc_ValueError, "a bucket of -2**31 is reserved");
+            goto done;
+        }
+    }
+    size_t slots = self->mask + 1;
+    while ((self->size + (size_t)count) * 4 > slots * 3)
+        slots <<= 1;
+    if (slots != self->mask + 1 && table_rebuild(self, slots, (int64_t)EMPTY + 1) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(NULL, count);
+    if (out != NULL) {
+        char *added = PyBytes_AS_STRING(out);
+        const uint64_t *values = keys.buf;
+        for (Py_ssize_t i = 0; i < count; i++)
+            added[i] = (char)table_put(self, values[i], at[i]);
+    }
+done:
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&buckets);
+    return out;
+}
+
+static PyObject *keytable_drop_before(KeyTable *self, PyObject *arg) {
+    if (!ready(self))
+        return NULL;
+    long long from = PyLong_AsLongLong(arg);
+    if (from == -1 && PyErr_Occurred())
+        return NULL;
+    size_t before = self->size, slots = self->mask + 1;
+    /* Halve the slots while what is left would fill at most 3/8 of them (never below MIN_SLOTS). */
+    size_t left = 0;
+    for (size_t i = 0; i < slots; i++)
+        left += self->buckets[i] != EMPTY && self->buckets[i] >= from;
+    while (slots > MIN_SLOTS && left * 16 <= slots * 3)
+        slots >>= 1;
+    if (table_rebuild(self, slots, from) < 0)
+        return NULL;
+    return PyLong_FromSize_t(before - self->size);
+}
+
+static Py_ssize_t keytable_len(KeyTable *self) {
+    return (Py_ssize_t)self->size;
+}
+
+static PyObject *keytable_nbytes(KeyTable *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t((self->mask + 1) * (sizeof(uint64_t) + sizeof(int32_t)));
+}
+
+static PyMethodDef keytable_methods[] = {
+    {"has", (PyCFunction)keytable_has, METH_O, "has(keys: uint64 buffer) -> bytes: 1 for each key held."},
+    {"add", (PyCFunction)keytable_add, METH_VARARGS,
+     "add(keys: uint64 buffer, buckets: int32 buffer) -> bytes: 1 for each key not held before."},
+    {"drop_before", (PyCFunction)keytable_drop_before, METH_O,
+     "drop_before(bucket: int) -> int: drop the keys of earlier buckets; how many were dropped."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef keytable_getset[] = {
+    {"nbytes", (getter)keytable_nbytes, NULL, "bytes the slots take", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods keytable_sequence = {
+    .sq_length = (lenfunc)keytable_len,
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tokentrace.collector._spankeys.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_dealloc = (destructor)keytable_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "64-bit keys, each with an int32 bucket, in an open-addressing hash table.",
+    .tp_methods = keytable_methods,
+    .tp_getset = keytable_getset,
+    .tp_as_sequence = &keytable_sequence,
+    .tp_init = (initproc)keytable_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_spankeys", "The writer's memory of stored span keys (collector/once.py).", -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__spankeys(void) {
+    if (PyType_Ready(&KeyTableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

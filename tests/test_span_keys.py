@@ -1,0 +1,108 @@
+"""The writer's memory of stored span keys (collector/once.py, collector/spankeys.c): the C table
+against a Python set model, and the memory at sustained rates, where sorted arrays per minute once
+dropped the current minute whole (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from tokentrace.collector._spankeys import KeyTable
+from tokentrace.collector.once import BUCKET_NS, MINUTE_NS, SpanKeys, key_hashes
+
+BASE_NS = 1_800_000_000 * 10**9  # a start time late in 2027, on a minute boundary
+
+
+def _keys(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**64, count, dtype=np.uint64)
+
+
+def test_key_table_agrees_with_a_set_through_growth_and_drops():
+    rng = random.Random(7)
+    table, model = KeyTable(), {}
+    for round_ in range(30):
+        keys = [rng.choice([0, 2**64 - 1, rng.getrandbits(64), rng.getrandbits(8)]) for _ in range(rng.randint(0, 4000))]
+        buckets = [rng.randint(-5, 40) for _ in keys]
+        added = table.add(np.array(keys, dtype=np.uint64), np.array(buckets, dtype=np.int32))
+        for key, bucket, was_added in zip(keys, buckets, added, strict=True):
+            assert was_added == (key not in model)
+            model.setdefault(key, bucket)  # a key held keeps its first bucket
+        if round_ % 7 == 6:
+            cut = rng.randint(-5, 40)
+            dropped = table.drop_before(cut)
+            before = len(model)
+            model = {k: b for k, b in model.items() if b >= cut}
+            assert dropped == before - len(model)
+        assert len(table) == len(model)
+        probe = [*rng.sample(sorted(model), min(50, len(model))), *(rng.getrandbits(64) for _ in range(50)), 0]
+        got = table.has(np.array(probe, dtype=np.uint64))
+        assert list(got) == [int(k in model) for k in probe]
+
+
+def test_key_table_refuses_bad_buffers():
+    table = KeyTable()
+    with pytest.raises(ValueError, match="as many items"):
+        table.add(np.zeros(3, dtype=np.uint64), np.zeros(2, dtype=np.int32))
+    with pytest.raises(ValueError, match="reserved"):
+        table.add(np.zeros(1, dtype=np.uint64), np.array([-(2**31)], dtype=np.int32))
+    with pytest.raises(ValueError, match="8-byte items"):
+        table.has(b"\x00" * 7)
+    assert len(table) == 0
+
+
+def test_a_minute_beyond_the_capacity_keeps_its_latest_spans_in_memory():
+    """1,200 spans over one minute against a capacity of 1,000: the oldest 10-second buckets go, the
+    latest stay, and a new span late in that minute needs no store lookup. The minute memory dropped
+    the whole minute, so every later span of it was looked up in the store."""
+    keys = SpanKeys(capacity=1000)
+    starts = BASE_NS + np.arange(1200, dtype=np.int64) * (MINUTE_NS // 1200)
+    hashes = _keys(1200, 1)
+    for at in range(0, 1200, 100):  # as the writer records its batches
+        keys.add(hashes[at:at + 100], starts[at:at + 100])
+    assert len(keys) <= 1000
+    assert BASE_NS // BUCKET_NS < keys.horizon <= (BASE_NS + MINUTE_NS // 2) // BUCKET_NS
+    late = starts[-1:]
+    assert not (late // BUCKET_NS < keys.horizon).any()  # a new span there is judged from memory alone
+    assert keys._known(hashes[-100:], starts[-100:]).all()
+    assert not keys._known(_keys(100, 2), np.full(100, late[0])).any()
+
+
+def test_start_times_spread_over_years_keep_the_buckets_bounded():
+    keys = SpanKeys(capacity=10_000, max_buckets=64)
+    starts = BASE_NS + np.arange(1000, dtype=np.int64) * 86_400 * 10**9  # a day apart
+    keys.add(_keys(1000, 3), starts)
+    assert len(keys._counts) <= 48  # down to three quarters of max_buckets
+    assert len(keys) == sum(keys._counts.values()) == len(keys._counts)
+    assert starts[0] // BUCKET_NS < keys.horizon <= min(keys._counts)  # the oldest went, and no held one
+    assert keys._known(_keys(1000, 3)[-48:], starts[-48:]).all()  # is older than the horizon
+
+
+def test_fresh_looks_up_only_what_memory_cannot_rule_out(tmp_path):
+    from tokentrace.collector.columns import Columns
+    from tokentrace.collector.ingest import parse
+    from tokentrace.collector.otlp import JSON, Encoding
+
+    def batch(first: int, count: int, start_ns: int) -> Columns:
+        spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "work",
+                  "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(start_ns + i + 1000)}
+                 for i in range(first, first + count)]
+        body = {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": spans}]}]}
+        data = json.dumps(body).encode()
+        return parse(data, Encoding("json", JSON), None, len(data), 65_536)
+
+    keys, asked = SpanKeys(), []
+
+    def stored(starts, traces):
+        asked.append(len(traces))
+        return {(f"{i:032x}", f"{i:016x}") for i in range(1, 11)}  # the first ten are stored
+
+    first = batch(0, 10, BASE_NS)
+    assert keys.fresh(first, stored).all() and not asked  # nothing held: new, no lookup
+    keys.add_batch(first)
+    again = batch(5, 10, BASE_NS)  # five resent, five new
+    assert list(keys.fresh(again, stored)) == [False] * 5 + [True] * 5
+    assert asked == [5]  # only the five that memory holds were looked up
+    assert len(keys) == 10 and list(key_hashes([f"{1:032x}"], [f"{1:016x}"])) == [first.keys[0]]
