@@ -363,9 +363,16 @@ class DuckDBStore(NamedQueryReader):
         return set(zip(rows["trace_id"].to_list(), rows["span_id"].to_list(), strict=True))
 
     def settle(self) -> None:
-        """Wait until what was written before this call is in the tables (collector/journal.py)."""
+        """Wait until what was written before this call is in the tables (collector/journal.py); a
+        thread that said ``read_patiently`` waits for the merge thread's own pace."""
         if self._journal is not None:
-            self._journal.settle()
+            self._journal.settle(urgent=not getattr(self._local, "patient", False))
+
+    def read_patiently(self) -> None:
+        """This thread's reads wait for merges as the merge thread gathers them, never starting one
+        early: for a background reader (the /metrics verdict thread) whose reads during ingest would
+        otherwise keep every merge small."""
+        self._local.patient = True
 
     def journal_state(self) -> dict | None:
         """Unmerged batches, their bytes and the last merge error (None for a read-only store)."""

@@ -392,6 +392,9 @@ class MetricsState:
 
     # -- verdict thread ------------------------------------------------------------------------
     def _verdict_loop(self) -> None:
+        patient = getattr(self.reader, "read_patiently", None)
+        if patient is not None:  # a store with a journal: verdicts must not hurry its merges
+            patient()
         while True:
             with self._lock:
                 while not self._verdicts and not self._stopping and self._pending_rows < FOLD_AT_ROWS:
