@@ -189,3 +189,58 @@ def test_the_packed_tables_are_what_the_old_names_expand(tmp_path, layout):
     [(expanded,)] = cursor.execute(f"SELECT count(*) FROM {view}").fetchall()
     assert 0 < lists < expanded
     store.close()
+
+
+def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
+    from tokentrace.collector import journal
+
+    log_file = journal.Log(tmp_path / "j")
+    merges = journal.Journal(lambda entries: merged.append([entry.seq for entry in entries]), log_file,
+                             max_bytes=max_bytes)
+    merges.start(after=0)
+    return merges
+
+
+def _entry(seq: int, nbytes: int = 100, on_stored=None):
+    from tokentrace.collector import journal
+
+    batch = _golden_batch().columns()
+    return journal.Entry(seq, batch, nbytes, on_stored=on_stored), [b"record %d" % seq]
+
+
+def test_a_merge_gathers_batches_until_a_reader_asks(tmp_path, monkeypatch):
+    """Batches journaled one after another are merged together, not one merge each: the merge waits
+    (here a gathering time longer than any wait of the test) until a reader needs them, and that
+    reader's settle starts it at once. A patient reader (the /metrics verdict thread) does not."""
+    from tokentrace.collector import journal
+
+    monkeypatch.setattr(journal, "GATHER_S", 3600.0)
+    merged: list = []
+    merges = _journal(tmp_path, merged)
+    try:
+        for seq in (1, 2, 3):
+            merges.add(*_entry(seq))
+        assert merges.settle(timeout=0.3, urgent=False) is False  # patient: nothing merged yet
+        assert merged == []
+        assert merges.settle(timeout=60) is True  # a reader: the three are merged now, together
+        assert merged == [[1, 2, 3]]
+    finally:
+        merges.close()
+
+
+def test_a_merge_starts_without_a_reader_once_its_batches_hold_a_quarter_of_the_bound(tmp_path, monkeypatch):
+    import threading
+
+    from tokentrace.collector import journal
+
+    monkeypatch.setattr(journal, "GATHER_S", 3600.0)
+    merged: list = []
+    stored = threading.Event()
+    merges = _journal(tmp_path, merged, max_bytes=1000)
+    try:
+        merges.add(*_entry(1, nbytes=100))
+        merges.add(*_entry(2, nbytes=200, on_stored=stored.set))  # 300 bytes: past 1000 * GATHER_SHARE
+        assert stored.wait(60)
+        assert merged == [[1, 2]]
+    finally:
+        merges.close()
