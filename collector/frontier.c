@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "pybuffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -127,17 +128,6 @@ static void recent_dealloc(RecentKeys *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (view->len % itemsize != 0) {
-        PyErr_Format(PyExc_ValueError, "%s must hold %zd-byte items, got %zd bytes", what, itemsize, view->len);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *recent_fresh(RecentKeys *self, PyObject *arg) {
     Py_buffer keys;
     if (get_buffer(arg, &keys, 8, "keys") < 0)
@@ -240,20 +230,9 @@ static PyTypeObject RecentKeysType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_frontier", "Recent block keys and first new blocks (collector/frontier.py).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_frontier", "Recent block keys and first new blocks (collector/frontier.py).", -1, NULL, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__frontier(void) {
-    if (PyType_Ready(&RecentKeysType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&RecentKeysType);
-    if (PyModule_AddObject(m, "RecentKeys", (PyObject *)&RecentKeysType) < 0) {
-        Py_DECREF(&RecentKeysType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return module_with_type(&module, &RecentKeysType, "RecentKeys");
 }

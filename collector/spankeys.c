@@ -16,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "pybuffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -107,17 +108,6 @@ static void keytable_dealloc(KeyTable *self) {
     PyMem_RawFree(self->keys);
     PyMem_RawFree(self->buckets);
     Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (view->len % itemsize != 0) {
-        PyErr_Format(PyExc_ValueError, "%s must hold %zd-byte items, got %zd bytes", what, itemsize, view->len);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
 }
 
 static int ready(const KeyTable *self) {
@@ -254,16 +244,5 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__spankeys(void) {
-    if (PyType_Ready(&KeyTableType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&KeyTableType);
-    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
-        Py_DECREF(&KeyTableType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return module_with_type(&module, &KeyTableType, "KeyTable");
 }
