@@ -15,8 +15,11 @@ checksum fails; the log is cut there).
 
 Visibility: readers of the store first wait until everything journaled when they were called is
 merged (``settle``), so a caller reads its own writes as before; the wait is at most about one
-merge. A read-only open (``tokentrace analyze --db``) cannot merge: it reads the tables without
-what a killed collector left in its journal, which the next collector to open the store appends.
+merge, which such a reader starts at once if the merge thread is still gathering batches for it
+(``GATHER_*``: larger merges cost less a span). A patient reader (``settle(urgent=False)``: the
+/metrics verdict thread) waits for the merge thread's own pace instead. A read-only open
+(``tokentrace analyze --db``) cannot merge: it reads the tables without what a killed collector
+left in its journal, which the next collector to open the store appends.
 
 Memory: unmerged batches are held until merged. The collector counts them against its byte
 budget (collector/budget.py: the store releases a request's bytes once its rows are appended);
