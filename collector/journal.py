@@ -211,9 +211,15 @@ class Journal:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokentrace-merge", daemon=True)
 
-    def start(self, after: int) -> None:
-        """Start merging; sequence numbers up to ``after`` are already in the tables."""
+    def start(self, after: int, pending: list[Entry] | tuple = ()) -> None:
+        """Start merging; sequence numbers up to ``after`` are already in the tables, and ``pending``
+        (journaled before this start, numbered after ``after``, in order) are merged first."""
         self.journaled = self.merged = after
+        for entry in pending:
+            self._pending.append(entry)
+            self._bytes += entry.nbytes
+            self._spans += entry.columns.spans
+            self.journaled = entry.seq
         self._thread.start()
 
     # --- the writer's side ------------------------------------------------------------------------

@@ -212,12 +212,15 @@ class DuckDBStore(NamedQueryReader):
         self._inserts = {name: f"INSERT INTO {LISTS.get(name, name)} SELECT * FROM staged" for name in TABLES}
         self._merger = self._con.cursor()
         log_file = journal.Log(Path(self.path + ".journal"))
-        self._seq = self._recover(log_file)
+        merged, recovered = self._recover(log_file)
+        self._seq = recovered[-1].seq if recovered else merged
         self._keys = once.SpanKeys()
         self._keys.load(self._writer_frame("span_key_minutes"),
                         lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
+        for entry in recovered:  # acknowledged, so a resend of their spans must be recognised
+            self._keys.add_batch(entry.columns)
         self._journal = journal.Journal(self._merge, log_file)
-        self._journal.start(after=self._seq)
+        self._journal.start(after=merged, pending=recovered)
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -332,20 +335,23 @@ class DuckDBStore(NamedQueryReader):
             cursor.execute(self._inserts[name])
             cursor.unregister("staged")
 
-    def _recover(self, log_file: Log) -> int:
-        """Append what the journal holds beyond the tables (a collector stopped before merging it),
-        in order; the last sequence number journaled."""
+    def _recover(self, log_file: Log) -> tuple[int, list[Entry]]:
+        """The last sequence number in the tables, and the journal's batches beyond it (a collector
+        stopped before merging them), in order: the merge thread appends them first, before anything
+        written after this open, and retries while that fails (a full disk), so that an open never
+        fails for want of room to append them; /healthz says so meanwhile."""
         [(merged,)] = self._con.execute("SELECT merged_seq FROM journal_state").fetchall()
         entries = []
         for seq, data in log_file.records_after(merged):
             columns, spool = _read_record(data)
+            if columns.spans and len(columns.keys) != columns.spans:  # journaled as columns, without keys
+                spans = columns.tables["spans"]
+                columns.keys = once.key_hashes(spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist())
             entries.append(journal.Entry(seq, columns, len(data), spool))
         if entries:
             log.warning("the journal of %s holds %d acknowledged batches not yet in its tables; appending them",
                         self.path, len(entries))
-        for at in range(0, len(entries), 64):
-            self._merge(entries[at:at + 64])
-        return entries[-1].seq if entries else merged
+        return merged, entries
 
     def limit_memory(self, limit_bytes: int) -> None:
         """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;

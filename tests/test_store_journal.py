@@ -244,3 +244,48 @@ def test_a_merge_starts_without_a_reader_once_its_batches_hold_a_quarter_of_the_
         assert merged == [[1, 2]]
     finally:
         merges.close()
+
+
+def test_a_store_opens_while_its_journaled_batches_cannot_be_appended_and_appends_them_later(tmp_path, monkeypatch):
+    """A collector restarted on a full disk: the batches its journal holds cannot be appended yet.
+    The open succeeds (it used to fail, and the collector with it), the store says why it is not
+    healthy, a resend of those spans is still recognised, and once appending works again they are
+    in the tables once."""
+    from tokentrace.collector import journal
+    from tokentrace.errors import StoreError
+
+    monkeypatch.setattr(journal, "_RETRY_S", (0.05,))
+    path = tmp_path / "s.duckdb"
+    store = DuckDBStore(path)
+    store._journal._merge = lambda entries: (_ for _ in ()).throw(OSError("No space left on device"))
+    batch = _golden_batch(0)  # its ids are new with every call
+    store.write(batch)
+    store._journal._stopping = True  # left as a killed collector leaves it
+    store._con.close()
+
+    failing = {"left": 3}
+    real_merge = DuckDBStore._merge
+
+    def merge(self, entries):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise OSError("No space left on device")
+        real_merge(self, entries)
+
+    monkeypatch.setattr(DuckDBStore, "_merge", merge)
+    reopened = DuckDBStore(path)  # opens although its first merges fail
+    try:
+        with pytest.raises(StoreError, match="No space left"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the first failure is recorded
+                reopened.probe()
+                reopened._journal.settle(timeout=1)
+        spans = len(batch.expanded("spans"))
+        assert reopened.write(batch) is True and (batch.spans, batch.duplicates) == (0, spans)  # a resend
+        reopened.settle()
+        while reopened._journal.error is not None:  # the retries pass once the merge works again
+            reopened.settle()
+        assert reopened.counts()["spans"] == spans  # once
+        reopened.probe()
+    finally:
+        reopened.close()
