@@ -13,8 +13,9 @@ characters per span costs more than the rest of the write (measured with DuckDB 
 machine: 55k keys/s with a primary key, and 1.8 s per batch of 10k known keys through ON CONFLICT).
 A resent span has the span's own start time, so the collector keeps, in memory, a 64-bit hash of the
 key of every stored span that started after a horizon, with the 10-second bucket of its start time,
-in a hash table in C (collector/spankeys.c: 12 bytes a slot, at most 3/4 of the slots used;
-``capacity`` spans, the oldest buckets dropped first, a quarter of the capacity at a time). Then:
+in a hash table in C (collector/spankeys.c: 12 bytes a slot, at most 3/4 of the slots used, 64 MiB
+for ``capacity`` spans; before a batch would pass the capacity, the oldest buckets are dropped down
+to three quarters of it). Then:
 
 - a span starting after the horizon whose hash is not in memory is new: no query at all (the
   common case);
@@ -47,8 +48,8 @@ MINUTE_NS = 60_000_000_000
 #: Start times are kept by bucket of this many nanoseconds (a divisor of a minute).
 BUCKET_NS = 10_000_000_000
 _PER_MINUTE = MINUTE_NS // BUCKET_NS
-#: Spans held at most: 48 MiB of slots when full (3M keys in 4M slots of 12 bytes).
-DEFAULT_CAPACITY = 3_000_000
+#: Spans held at most: 64 MiB of slots when full (4M keys in 5.3M slots of 12 bytes).
+DEFAULT_CAPACITY = 4_000_000
 #: Buckets held at most (start times spread over years by a sender's clock): the oldest go first.
 MAX_BUCKETS = 65_536
 #: Spans looked up in the store per query (each binds its start times and trace ids as values).
@@ -77,7 +78,7 @@ class SpanKeys:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, max_buckets: int = MAX_BUCKETS):
         self.capacity, self.max_buckets = capacity, max_buckets
-        self._table = _spankeys.KeyTable()
+        self._table = _spankeys.KeyTable(max_slots=capacity * 4 // 3 + 1)
         self._counts: dict[int, int] = {}  # bucket -> keys held
         #: Spans starting before this bucket (start_ns // BUCKET_NS) may be stored without being in memory.
         self.horizon = -(2**62)
@@ -126,9 +127,15 @@ class SpanKeys:
         return keep
 
     def add(self, hashes: np.ndarray, starts: np.ndarray) -> None:
-        """Record the key hashes (``key_hashes``) of spans just committed, by their start times;
-        past the capacity (or ``max_buckets``), drop the oldest buckets down to three quarters."""
+        """Record the key hashes (``key_hashes``) of spans just committed, by their start times.
+        Where they would take the memory past the capacity (or ``max_buckets``), the oldest buckets
+        go first, theirs included, down to three quarters of it."""
         buckets = np.asarray(starts, dtype=np.int64) // BUCKET_NS
+        incoming = dict(zip(*(part.tolist() for part in np.unique(buckets[buckets >= self.horizon],
+                                                                      return_counts=True)), strict=True))
+        if (len(self._table) + sum(incoming.values()) > self.capacity
+                or len(self._counts.keys() | incoming.keys()) > self.max_buckets):
+            self._drop_oldest(incoming)
         kept = buckets >= self.horizon
         if not kept.all():
             hashes, buckets = hashes[kept], buckets[kept]
@@ -138,16 +145,18 @@ class SpanKeys:
                                               buckets.astype(np.int32)), dtype=bool)
         for bucket, count in zip(*np.unique(buckets[added], return_counts=True), strict=True):
             self._counts[int(bucket)] = self._counts.get(int(bucket), 0) + int(count)
-        if len(self._table) > self.capacity or len(self._counts) > self.max_buckets:
-            self._drop_oldest()
 
-    def _drop_oldest(self) -> None:
-        size, buckets = len(self._table), len(self._counts)
+    def _drop_oldest(self, incoming: dict[int, int]) -> None:
+        """Raise the horizon past the oldest buckets, held or ``incoming`` (bucket -> keys), until
+        what is left of both fits three quarters of the capacity and of ``max_buckets``."""
+        every = sorted(self._counts.keys() | incoming.keys())
+        size = len(self._table) + sum(incoming.values())
         horizon = self.horizon
-        for bucket in sorted(self._counts):
-            if size <= self.capacity * 3 // 4 and buckets <= self.max_buckets * 3 // 4:
+        for at, bucket in enumerate(every):
+            if size <= self.capacity * 3 // 4 and len(every) - at <= self.max_buckets * 3 // 4:
                 break
-            size, buckets, horizon = size - self._counts.pop(bucket), buckets - 1, bucket + 1
+            size -= self._counts.pop(bucket, 0) + incoming.get(bucket, 0)
+            horizon = bucket + 1
         self.horizon = horizon
         self._table.drop_before(horizon)
 

@@ -9,7 +9,9 @@
  * quarter of the capacity at a time, so each key is moved a bounded number of times).
  *
  * Slots: the key (8 bytes) and its bucket (4 bytes); EMPTY in the bucket marks a free slot, so
- * every 64-bit key, 0 included, can be held. At most 3/4 of the slots are used.
+ * every 64-bit key, 0 included, can be held. At most 3/4 of the slots are used, and the number of
+ * slots is any number up to `max_slots` (a key's first slot is its hash scaled to it), so that a
+ * table for 4M keys takes 5.3M slots (64 MiB), not the 8M a power of two would.
  *
  * Buffers come in through the buffer protocol (numpy arrays), so nothing here knows numpy. Every
  * call holds the GIL: a table is the writer thread's, and a call never runs beside another.
@@ -28,12 +30,17 @@ typedef struct {
     PyObject_HEAD
     uint64_t *keys;
     int32_t *buckets;
-    size_t mask; /* slots - 1, a power of two minus one */
-    size_t size; /* keys held */
+    size_t slots;     /* any number: a key's first slot is its mixed hash scaled to it */
+    size_t size;      /* keys held */
+    size_t max_slots; /* the most slots the table may take (0: no limit) */
 } KeyTable;
 
-static inline size_t slot_of(uint64_t key, size_t mask) {
-    return (size_t)((key * MIX) >> 17) & mask;
+static inline size_t slot_of(uint64_t key, size_t slots) {
+    return (size_t)(((unsigned __int128)(key * MIX) * slots) >> 64);
+}
+
+static inline size_t next_slot(size_t at, size_t slots) {
+    return at + 1 == slots ? 0 : at + 1;
 }
 
 static int table_alloc(KeyTable *self, size_t slots) {
@@ -49,14 +56,14 @@ static int table_alloc(KeyTable *self, size_t slots) {
         buckets[i] = EMPTY;
     self->keys = keys;
     self->buckets = buckets;
-    self->mask = slots - 1;
+    self->slots = slots;
     self->size = 0;
     return 0;
 }
 
 /* 1 when the key is held. */
 static inline int table_has(const KeyTable *self, uint64_t key) {
-    for (size_t at = slot_of(key, self->mask);; at = (at + 1) & self->mask) {
+    for (size_t at = slot_of(key, self->slots);; at = next_slot(at, self->slots)) {
         if (self->buckets[at] == EMPTY)
             return 0;
         if (self->keys[at] == key)
@@ -66,7 +73,7 @@ static inline int table_has(const KeyTable *self, uint64_t key) {
 
 /* Adds the key with its bucket; 1 when it was not held (a held key keeps its first bucket). */
 static inline int table_put(KeyTable *self, uint64_t key, int32_t bucket) {
-    for (size_t at = slot_of(key, self->mask);; at = (at + 1) & self->mask) {
+    for (size_t at = slot_of(key, self->slots);; at = next_slot(at, self->slots)) {
         if (self->buckets[at] == EMPTY) {
             self->keys[at] = key;
             self->buckets[at] = bucket;
@@ -85,7 +92,7 @@ static int table_rebuild(KeyTable *self, size_t slots, int64_t from) {
         *self = old;
         return -1;
     }
-    for (size_t i = 0; i <= old.mask; i++)
+    for (size_t i = 0; i < old.slots; i++)
         if (old.buckets[i] != EMPTY && old.buckets[i] >= from)
             table_put(self, old.keys[i], old.buckets[i]);
     PyMem_RawFree(old.keys);
@@ -94,13 +101,19 @@ static int table_rebuild(KeyTable *self, size_t slots, int64_t from) {
 }
 
 static int keytable_init(KeyTable *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "", names))
+    static char *names[] = {"max_slots", NULL};
+    Py_ssize_t max_slots = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|n", names, &max_slots))
         return -1;
+    if (max_slots < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_slots must be 0 (no limit) or more");
+        return -1;
+    }
     PyMem_RawFree(self->keys);
     PyMem_RawFree(self->buckets);
     self->keys = NULL;
     self->buckets = NULL;
+    self->max_slots = max_slots && (size_t)max_slots < MIN_SLOTS ? MIN_SLOTS : (size_t)max_slots;
     return table_alloc(self, MIN_SLOTS);
 }
 
@@ -162,10 +175,16 @@ static PyObject *keytable_add(KeyTable *self, PyObject *args) {
             goto done;
         }
     }
-    size_t slots = self->mask + 1;
-    while ((self->size + (size_t)count) * 4 > slots * 3)
-        slots <<= 1;
-    if (slots != self->mask + 1 && table_rebuild(self, slots, (int64_t)EMPTY + 1) < 0)
+    size_t slots = self->slots;
+    while ((self->size + (size_t)count) * 4 > slots * 3) {
+        if (self->max_slots && slots >= self->max_slots) {
+            PyErr_Format(PyExc_OverflowError, "%zd more keys would fill more than 3/4 of the %zu slots allowed",
+                         count, self->max_slots);
+            goto done;
+        }
+        slots = self->max_slots && slots * 2 > self->max_slots ? self->max_slots : slots * 2;
+    }
+    if (slots != self->slots && table_rebuild(self, slots, (int64_t)EMPTY + 1) < 0)
         goto done;
     out = PyBytes_FromStringAndSize(NULL, count);
     if (out != NULL) {
@@ -186,7 +205,7 @@ static PyObject *keytable_drop_before(KeyTable *self, PyObject *arg) {
     long long from = PyLong_AsLongLong(arg);
     if (from == -1 && PyErr_Occurred())
         return NULL;
-    size_t before = self->size, slots = self->mask + 1;
+    size_t before = self->size, slots = self->slots;
     /* Halve the slots while what is left would fill at most 3/8 of them (never below MIN_SLOTS). */
     size_t left = 0;
     for (size_t i = 0; i < slots; i++)
@@ -204,7 +223,7 @@ static Py_ssize_t keytable_len(KeyTable *self) {
 
 static PyObject *keytable_nbytes(KeyTable *self, void *closure) {
     (void)closure;
-    return PyLong_FromSize_t((self->mask + 1) * (sizeof(uint64_t) + sizeof(int32_t)));
+    return PyLong_FromSize_t(self->slots * (sizeof(uint64_t) + sizeof(int32_t)));
 }
 
 static PyMethodDef keytable_methods[] = {

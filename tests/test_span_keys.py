@@ -106,3 +106,20 @@ def test_fresh_looks_up_only_what_memory_cannot_rule_out(tmp_path):
     assert list(keys.fresh(again, stored)) == [False] * 5 + [True] * 5
     assert asked == [5]  # only the five that memory holds were looked up
     assert len(keys) == 10 and list(key_hashes([f"{1:032x}"], [f"{1:016x}"])) == [first.keys[0]]
+
+
+def test_key_table_never_takes_more_slots_than_allowed():
+    table = KeyTable(max_slots=1400)  # not a power of two: a key's first slot is its hash scaled to it
+    assert table.add(_keys(1000, 5), np.zeros(1000, dtype=np.int32)).count(1) == 1000
+    assert table.nbytes == 1400 * 12 and table.has(_keys(1000, 5)).count(1) == 1000
+    with pytest.raises(OverflowError, match="1400 slots"):
+        table.add(_keys(100, 6), np.zeros(100, dtype=np.int32))  # past 3/4 of them
+    assert len(table) == 1000
+
+
+def test_the_memory_drops_old_buckets_before_a_batch_would_pass_the_capacity():
+    keys = SpanKeys(capacity=1000)
+    keys.add(_keys(900, 7), np.full(900, BASE_NS))
+    keys.add(_keys(300, 8), np.full(300, BASE_NS + BUCKET_NS))  # 1,200 > 1,000: the older bucket goes first
+    assert len(keys) == 300 and keys.horizon == BASE_NS // BUCKET_NS + 1
+    assert keys._table.nbytes <= (1000 * 4 // 3 + 1) * 12
