@@ -28,10 +28,10 @@ and ``span_keys_since``), so a resend after a restart is recognised too. Spans r
 batch keep their first copy.
 
 Why buckets of 10 seconds and a hash table (issue 17): the memory was sorted arrays per minute,
-folded (sorted again whole) every ninth batch of the minute, and at a sustained 60k spans/s the
-writer spent 3-4 us a span on it by the end of each minute (``bench/ingest.py``, 60 s); at 100k
-spans/s a minute holds 6M spans, more than the capacity, so the current minute itself was dropped
-and every span looked up in the store. A bucket of 10 s holds 1M spans at that rate.
+folded (sorted again whole) every ninth batch of the minute, which cost the writer 1 us a span
+with 1M keys in the minute and 4 us with 4M (a microbenchmark of its calls; docs/benchmarks.md);
+at 100k spans/s a minute holds 6M spans, more than the capacity, so the current minute itself was
+dropped and every later span of it looked up in the store. A bucket of 10 s holds 1M at that rate.
 """
 
 from __future__ import annotations
