@@ -112,7 +112,7 @@ class SpanKeys:
         spans = batch.tables["spans"]
         hashes, starts = batch.keys, spans.column("start_ns").to_numpy()
         keep = _first_of_each(hashes, spans)
-        doubt = keep & (self._known(hashes, starts) | (starts // BUCKET_NS < self.horizon))
+        doubt = keep & (self._known(hashes) | (starts // BUCKET_NS < self.horizon))
         if not doubt.any():
             return keep
         traces = spans.column("trace_id").to_pylist()
@@ -165,9 +165,9 @@ class SpanKeys:
         if batch.spans:
             self.add(batch.keys, batch.tables["spans"].column("start_ns").to_numpy())
 
-    def _known(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    def _known(self, hashes: np.ndarray) -> np.ndarray:
         """Mask of the hashes held (whatever their start: a span before the horizon is doubted anyway)."""
-        return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool).copy()
+        return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool)
 
 
 def _first_of_each(hashes: np.ndarray, spans) -> np.ndarray:

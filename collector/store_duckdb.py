@@ -139,6 +139,7 @@ def _record(columns: Columns, spool: SpoolRecord | None) -> list[bytes]:
 
 
 def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
+    """The batch a journal record holds (``_record``), with each span's key hash, and its spool file."""
     from tokentrace.collector.ingest import parse  # a journal left by a stopped collector: rare
     from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 
@@ -153,7 +154,11 @@ def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
             encoding = Encoding(kind, PROTOBUF if kind == "protobuf" else JSON)
             parts.append(parse(bytes(piece), encoding, None, length, limit))
         at += length
-    return Columns.concat(parts), None if head["spool"] is None else SpoolRecord(*head["spool"])
+    columns = Columns.concat(parts)
+    if columns.spans and len(columns.keys) != columns.spans:  # a part journaled as columns has no keys
+        spans = columns.tables["spans"]
+        columns.keys = once.key_hashes(spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist())
+    return columns, None if head["spool"] is None else SpoolRecord(*head["spool"])
 
 
 def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
@@ -344,9 +349,6 @@ class DuckDBStore(NamedQueryReader):
         entries = []
         for seq, data in log_file.records_after(merged):
             columns, spool = _read_record(data)
-            if columns.spans and len(columns.keys) != columns.spans:  # journaled as columns, without keys
-                spans = columns.tables["spans"]
-                columns.keys = once.key_hashes(spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist())
             entries.append(journal.Entry(seq, columns, len(data), spool))
         if entries:
             log.warning("the journal of %s holds %d acknowledged batches not yet in its tables; appending them",
