@@ -117,37 +117,52 @@ def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 4)
 
 
 def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: float, max_requests: int):
-    """Post bodies from ``senders`` threads; returns (acked spans, elapsed, latencies, errors)."""
+    """Post bodies from ``senders`` threads, each as an OTLP exporter does: a batch refused with 503
+    is sent again after the collector's Retry-After (at most 1 s), not dropped. Returns (acked spans,
+    elapsed, latencies of acknowledged requests, latencies of acknowledged exports from their first
+    attempt, refusals, other errors)."""
     latencies: list[float] = []
-    acked, errors, exhausted = [0], [0], [False]
+    exports: list[float] = []
+    acked, refused, errors, exhausted = [0], [0], [0], [False]
     lock = threading.Lock()
     deadline = time.perf_counter() + seconds
     sent = [0]
 
     def sender(offset: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        index = offset
-        while time.perf_counter() < deadline:
-            with lock:
-                if sent[0] >= max_requests:
-                    break
-                sent[0] += 1
+        index, bounded = offset, False
+        while not bounded and time.perf_counter() < deadline:
             if index >= len(bodies):  # a repeat would be a resend, stored once (collector/once.py)
                 exhausted[0] = True
                 break
             body, spans = bodies[index]
             index += senders
-            began = time.perf_counter()
-            conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
-            response = conn.getresponse()
-            response.read()
-            took = time.perf_counter() - began
-            with lock:
+            first = time.perf_counter()
+            while time.perf_counter() < deadline:
+                with lock:
+                    bounded = sent[0] >= max_requests
+                    if bounded:
+                        break
+                    sent[0] += 1
+                began = time.perf_counter()
+                conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+                response = conn.getresponse()
+                response.read()
+                took = time.perf_counter() - began
                 if response.status == 200:
-                    acked[0] += spans
-                    latencies.append(took)
-                else:
-                    errors[0] += 1
+                    with lock:
+                        acked[0] += spans
+                        latencies.append(took)
+                        exports.append(time.perf_counter() - first)
+                    break
+                if response.status != 503:
+                    with lock:
+                        errors[0] += 1
+                    break
+                with lock:
+                    refused[0] += 1
+                # The collector's instruction, as an OTLP exporter follows it.
+                time.sleep(min(1.0, float(response.getheader("Retry-After") or 1)))
         conn.close()
 
     threads = [threading.Thread(target=sender, args=(i,)) for i in range(senders)]
@@ -159,7 +174,12 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
     if exhausted[0]:
         print("  note: every distinct batch was sent before the time was up (a repeat would be a resend, "
               "stored once); raise --distinct-batches for a longer run")
-    return acked[0], time.perf_counter() - start, latencies, errors[0]
+    return acked[0], time.perf_counter() - start, latencies, exports, refused[0], errors[0]
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))] * 1000 if ordered else float("nan")
 
 
 def main() -> int:
@@ -184,8 +204,8 @@ def main() -> int:
         collector = CollectorProcess(Path(tmp)).start()
         try:
             cpu_before = cpu_seconds(collector.proc.pid)
-            acked, elapsed, latencies, errors = drive(collector.port, bodies, args.senders, args.seconds,
-                                                      args.max_requests)
+            acked, elapsed, latencies, exports, refused, errors = drive(
+                collector.port, bodies, args.senders, args.seconds, args.max_requests)
             cpu_after = cpu_seconds(collector.proc.pid)
             health = collector.health()
             drained = time.perf_counter()
@@ -196,12 +216,14 @@ def main() -> int:
             collector.stop()
         stored, llm_requests = collector.sql("SELECT (SELECT count(*) FROM spans), (SELECT count(*) FROM requests)")[0]
     rate = acked / elapsed
-    latencies.sort()
-    p50 = latencies[len(latencies) // 2] * 1000
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
     print(f"collector: {rate:,.0f} spans/s persisted and acknowledged ({acked:,} spans in {elapsed:.1f} s, "
-          f"{len(latencies)} requests, {errors} errors; {stored:,} spans in the store)")
-    print(f"latency:   p50 {p50:.1f} ms, p99 {p99:.1f} ms at {args.senders} senders")
+          f"{len(latencies)} requests, {refused} refused with 503 and sent again, {errors} errors; "
+          f"{stored:,} spans in the store)")
+    print(f"tables:    {stored / (elapsed + lag):,.0f} spans/s into the tables (everything stored, over the run and "
+          "the time until the last acknowledged span was in them)")
+    print(f"latency:   p50 {_percentile(latencies, 0.5):.1f} ms, p99 {_percentile(latencies, 0.99):.1f} ms a request "
+          f"at {args.senders} senders; an export, from its first attempt to its acknowledgement: "
+          f"p50 {_percentile(exports, 0.5):.1f} ms, p99 {_percentile(exports, 0.99):.1f} ms")
     print(f"ceiling:   {ceiling:,.0f} spans/s (parse + journal + merge: one thread and the merge thread, no HTTP)")
     print(f"ratio:     {rate / ceiling:.0%} of the raw ceiling")
     if cpu_before is not None and cpu_after is not None and acked:

@@ -61,7 +61,7 @@ def main() -> int:
             pid = collector.proc.pid
             drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
             before, senders = thread_cpu(pid), time.process_time()
-            acked, elapsed, _, errors = drive(collector.port, bodies[8:], 4, args.seconds, 1_000_000)
+            acked, elapsed, _, _, _, errors = drive(collector.port, bodies[8:], 4, args.seconds, 1_000_000)
             senders = time.process_time() - senders
             while collector.health()["journal"]["unmerged_batches"]:
                 time.sleep(0.01)  # polling the collector's own count: nothing else to wait on

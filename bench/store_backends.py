@@ -211,7 +211,7 @@ def collector_rate(seconds: float) -> dict[str, float]:
             store = None if backend == "duckdb" else f"chdb://{tmp}/chdb"
             collector = CollectorProcess(Path(tmp), store=store).start()
             try:
-                acked, elapsed, latencies, errors = drive(collector.port, bodies, 4, seconds, 1_000_000)
+                acked, elapsed, latencies, _, _, errors = drive(collector.port, bodies, 4, seconds, 1_000_000)
             finally:
                 collector.stop()
             rates[backend] = acked / elapsed
