@@ -113,19 +113,40 @@ def request_window(request: dict) -> dict[str, int]:
 
 
 def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
-    """Read the facts of one request; NotFound when the store has no such request."""
+    """Read the facts of one request; NotFound when the store has no such request.
+
+    After the request's own rows, three branches that do not depend on one another run together
+    (``TraceReader.together``): where the prompt's blocks were seen and cached, and what became of
+    those entries; the earlier prompts sharing its segments; the session's previous turn and the
+    model identity on both sides."""
     request = reader.request(request_id)
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     window = request_window(request)
-    lookups = reader.rows("cache_lookup", request_id=request_id, **window)
+    lookups, blocks, segments = reader.together(
+        lambda: reader.rows("cache_lookup", request_id=request_id, **window),
+        lambda: reader.rows("lookup_blocks", request_id=request_id, **window),
+        lambda: reader.rows("segments_of", request_id=request_id, **window))
     if not lookups:
         return CacheFacts(request, None, [], [], None, [], None, set(), [], {})
     lookup = lookups[0]
     t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
     prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
-    hashes = [row["hash"] for row in reader.rows("lookup_blocks", request_id=request_id, **window)]
-    segments = reader.rows("segments_of", request_id=request_id, **window)
+    hashes = [row["hash"] for row in blocks]
+    # Only a lookup that reused less than a block can be a model or template change.
+    (seen, cached_on, eviction, loads, evicted_elsewhere), (matches, divergences, earlier), (identity, previous) = \
+        reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
+                        lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
+                        lambda: _turns(reader, request, hashes, block) if cached < block else ({}, None))
+    return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
+                      divergences, earlier, loads, previous, identity)
+
+
+def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
+           cached: int) -> tuple:
+    """(seen, cached_on, eviction, loads, evicted_elsewhere): the deepest block of this prompt any
+    earlier prompt or entry had, per instance the deepest cached, and what ended this instance's
+    longer entry (an eviction, else model loads since) and the other instances' entries."""
     reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
     here_key = request["instance_id"]
@@ -142,16 +163,22 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []
-    evicted_elsewhere = {(row["instance_id"], row["fingerprint"]) for row in gone}
+    return seen, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}
+
+
+def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict], hashes: list[int], t: int,
+                     cached: int, block: int) -> tuple:
+    """(matches, divergences, earlier): earlier segments with this prompt's content hashes, where
+    the latest of those prompts first differ from this one, and their segments."""
     matches = reader.rows("segment_matches", hashes=[s["hash"] for s in segments if s["hash"] is not None],
                           before_ns=t, request_id=request_id) if segments else []
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
-    earlier = _earlier_segments(reader, _latest(matches), divergences)
-    # Only a lookup that reused less than a block can be a model or template change.
-    identity = _identity(reader, request["instance_id"], request["end_ns"]) if cached < block else {}
-    previous = _previous_turn(reader, request, hashes, block) if cached < block else None
-    return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
-                      divergences, earlier, loads, previous, identity)
+    return matches, divergences, _earlier_segments(reader, _latest(matches), divergences)
+
+
+def _turns(reader: TraceReader, request: dict, hashes: list[int], block: int) -> tuple[dict, dict | None]:
+    """(identity, previous): this request's model identity and the session's previous turn."""
+    return _identity(reader, request["instance_id"], request["end_ns"]), _previous_turn(reader, request, hashes, block)
 
 
 def _latest(matches: list[dict]) -> dict[str, int]:

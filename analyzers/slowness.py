@@ -95,27 +95,25 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
     instance, start = request["instance_id"], request["start_ns"]
-    declared = reader.rows("observers", instance_id=instance)
+    # Reads that do not depend on one another run together (TraceReader.together), in two rounds.
+    declared, phases, baseline = reader.together(
+        lambda: reader.rows("observers", instance_id=instance),
+        lambda: reader.rows("phases", request_id=request_id, **request_window(request)),
+        lambda: reader.rows("baseline", instance_id=instance, request_id=request_id,
+                            since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT))
     measures = measures_of(declared[0]["attributes"]) if declared else None
-    phases = reader.rows("phases", request_id=request_id, **request_window(request))
-    baseline = reader.rows("baseline", instance_id=instance, request_id=request_id,
-                           since_ns=start - BASELINE_WINDOW_NS, before_ns=start, limit=BASELINE_LIMIT)
-    load, holders, steps = [], [], []
-    waits = _named(phases, "llm.load_wait")
-    if waits and waits[0]["load_id"]:
-        load = reader.rows("model_load", load_id=waits[0]["load_id"])
+    waits, decode = _named(phases, "llm.load_wait"), _named(phases, "llm.decode")
     window = _queue_window(request, phases)
-    if window:
-        holders = reader.rows("slot_holders", instance_id=instance, request_id=request_id,
-                              t0_ns=window[0], t1_ns=window[1])
-    decode = _named(phases, "llm.decode")
-    if decode:
-        steps = reader.rows("decode_context", instance_id=instance, request_id=request_id,
-                            t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"])
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
     prefill = category_of(request, measures) == "prefill"
-    cache = analyze_cache(reader, request_id) if prefill else None
-    hardware = load_hardware(reader, instance, request["end_ns"]) if decode else None
+    cache, load, holders, steps, hardware = reader.together(
+        lambda: analyze_cache(reader, request_id) if prefill else None,
+        lambda: reader.rows("model_load", load_id=waits[0]["load_id"]) if waits and waits[0]["load_id"] else [],
+        lambda: reader.rows("slot_holders", instance_id=instance, request_id=request_id,
+                            t0_ns=window[0], t1_ns=window[1]) if window else [],
+        lambda: reader.rows("decode_context", instance_id=instance, request_id=request_id,
+                            t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"]) if decode else [],
+        lambda: load_hardware(reader, instance, request["end_ns"]) if decode else None)
     return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 

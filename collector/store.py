@@ -58,10 +58,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from tokentrace.collector.tables import PACKED
 from tokentrace.errors import RejectedBatch, StoreError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # polars and pyarrow where frames and appends are built: reading rows needs neither
     import polars as pl
@@ -133,6 +135,11 @@ class NamedQueryReader:
         """A named query's rows as dicts (a backend may fetch them without building a frame)."""
         return self.frame(name, **params).to_dicts()
 
+    def together(self, *reads: Callable[[], T]) -> list[T]:
+        """Run reads that do not depend on one another; their results, in order. One after the other
+        here; a backend whose reads can run on several threads at once runs them so (DuckDB)."""
+        return [read() for read in reads]
+
     def request(self, request_id: str) -> dict | None:
         """The requests row of one request (the latest, should a sender have resent it)."""
         rows = self.rows("request", request_id=request_id)
@@ -186,6 +193,9 @@ class TraceReader(Protocol):
 
     def rows(self, name: str, **params) -> list[dict]:
         """The same, as a list of dicts (a few rows: what per-request verdicts read)."""
+
+    def together(self, *reads: Callable[[], T]) -> list[T]:
+        """Reads that do not depend on one another, run at once where the backend can; their results."""
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""

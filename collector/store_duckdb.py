@@ -33,7 +33,7 @@ except ImportError:  # a DuckDB whose engine module is not top-level (1.x: duckd
     import duckdb
 
 from tokentrace.collector import sqlfiles
-from tokentrace.collector.store import NamedQueryReader, SpoolRecord, as_columns, write_failure
+from tokentrace.collector.store import NamedQueryReader, SpoolRecord, T, as_columns, write_failure
 from tokentrace.collector.tables import PACKED, PACKED_TYPES, TABLES, TYPES
 from tokentrace.errors import NotFound, Overloaded, StoreError
 
@@ -71,6 +71,8 @@ CHECKPOINT_THRESHOLD = "256MB"
 #: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes
 #: needs about this much, and a checkpoint more.
 MIN_FREE_BYTES = 1 << 20
+#: Threads for ``together``: a cache verdict runs three branches at once.
+READER_THREADS = 4
 
 
 def disk_free(path: str) -> int | None:
@@ -203,6 +205,7 @@ class DuckDBStore(NamedQueryReader):
             self._con.execute(f"SET threads = {max(1, (os.cpu_count() or 2) - 1)}")
             self._migrate()
         self._local = threading.local()
+        self._pool, self._pool_lock = None, threading.Lock()
         self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
         self._columns()
         self._journal: Journal | None = None
@@ -388,6 +391,10 @@ class DuckDBStore(NamedQueryReader):
 
     def close(self) -> None:
         """Merge what is journaled, checkpoint (so the file is self-contained) and close."""
+        with self._pool_lock:
+            if self._pool is not None:  # reads still running finish first
+                self._pool.shutdown(wait=True)
+                self._pool = None
         try:
             if self._journal is not None:
                 self._journal.close()
@@ -425,6 +432,33 @@ class DuckDBStore(NamedQueryReader):
         if cursor is None:
             cursor = self._local.cursor = self._con.cursor()
         return cursor
+
+    def together(self, *reads: Callable[[], T]) -> list[T]:
+        """Run reads that do not depend on one another at once: the first in this thread, the others
+        in the store's reader threads, each with a cursor of its own and this thread's patience
+        (``read_patiently``). DuckDB releases the GIL while it executes, so a cache verdict's
+        branches overlap on a machine with a core to spare. A read that is itself one of them runs
+        its own ``together`` in its thread, one after the other (no thread waits on its own pool)."""
+        if len(reads) < 2 or getattr(self._local, "helper", False):
+            return [read() for read in reads]
+        patient = getattr(self._local, "patient", False)
+
+        def helper(read: Callable[[], T]) -> T:
+            self._local.helper, self._local.patient = True, patient
+            return read()
+
+        with self._pool_lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="tokentrace-read")
+            futures = [self._pool.submit(helper, read) for read in reads[1:]]
+        try:
+            first = reads[0]()
+        except BaseException:
+            for future in futures:  # none outlives the call that started it
+                future.exception()
+            raise
+        return [first, *(future.result() for future in futures)]
 
     def _fetch(self, name: str, params: dict) -> tuple[list, list[tuple]]:
         """Run a named query with bound parameters: the cursor's description and its rows as tuples."""

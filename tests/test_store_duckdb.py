@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 
 import golden
 import numpy as np
@@ -19,6 +20,73 @@ from tokentrace.collector.frontier import RecentKeys, fresh_frontiers
 from tokentrace.collector.normalize import Batch, normalize
 from tokentrace.collector.store_duckdb import DuckDBStore, bind_lists
 from tokentrace.fingerprint import block_hashes
+
+
+def test_reads_run_together_each_on_a_cursor_of_its_own(tmp_path):
+    """``together`` (what a cache verdict's branches use): the reads overlap (three wait at a barrier
+    only all three can pass, which one after the other would time out), each queries the store from
+    its own thread, and the results come back in the order of the reads."""
+    store = DuckDBStore(tmp_path / "together.duckdb")
+    try:
+        meeting = threading.Barrier(3, timeout=30)
+
+        def read(n: int):
+            def run():
+                meeting.wait()
+                rows = store.rows("request", request_id=f"req-{n}")
+                return n, rows, threading.current_thread().name
+            return run
+
+        results = store.together(read(1), read(2), read(3))
+        assert [(n, rows) for n, rows, _ in results] == [(1, []), (2, []), (3, [])]
+        assert len({name for _, _, name in results}) == 3
+    finally:
+        store.close()
+
+
+def test_reads_together_raise_the_first_error_once_every_read_is_done(tmp_path):
+    store = DuckDBStore(tmp_path / "together.duckdb")
+    try:
+        finished = threading.Event()
+
+        def fails():
+            raise ValueError("this read failed")
+
+        def slow():
+            store.rows("request", request_id="r")
+            finished.set()
+
+        with pytest.raises(ValueError, match="this read failed"):
+            store.together(fails, slow)
+        assert finished.is_set()
+        # The pool is still serviceable after a failure, and a read's own ``together`` runs inside it.
+        nested = store.together(*[lambda k=k: store.together(lambda: k, lambda: k * 10) for k in range(6)])
+        assert nested == [[k, k * 10] for k in range(6)]
+    finally:
+        store.close()
+
+
+def test_a_patient_reader_s_reads_together_are_patient(tmp_path):
+    """The /metrics verdict thread reads patiently (``read_patiently``: it never starts a merge early);
+    the reads it runs together on other threads must be patient too, or every verdict of it would
+    start a merge and keep them small."""
+    store = DuckDBStore(tmp_path / "together.duckdb")
+    try:
+        def patience():
+            return getattr(store._local, "patient", False)
+
+        def patient_reader():
+            store.read_patiently()
+            return store.together(patience, patience, patience)
+
+        assert store.together(patience, patience) == [False, False]
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(patient_reader()))
+        thread.start()
+        thread.join(60)
+        assert answers == [[True, True, True]]
+    finally:
+        store.close()
 
 
 def test_list_parameters_become_one_bound_value_each():
