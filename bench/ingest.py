@@ -132,6 +132,10 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         index, bounded = offset, False
         while not bounded and time.perf_counter() < deadline:
+            with lock:
+                bounded = sent[0] >= max_requests
+            if bounded:
+                break
             if index >= len(bodies):  # a repeat would be a resend, stored once (collector/once.py)
                 exhausted[0] = True
                 break

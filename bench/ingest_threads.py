@@ -61,14 +61,15 @@ def main() -> int:
             pid = collector.proc.pid
             drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
             before, senders = thread_cpu(pid), time.process_time()
-            acked, elapsed, _, _, _, errors = drive(collector.port, bodies[8:], 4, args.seconds, 1_000_000)
+            acked, elapsed, _, _, refused, errors = drive(collector.port, bodies[8:], 4, args.seconds, 1_000_000)
             senders = time.process_time() - senders
             while collector.health()["journal"]["unmerged_batches"]:
                 time.sleep(0.01)  # polling the collector's own count: nothing else to wait on
             after, names, journal = thread_cpu(pid), thread_names(pid), collector.health()["journal"]
         finally:
             collector.stop()
-    print(f"{acked / elapsed:,.0f} spans/s acknowledged over {elapsed:.1f} s ({acked:,} spans, {errors} refused); "
+    print(f"{acked / elapsed:,.0f} spans/s acknowledged over {elapsed:.1f} s ({acked:,} spans, {refused} refused "
+          f"with 503 and sent again, {errors} errors); "
           f"{journal['merges']} merges of {journal['merged_spans'] / max(1, journal['merges']):,.0f} spans on average")
     used = sorted(((after[tid] - before.get(tid, 0.0), tid) for tid in after), reverse=True)
     for seconds, tid in used:
