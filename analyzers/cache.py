@@ -170,8 +170,8 @@ def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict],
                      cached: int, block: int) -> tuple:
     """(matches, divergences, earlier): earlier segments with this prompt's content hashes, where
     the latest of those prompts first differ from this one, and their segments."""
-    matches = reader.rows("segment_matches", hashes=[s["hash"] for s in segments if s["hash"] is not None],
-                          before_ns=t, request_id=request_id) if segments else []
+    wanted = _match_hashes(segments, cached, block)
+    matches = reader.rows("segment_matches", hashes=wanted, before_ns=t, request_id=request_id) if wanted else []
     divergences = _divergences(reader, matches, segments, hashes, cached, block)
     return matches, divergences, _earlier_segments(reader, _latest(matches), divergences)
 
@@ -305,6 +305,26 @@ def _block_eviction(reader: TraceReader, instance_id: str | None, hashes: list[i
     return {**row, "held_block": hashes.index(row["fingerprint"]), "inserted_ns": None}
 
 
+def _worth(segments: list[dict], cached: int, block: int) -> list[dict]:
+    """The segments an earlier copy can explain a miss by: past what was reused, a block long at least."""
+    return [row for row in segments if row["token_end"] > cached and row["token_end"] - row["token_start"] >= block]
+
+
+def _match_hashes(segments: list[dict], cached: int, block: int) -> list[int]:
+    """The content hashes whose earlier copies the verdict uses: the segments worth explaining
+    (``_divergences``, ``_prefix_change``) and, when less than a block was reused, the leading ones up
+    to the first that ends past the first block (``_too_short``'s runs from segment 0). The
+    rest, what was reused (a system prompt above all, which every request of an application may
+    share), are left out: the store would read every earlier request that had them."""
+    wanted = {row["hash"] for row in _worth(segments, cached, block)}
+    if cached < block:
+        for row in sorted(segments, key=lambda row: row["segment_index"]):
+            wanted.add(row["hash"])
+            if row["token_end"] >= block:
+                break
+    return [h for h in dict.fromkeys(row["hash"] for row in segments) if h is not None and h in wanted]
+
+
 #: Earlier requests sharing a segment whose divergence point is computed (most recent first).
 DIVERGENCE_CANDIDATES = 8
 
@@ -315,8 +335,7 @@ def _divergences(reader: TraceReader, matches: list[dict], segments: list[dict],
     prompt first differs from this one (block granularity)."""
     if not matches:
         return {}
-    worth = {row["hash"] for row in segments
-             if row["token_end"] > cached and row["token_end"] - row["token_start"] >= block}
+    worth = {row["hash"] for row in _worth(segments, cached, block)}
     latest = _latest([row for row in matches if row["hash"] in worth])
     candidates = sorted(latest.items(), key=lambda item: -item[1])[:DIVERGENCE_CANDIDATES]
     if not candidates:

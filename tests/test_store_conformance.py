@@ -392,6 +392,37 @@ def test_a_real_workload_gets_the_same_verdicts_on_every_backend(demo_loaded):
         _assert_same_verdicts(backend, store, reference, request_ids)
 
 
+def test_a_cache_verdict_looks_up_only_the_segments_it_can_explain_by(demo_loaded, monkeypatch):
+    """The earlier copies of a segment the request reused (above all a system prompt, which every
+    request of an application may share) explain nothing, and looking them up reads every earlier
+    request that had them: the verdict leaves them out of segment_matches. Every cache verdict of
+    the real workload is what looking up all of the prompt's segments gives."""
+    from tokentrace.analyzers import cache
+
+    store = demo_loaded["duckdb"]
+    asked: dict[str, tuple[int, int]] = {}
+    rows = store.rows
+
+    def recording(name, **params):
+        if name == "segment_matches":
+            mine = {row["hash"] for row in rows("segments_of", request_id=params["request_id"], t0_ns=0,
+                                                  t1_ns=2**62)}
+            asked[params["request_id"]] = (len(set(params["hashes"])), len(mine))
+        return rows(name, **params)
+
+    everything = {}
+    with monkeypatch.context() as patched:
+        patched.setattr(cache, "_match_hashes", lambda segments, cached, block: [
+            row["hash"] for row in segments if row["hash"] is not None])
+        for request_id in _request_ids(store):
+            everything[request_id] = cache.analyze_cache(store, request_id).as_dict()
+    monkeypatch.setattr(store, "rows", recording)
+    for request_id, expected in everything.items():
+        assert cache.analyze_cache(store, request_id).as_dict() == expected, request_id
+    assert any(count < total for count, total in asked.values()), asked  # some reused segments left out
+    assert all(count <= total for count, total in asked.values())
+
+
 #: Values for the named queries that take only a window, an instance and a limit: everything.
 _UNBOUNDED = {"since_ns": None, "until_ns": None, "instance_id": None, "limit": 100_000}
 #: Window queries over tables (or spans) the demo (two engines, no gateway) does not fill; the golden payloads
