@@ -454,10 +454,9 @@ class DuckDBStore(NamedQueryReader):
             futures = [self._pool.submit(helper, read) for read in reads[1:]]
         try:
             first = reads[0]()
-        except BaseException:
+        finally:
             for future in futures:  # none outlives the call that started it
                 future.exception()
-            raise
         return [first, *(future.result() for future in futures)]
 
     def _fetch(self, name: str, params: dict) -> tuple[list, list[tuple]]:

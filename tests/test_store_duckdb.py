@@ -47,18 +47,20 @@ def test_reads_run_together_each_on_a_cursor_of_its_own(tmp_path):
 def test_reads_together_raise_the_first_error_once_every_read_is_done(tmp_path):
     store = DuckDBStore(tmp_path / "together.duckdb")
     try:
-        finished = threading.Event()
+        done: list[int] = []
 
         def fails():
             raise ValueError("this read failed")
 
         def slow():
             store.rows("request", request_id="r")
-            finished.set()
+            done.append(1)  # list.append is atomic
 
-        with pytest.raises(ValueError, match="this read failed"):
-            store.together(fails, slow)
-        assert finished.is_set()
+        for reads in ((fails, slow, slow), (slow, fails, slow)):  # failing in this thread, or in a helper
+            done.clear()
+            with pytest.raises(ValueError, match="this read failed"):
+                store.together(*reads)
+            assert len(done) == 2
         # The pool is still serviceable after a failure, and a read's own ``together`` runs inside it.
         nested = store.together(*[lambda k=k: store.together(lambda: k, lambda: k * 10) for k in range(6)])
         assert nested == [[k, k * 10] for k in range(6)]
