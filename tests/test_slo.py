@@ -190,3 +190,35 @@ def test_batches_handed_over_during_a_verdict_pause_are_folded_in_it(tmp_path, m
         pause.join(30)
     assert not pause.is_alive()
     assert "tokentrace_requests_total" in state.render({"accepted_spans": 0, "rejected": {}})
+
+
+def test_the_metrics_verdicts_read_patiently_on_every_thread(tmp_path):
+    """/metrics' verdict thread must never hurry the store's merges (issue 17: its reads kept every
+    merge small while ingesting), so it reads patiently; the reads its verdicts run together on the
+    store's reader threads must be patient too."""
+    store = DuckDBStore(tmp_path / "p.duckdb")
+    reads: list[tuple[str, bool]] = []
+    rows = store.rows
+
+    def recording(name, **params):
+        reads.append((threading.current_thread().name, getattr(store._local, "patient", False)))
+        return rows(name, **params)
+
+    store.rows = recording
+    state = MetricsState(store)
+    try:
+        batch = Batch()
+        row = dict(zip(TABLES["requests"], _request_row("miss", "i1", 40.0), strict=True))
+        row.update(cached_tokens=0, prompt_tokens=400)  # a miss: its cache verdict reads the store
+        batch.rows["requests"].append(tuple(row[name] for name in TABLES["requests"]))
+        store.write(batch)
+        state.observe(batch)
+        state.render({"accepted_spans": 0, "rejected": {}})  # folds the batch: its verdict is queued
+        deadline = time.monotonic() + 60
+        while (state.drain_verdicts() or not reads) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the state's own queue: nothing else to wait on
+    finally:
+        state.close()
+        store.close()
+    assert reads and all(patient for _, patient in reads), reads
+    assert {name.split("_")[0] for name, _ in reads} == {"tokentrace-metrics", "tokentrace-read"}
