@@ -192,10 +192,11 @@ def test_batches_handed_over_during_a_verdict_pause_are_folded_in_it(tmp_path, m
     assert "tokentrace_requests_total" in state.render({"accepted_spans": 0, "rejected": {}})
 
 
-def test_the_metrics_verdicts_read_patiently_on_every_thread(tmp_path):
+def test_the_metrics_verdicts_read_patiently_on_their_own_thread(tmp_path):
     """/metrics' verdict thread must never hurry the store's merges (issue 17: its reads kept every
-    merge small while ingesting), so it reads patiently; the reads its verdicts run together on the
-    store's reader threads must be patient too."""
+    merge small while ingesting), so it reads patiently; and it yields to ingest in proportion to each
+    verdict's wall time, so its verdicts read one after the other on its own thread (reads at once
+    made them shorter, not cheaper: ingest's p99 went from 70-79 to 126-136 ms)."""
     store = DuckDBStore(tmp_path / "p.duckdb")
     reads: list[tuple[str, bool]] = []
     rows = store.rows
@@ -220,5 +221,4 @@ def test_the_metrics_verdicts_read_patiently_on_every_thread(tmp_path):
     finally:
         state.close()
         store.close()
-    assert reads and all(patient for _, patient in reads), reads
-    assert {name.split("_")[0] for name, _ in reads} == {"tokentrace-metrics", "tokentrace-read"}
+    assert reads and set(reads) == {("tokentrace-metrics", True)}, reads
