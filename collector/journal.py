@@ -216,10 +216,7 @@ class Journal:
         (journaled before this start, numbered after ``after``, in order) are merged first."""
         self.journaled = self.merged = after
         for entry in pending:
-            self._pending.append(entry)
-            self._bytes += entry.nbytes
-            self._spans += entry.columns.spans
-            self.journaled = entry.seq
+            self._hold(entry)
         self._thread.start()
 
     # --- the writer's side ------------------------------------------------------------------------
@@ -237,11 +234,15 @@ class Journal:
         self.log.append(entry.seq, payload)
         entry.journaled_at = time.monotonic()
         with self._cond:
-            self._pending.append(entry)
-            self._bytes += entry.nbytes
-            self._spans += entry.columns.spans
-            self.journaled = entry.seq
+            self._hold(entry)
             self._cond.notify_all()
+
+    def _hold(self, entry: Entry) -> None:
+        """Queue a journaled entry for merging (under the condition's lock, or before the thread starts)."""
+        self._pending.append(entry)
+        self._bytes += entry.nbytes
+        self._spans += entry.columns.spans
+        self.journaled = entry.seq
 
     def unmerged(self) -> list[Entry]:
         """The entries not merged yet (a copy)."""
