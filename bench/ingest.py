@@ -128,45 +128,43 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
     deadline = time.perf_counter() + seconds
     sent = [0]
 
+    def export(conn: http.client.HTTPConnection, body: bytes, spans: int) -> bool:
+        """Send one batch until it is acknowledged, refused for good or the time is up; False once
+        the request bound is reached."""
+        first = time.perf_counter()
+        while time.perf_counter() < deadline:
+            with lock:
+                if sent[0] >= max_requests:
+                    return False
+                sent[0] += 1
+            began = time.perf_counter()
+            conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+            response = conn.getresponse()
+            response.read()
+            took = time.perf_counter() - began
+            with lock:
+                if response.status == 200:
+                    acked[0] += spans
+                    latencies.append(took)
+                    exports.append(time.perf_counter() - first)
+                    return True
+                if response.status != 503:
+                    errors[0] += 1
+                    return True
+                refused[0] += 1
+            # The collector's instruction, as an OTLP exporter follows it.
+            time.sleep(min(1.0, float(response.getheader("Retry-After") or 1)))
+        return True
+
     def sender(offset: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        index, bounded = offset, False
-        while not bounded and time.perf_counter() < deadline:
+        # Each distinct batch once: a repeat would be a resend, stored once (collector/once.py).
+        for body, spans in bodies[offset::senders]:
+            if time.perf_counter() >= deadline or not export(conn, body, spans):
+                break
+        else:
             with lock:
-                bounded = sent[0] >= max_requests
-            if bounded:
-                break
-            if index >= len(bodies):  # a repeat would be a resend, stored once (collector/once.py)
-                exhausted[0] = True
-                break
-            body, spans = bodies[index]
-            index += senders
-            first = time.perf_counter()
-            while time.perf_counter() < deadline:
-                with lock:
-                    bounded = sent[0] >= max_requests
-                    if bounded:
-                        break
-                    sent[0] += 1
-                began = time.perf_counter()
-                conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
-                response = conn.getresponse()
-                response.read()
-                took = time.perf_counter() - began
-                if response.status == 200:
-                    with lock:
-                        acked[0] += spans
-                        latencies.append(took)
-                        exports.append(time.perf_counter() - first)
-                    break
-                if response.status != 503:
-                    with lock:
-                        errors[0] += 1
-                    break
-                with lock:
-                    refused[0] += 1
-                # The collector's instruction, as an OTLP exporter follows it.
-                time.sleep(min(1.0, float(response.getheader("Retry-After") or 1)))
+                exhausted[0] |= time.perf_counter() < deadline and sent[0] < max_requests
         conn.close()
 
     threads = [threading.Thread(target=sender, args=(i,)) for i in range(senders)]
