@@ -447,7 +447,8 @@ SPANS: tuple[SpanSpec, ...] = (
              (_a(LOAD_ID, "string", "", "id of the load"), _a(LOAD_BYTES, "int", "bytes", "weight bytes"))),
     SpanSpec(SPAN_LOAD_TOKENIZER, "INTERNAL", SPAN_MODEL_LOAD, "tokenizer loaded",
              (_a(LOAD_ID, "string", "", "id of the load"),)),
-    SpanSpec(SPAN_LOAD_WARMUP, "INTERNAL", SPAN_MODEL_LOAD, "one warm-up forward pass (runner ready)",
+    SpanSpec(SPAN_LOAD_WARMUP, "INTERNAL", SPAN_MODEL_LOAD,
+             "one warm-up forward pass (runner ready); an engine then collects and freezes its heap",
              (_a(LOAD_ID, "string", "", "id of the load"),)),
     SpanSpec(
         SPAN_LIFECYCLE, "INTERNAL", "", "carrier for lifecycle events outside a model.load",

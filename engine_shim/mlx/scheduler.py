@@ -167,7 +167,7 @@ class Scheduler:
             settings = self.settings
             runtime = load_runtime(record, LoadOptions(
                 settings.adapter_path, settings.trust_remote_code, settings.chat_template,
-                settings.use_default_chat_template))
+                settings.use_default_chat_template, freeze_heap=True))
         except Exception as exc:
             log.error("model load failed: %s", exc)
             self.load_state = LOAD_FAILED
