@@ -41,11 +41,14 @@ def test_preempted_requests_get_their_own_blocks_back_and_that_is_not_a_prefix_h
 
         def run(i: int) -> None:
             try:
-                barrier.wait(60)
-                # Distinct prompts (3 blocks each): no request shares a prefix with another.
-                response = httpx.post(url + "/v1/completions", headers={"X-Request-Id": f"pre-{i}"}, timeout=240,
-                                      json={"model": MODEL, "prompt": words(300 + i, 100), "max_tokens": OUTPUT,
-                                            "ignore_eos": True})
+                # The client (its SSL context, certifi's store) is made before the barrier, so the four
+                # requests leave together: vLLM preempts only requests that overlap.
+                with httpx.Client(timeout=240) as client:
+                    barrier.wait(60)
+                    # Distinct prompts (4 blocks each): no request shares a prefix with another.
+                    response = client.post(url + "/v1/completions", headers={"X-Request-Id": f"pre-{i}"},
+                                           json={"model": MODEL, "prompt": words(300 + i, 100),
+                                                 "max_tokens": OUTPUT, "ignore_eos": True})
                 response.raise_for_status()
             except BaseException as exc:  # reported below
                 errors.append(exc)
@@ -62,7 +65,17 @@ def test_preempted_requests_get_their_own_blocks_back_and_that_is_not_a_prefix_h
 
     preemptions = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                       if line.startswith("vllm:num_preemptions_total{"))
-    assert preemptions >= 1, "the workload did not make vLLM preempt"
+    if preemptions < 1:
+        # Seen once in about ten runs, with every request answered. Say what would tell why: whether
+        # the four really overlapped, what the plugin saw, and vLLM's own counters and log.
+        timing = collector.sql("SELECT request_id, start_ns, end_ns, prompt_tokens, completion_tokens, "
+                               "upstream_evidence FROM requests WHERE request_id LIKE 'pre-%' ORDER BY start_ns")
+        counters = [line for line in metrics.splitlines() if line.startswith(
+            ("vllm:num_preemptions", "vllm:request_success", "vllm:kv_cache_usage", "vllm:num_requests"))]
+        pytest.fail("the workload did not make vLLM preempt\nrequests: " + "\n".join(map(str, timing))
+                    + "\nvLLM /metrics: " + "\n".join(counters) + "\nvLLM log:\n"
+                    + "\n".join([line for line in log_path.read_text(errors="replace").splitlines()
+                                  if "leaked" not in line][-30:]))
     # vLLM 0.32 keeps preempted requests' hits out of its exported hit counter too (PrefixCacheStats
     # counts them apart, as preempted_hits): no request here shares a prefix, so it stays at 0.
     assert [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
