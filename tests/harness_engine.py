@@ -11,11 +11,19 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from harness_collector import CollectorProcess, free_port, wait_for
+
+from tokentrace.engine_shim.mlx.jobs import Job, Sampling
+from tokentrace.engine_shim.mlx.prompts import Prompt
+from tokentrace.engine_shim.mlx.records import RequestRecord
+from tokentrace.engine_shim.mlx.scheduler import LOAD_READY, Scheduler
+from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 
 @pytest.fixture(scope="session")
@@ -123,3 +131,41 @@ def engine_factory(tmp_path, tiny_model):
     yield make
     for process in made:
         process.stop()
+
+
+class SchedulerHarness:
+    """The engine's scheduler in this process, on its own thread, plus what it delivered and emitted."""
+
+    def __init__(self, model, **settings):
+        self.finished: dict[str, str] = {}
+        self.emitted: list = []
+        self.done = threading.Condition()
+        loaded = threading.Event()
+        self.scheduler = Scheduler(EngineSettings(model=str(model), **settings), deliver=self._deliver,
+                                   submit=self.emitted.append, on_load_done=lambda record: loaded.set())
+        self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
+        self.thread.start()
+        assert loaded.wait(60) and self.scheduler.load_state == LOAD_READY, "model did not load"
+
+    def _deliver(self, items):
+        with self.done:
+            for job, _token, reason in items:
+                if reason is not None:
+                    self.finished[job.record.request_id] = reason
+            self.done.notify_all()
+
+    def submit(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Job:
+        record = RequestRecord(rid, "/test", time.perf_counter_ns())
+        record.prompt = Prompt(tokens, ["prompt"], [0], [len(tokens)])
+        job = Job(record=record, tokens=tokens, max_tokens=max_tokens, sampling=Sampling(ignore_eos=True))
+        self.scheduler.submit(job)
+        return job
+
+    def wait(self, *rids: str) -> dict[str, str]:
+        with self.done:
+            assert self.done.wait_for(lambda: all(r in self.finished for r in rids), 60), self.finished
+        return {r: self.finished[r] for r in rids}
+
+    def stop(self):
+        self.scheduler.stop()
+        self.thread.join(30)

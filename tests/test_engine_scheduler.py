@@ -8,50 +8,13 @@ import threading
 import time
 
 import pytest
+from harness_engine import SchedulerHarness as Harness
 
 from tokentrace.engine_shim.mlx.jobs import Job, Sampling
 from tokentrace.engine_shim.mlx.prompts import Prompt
 from tokentrace.engine_shim.mlx.records import RequestRecord, StepWindow
 from tokentrace.engine_shim.mlx.scheduler import LOAD_READY, Scheduler
 from tokentrace.engine_shim.mlx.settings import EngineSettings
-
-
-class Harness:
-    """A scheduler thread plus what it delivered and emitted."""
-
-    def __init__(self, model, **settings):
-        self.finished: dict[str, str] = {}
-        self.emitted: list = []
-        self.done = threading.Condition()
-        loaded = threading.Event()
-        self.scheduler = Scheduler(EngineSettings(model=str(model), **settings), deliver=self._deliver,
-                                   submit=self.emitted.append, on_load_done=lambda record: loaded.set())
-        self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
-        self.thread.start()
-        assert loaded.wait(60) and self.scheduler.load_state == LOAD_READY, "model did not load"
-
-    def _deliver(self, items):
-        with self.done:
-            for job, _token, reason in items:
-                if reason is not None:
-                    self.finished[job.record.request_id] = reason
-            self.done.notify_all()
-
-    def submit(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Job:
-        record = RequestRecord(rid, "/test", time.perf_counter_ns())
-        record.prompt = Prompt(tokens, ["prompt"], [0], [len(tokens)])
-        job = Job(record=record, tokens=tokens, max_tokens=max_tokens, sampling=Sampling(ignore_eos=True))
-        self.scheduler.submit(job)
-        return job
-
-    def wait(self, *rids: str) -> dict[str, str]:
-        with self.done:
-            assert self.done.wait_for(lambda: all(r in self.finished for r in rids), 60), self.finished
-        return {r: self.finished[r] for r in rids}
-
-    def stop(self):
-        self.scheduler.stop()
-        self.thread.join(30)
 
 
 @pytest.fixture
