@@ -142,28 +142,32 @@ class SpoolingSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Send ``spans``; spool them if that fails; count them as dropped if that fails too."""
-        data = None
+        data = encode_spans(spans).SerializeToString() if self.url is not None else b""
+        return SpanExportResult.SUCCESS if self.export_encoded(data, len(spans)) else SpanExportResult.FAILURE
+
+    def export_encoded(self, data: bytes, spans: int) -> bool:
+        """``export`` for a batch already encoded (an ``ExportTraceServiceRequest`` of ``spans``
+        spans): True once it was sent or spooled."""
         if self.url is not None and time.monotonic() >= self._down_until:
-            data = encode_spans(spans).SerializeToString()
             outcome = self._post(data)
             if outcome == SENT:
-                self.exported_spans += len(spans)
+                self.exported_spans += spans
                 self._recovered()
                 if self.spool is not None and self.spooled_batches > self.resent_batches:
                     self._kick.set()
-                return SpanExportResult.SUCCESS
+                return True
             self._mark_down(outcome)
         if self.spool is not None and self.url is not None:
             try:
-                if self.spool.write(data if data is not None else encode_spans(spans).SerializeToString()):
+                if self.spool.write(data):
                     self.spooled_batches += 1
-                    return SpanExportResult.SUCCESS
+                    return True
             except OSError as exc:
                 self._warn(f"cannot write the spool {self.spool.directory}: {exc}", "spool")
-        self.dropped_spans += len(spans)
+        self.dropped_spans += spans
         self._warn(f"span batches are being dropped (spool full or unavailable); {self.dropped_spans} so far",
                    "dropped")
-        return SpanExportResult.FAILURE
+        return False
 
     def shutdown(self) -> None:
         """Stop the resend thread; batches this exporter spooled get one last, bounded try (a

@@ -1,18 +1,24 @@
 """A separate process that turns the engine's finished records into spans and exports them.
 
-Why a process: building SDK spans and encoding OTLP protobuf costs about 1 µs of Python per array
-element (the encoder visits every value), i.e. 15-20 µs per generated token once the engine.steps
-columns and decode offsets are counted. On a thread, that CPU competes with the generation thread
-for the GIL: measured 2-4 % slower decode on the tiny model. In a process of its own it runs on
-another core; the engine only pickles plain records (lists of ints), about 1 µs per token.
+Why a process: turning records into OTLP costs Python time per array element (the engine.steps
+columns and decode offsets hold a few per generated token). On a thread, that CPU competes with
+the generation thread for the GIL: measured 2-4 % slower decode on the tiny model. In a process of
+its own it runs on another core; the engine only pickles plain records (lists of ints), about 1 µs
+per token.
+
+Why not the SDK in that process: on a 2-core machine the engine keeps both cores busy in decode,
+so the exporter's CPU still comes off decode. Building SDK spans and encoding them cost 40-45 µs a
+token of the 55-147 measured; the process now writes the same spans straight to OTLP protobuf
+(``tokentrace.engine_shim.emit.otlp_wire``) and batches them itself: a batch leaves when its first
+span is ``EXPORT_DELAY_MS`` old or when it holds ``MAX_BATCH`` spans, one HTTP post each, with the
+spool behind it. One thread does it all, so nothing else wakes up.
 
 The parent sends records over a ``multiprocessing`` pipe (spawn context: nothing of the engine's
-MLX state is inherited). The child wires the SDK (``build_tracer_provider``: OTLP/HTTP with the
-spool behind it) with the engine's resource and clock offset, and answers flush and stop requests
-with its export counters. If the child dies, records are counted as dropped and it is restarted.
+MLX state is inherited). The child answers flush and stop requests with its export counters. If
+the child dies, records are counted as dropped and it is restarted.
 
-The SDK wiring (``build_tracer_provider``, ``engine_resource``) is also what embedders and the
-benchmark use. It is never called on import and never installs a global provider (STYLE §9).
+The SDK wiring (``build_tracer_provider``, ``engine_resource``) is what embedders and the benchmark
+use. It is never called on import and never installs a global provider (STYLE §9).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tokentrace import contract as c
+from tokentrace.engine_shim.emit import otlp_wire
 from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
 from tokentrace.hardware import chip_name
 
@@ -45,8 +52,10 @@ MAX_RESTARTS = 3
 
 #: Batches leave twice a second, so a collector sees a finished request within about a second.
 EXPORT_DELAY_MS = 500
-#: Finished spans the batch processor may hold; a request is ~10 spans.
+#: Finished spans an embedder's batch processor may hold; a request is ~10 spans.
 EXPORT_QUEUE = 32768
+#: Spans in one export request at most.
+MAX_BATCH = 512
 #: An insert can evict many entries at once; each eviction is an event.
 MAX_EVENTS = 4096
 
@@ -113,7 +122,7 @@ def build_tracer_provider(
     exporter = SpoolingSpanExporter(endpoint or None, spool, token=token)
     provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_events=MAX_EVENTS))
     provider.add_span_processor(BatchSpanProcessor(
-        exporter, schedule_delay_millis=EXPORT_DELAY_MS, max_queue_size=EXPORT_QUEUE, max_export_batch_size=512))
+        exporter, schedule_delay_millis=EXPORT_DELAY_MS, max_queue_size=EXPORT_QUEUE, max_export_batch_size=MAX_BATCH))
     return provider, exporter
 
 
@@ -232,6 +241,40 @@ class ExporterProcess:
         self.start()
 
 
+class Batch:
+    """Spans written but not yet exported; ``send`` exports up to ``MAX_BATCH`` of them as one request."""
+
+    def __init__(self, exporter: SpoolingSpanExporter, resource: Resource, scope_name: str, scope_version: str):
+        self.exporter = exporter
+        self._resource = otlp_wire.resource_attributes(resource.attributes)
+        self._scope = otlp_wire.scope(scope_name, scope_version)
+        self._spans: list[bytes] = []
+        self._since = 0.0  #: monotonic time the oldest pending span was added
+
+    def add(self, span: bytes) -> None:
+        """One ended span (``WireTracer``'s ``on_end``)."""
+        if not self._spans:
+            self._since = time.monotonic()
+        self._spans.append(span)
+
+    def due_in(self) -> float | None:
+        """Seconds until the pending spans are due (0 when a full batch waits); None when none are."""
+        if not self._spans:
+            return None
+        if len(self._spans) >= MAX_BATCH:
+            return 0.0
+        return max(0.0, self._since + EXPORT_DELAY_MS / 1000 - time.monotonic())
+
+    def send(self, everything: bool = False) -> None:
+        """Export the oldest ``MAX_BATCH`` pending spans (all of them, batch by batch, with ``everything``)."""
+        while self._spans:
+            spans, self._spans = self._spans[:MAX_BATCH], self._spans[MAX_BATCH:]
+            self._since = time.monotonic()
+            self.exporter.export_encoded(otlp_wire.export_request(self._resource, self._scope, spans), len(spans))
+            if not everything:
+                return
+
+
 def serve(conn: Any, config: ExporterConfig) -> None:
     """The exporter process: records in, spans out, until told to stop or the engine is gone."""
     from tokentrace import __version__
@@ -245,12 +288,12 @@ def serve(conn: Any, config: ExporterConfig) -> None:
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The OTLP exporter logs every failed batch; the spool logs the outage once instead.
-    for name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.otlp.common"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    provider, exporter = build_tracer_provider(Resource.create(config.resource), config.endpoint,
-                                               config.spool_dir, config.spool_max_bytes, config.token)
-    builder = SpanBuilder(provider.get_tracer(SCOPE, __version__), Clock(config.clock_offset_ns))
+    resource = Resource.create(config.resource)
+    name = str(resource.attributes.get(c.SERVICE_INSTANCE_ID, "engine"))
+    spool = Spool(config.spool_dir, config.spool_max_bytes, name) if config.spool_dir else None
+    exporter = SpoolingSpanExporter(config.endpoint or None, spool, token=config.token)
+    batch = Batch(exporter, resource, SCOPE, __version__)
+    builder = SpanBuilder(otlp_wire.WireTracer(batch.add, MAX_EVENTS), Clock(config.clock_offset_ns))
     counters = ExportCounters()
 
     def report() -> ExportCounters:
@@ -261,14 +304,18 @@ def serve(conn: Any, config: ExporterConfig) -> None:
         return counters
 
     while True:
+        due = batch.due_in()
         try:
+            if due is not None and not conn.poll(due):
+                batch.send()
+                continue
             message = conn.recv()
         except (EOFError, OSError):  # the engine is gone: export what we have and leave
             message = Control("stop")
         if isinstance(message, Control):
-            provider.force_flush(int(message.timeout * 1000))
+            batch.send(everything=True)
             if message.kind == "stop":
-                provider.shutdown()
+                exporter.shutdown()
             with contextlib.suppress(OSError, ValueError):
                 conn.send(report())
             if message.kind == "stop":
@@ -281,4 +328,3 @@ def serve(conn: Any, config: ExporterConfig) -> None:
             counters.build_errors += 1
             if counters.build_errors == 1:
                 log.exception("cannot build spans from a record (counted; logged once)")
-        time.sleep(0)  # let the spool and batch threads of this process run between records
