@@ -61,6 +61,33 @@ def test_unreachable_collector_spools_an_otlp_request_then_drops_when_full(tmp_p
         exporter.shutdown()
 
 
+class _CountingSpool(Spool):
+    """A spool that counts how often its directory is listed."""
+
+    listings = 0
+
+    def files(self):
+        self.listings += 1
+        return super().files()
+
+
+def test_an_idle_sender_leaves_an_empty_spool_alone_until_a_batch_goes_there(tmp_path):
+    """The resend thread listed the spool directory every retry interval, even empty and with the
+    collector answering: 0.3 ms of CPU a second in every exporter process. It now looks once at
+    start and again only after a batch was spooled, then every interval until the spool is empty."""
+    spool = _CountingSpool(tmp_path, 1 << 20, "idle")
+    exporter = SpoolingSpanExporter(f"http://127.0.0.1:{free_port()}", spool, timeout=0.2, retry_interval=0.02)
+    try:
+        wait_for(lambda: spool.listings >= 1, 10, "the first look at the spool")
+        time.sleep(0.5)  # no event marks "nothing happened": 25 retry intervals, each of which used to list it
+        assert spool.listings == 1
+        assert exporter.export(_spans(1)) is SpanExportResult.SUCCESS  # spooled: nothing listens there
+        listed = spool.listings
+        wait_for(lambda: spool.listings >= listed + 3, 10, "the resend thread to retry the spooled batch")
+    finally:
+        exporter.shutdown()
+
+
 @pytest.mark.slow
 def test_a_collector_watching_the_spool_ingests_it_exactly_once(tmp_path, collector_factory, engine_factory):
     collector = collector_factory()  # not started yet: its port refuses connections

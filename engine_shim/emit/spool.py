@@ -129,6 +129,8 @@ class SpoolingSpanExporter(SpanExporter):
         self._warned: str | None = None  #: the outcome last warned about (one warning per outage)
         self._stop = threading.Event()
         self._kick = threading.Event()
+        self._spooled = threading.Event()  #: the spool may hold batches: look at it every retry_interval
+        self._spooled.set()
         self.exported_spans = 0  #: spans the collector acknowledged directly
         self.spooled_batches = 0  #: batches written to the spool
         self.resent_batches = 0  #: spooled batches delivered later
@@ -161,6 +163,8 @@ class SpoolingSpanExporter(SpanExporter):
             try:
                 if self.spool.write(data):
                     self.spooled_batches += 1
+                    self._spooled.set()
+                    self._kick.set()
                     return True
             except OSError as exc:
                 self._warn(f"cannot write the spool {self.spool.directory}: {exc}", "spool")
@@ -211,8 +215,11 @@ class SpoolingSpanExporter(SpanExporter):
             log.warning(message)
 
     def _resend_loop(self) -> None:
+        # The spool is looked at every retry_interval only while it may hold something: at start
+        # (files of an earlier run) and after a batch went there, until it was found empty. Else
+        # the thread sleeps until kicked (listing the directory every second cost 0.3 ms of CPU).
         while not self._stop.is_set():
-            self._kick.wait(self.retry_interval)
+            self._kick.wait(self.retry_interval if self._spooled.is_set() else None)
             self._kick.clear()
             try:
                 self._resend_all()
@@ -220,7 +227,11 @@ class SpoolingSpanExporter(SpanExporter):
                 log.exception("resending spooled spans failed")
 
     def _resend_all(self, deadline: float | None = None) -> None:
-        if not self.spool.files() or self._collector_ingests_spool() is not False:
+        if not self.spool.files():
+            self._spooled.clear()  # a batch spooled after this sets it again, and kicks
+            return
+        self._spooled.set()  # until they are gone, whoever wrote them
+        if self._collector_ingests_spool() is not False:
             return
         while time.monotonic() < deadline if deadline is not None else not self._stop.is_set():
             claimed = self.spool.claim()
