@@ -3,8 +3,8 @@
 Same process, same loaded model, same prompts, runs alternating (bare, instrumented, bare, ...):
 
 * engine, 1 and 8 concurrent streams: the engine's ``Scheduler`` with the engine's telemetry
-  pipeline (records -> telemetry thread -> exporter process -> SDK spans -> BatchSpanProcessor ->
-  OTLP/HTTP protobuf to a sink process) against mlx-lm's ``BatchGenerator`` driven by a minimal
+  pipeline (records -> telemetry thread -> exporter process -> OTLP protobuf written there, in
+  batches -> OTLP/HTTP to a sink process) against mlx-lm's ``BatchGenerator`` driven by a minimal
   loop — the primitive the engine is built on. Closed loop: as a request finishes the next one
   starts, so span building overlaps generation as it does in a busy server. The prompt cache is
   off (entries 0) on the engine side: the comparison is about instrumentation, not caching.
@@ -57,6 +57,7 @@ from pathlib import Path
 _SINK = r"""
 import http.server, sys
 class Sink(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keeps connections open, as the collector (uvicorn) does
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.send_response(200); self.send_header("Content-Type", "application/x-protobuf")

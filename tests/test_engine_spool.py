@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 import time
 
 import pytest
@@ -86,6 +88,51 @@ def test_an_idle_sender_leaves_an_empty_spool_alone_until_a_batch_goes_there(tmp
         wait_for(lambda: spool.listings >= listed + 3, 10, "the resend thread to retry the spooled batch")
     finally:
         exporter.shutdown()
+
+
+class _Receiver(http.server.ThreadingHTTPServer):
+    """An HTTP/1.1 receiver that counts connections and POSTs; with ``drop`` it closes each
+    connection after answering without saying so, as a server whose idle timeout struck would."""
+
+    def __init__(self, drop: bool):
+        self.drop, self.connections, self.posts = drop, 0, 0
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                receiver.connections += 1
+                super().setup()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.posts += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                self.close_connection = receiver.drop
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "closed by the receiver"])
+def test_batches_share_one_connection_and_one_the_receiver_closed_costs_no_batch(tmp_path, drop):
+    receiver = _Receiver(drop)
+    exporter = SpoolingSpanExporter(f"http://127.0.0.1:{receiver.server_address[1]}", Spool(tmp_path, 1 << 20, "k"))
+    try:
+        for _ in range(5):
+            assert exporter.export_encoded(b"batch", 2)
+    finally:
+        exporter.shutdown()
+        receiver.shutdown()
+        receiver.server_close()
+    assert (receiver.posts, exporter.exported_spans, exporter.spooled_batches) == (5, 10, 0)
+    assert receiver.connections == (5 if drop else 1)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ this process later, or the next one after a restart — delivers them (issue 12)
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,6 +120,14 @@ class SpoolingSpanExporter(SpanExporter):
     def __init__(self, endpoint: str | None, spool: Spool | None, token: str | None = None,
                  timeout: float = 2.0, retry_interval: float = 1.0, token_hint: str = "--otlp-token"):
         self.url = endpoint.rstrip("/") + "/v1/traces" if endpoint else None
+        parts = urllib.parse.urlsplit(self.url or "")
+        self._scheme, self._host, self._port = parts.scheme, parts.hostname or "", parts.port
+        self._path = parts.path or "/"
+        self._proxied = bool(self.url) and parts.scheme in urllib.request.getproxies() and not (
+            urllib.request.proxy_bypass(parts.hostname or ""))
+        self._local = threading.local()  #: each sending thread's kept connection
+        self._connections: list[http.client.HTTPConnection] = []
+        self._connections_lock = threading.Lock()
         self.spool = spool
         self.retry_interval = retry_interval
         self.token_hint = token_hint
@@ -185,6 +195,10 @@ class SpoolingSpanExporter(SpanExporter):
                     self._resend_all(deadline=time.monotonic() + SHUTDOWN_RESEND_S)
                 except Exception:  # shutting down: what stays spooled is resent by the next sender
                     log.exception("resending spooled spans at shutdown failed")
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Nothing is buffered here beyond the spool, which is durable."""
@@ -283,15 +297,68 @@ class SpoolingSpanExporter(SpanExporter):
         A spooled file's name goes along (wire.SPOOL_FILE_HEADER): a tokentrace collector stores the
         bytes once however often they arrive, so a resend whose acknowledgement was lost, or a file
         that a collector watching the directory ingests as well, is not stored twice. Other OTLP
-        receivers ignore the header."""
+        receivers ignore the header.
+
+        Each sending thread keeps its connection open between batches: a new connection through
+        urllib cost an engine's exporter process about 1 ms of CPU a batch, half of what it spent
+        per request. A kept connection the collector closed meanwhile fails before any answer;
+        that batch goes once more on a new connection. Where a proxy applies to the URL (the
+        environment's *_proxy variables), urllib sends it, as before."""
         headers = {**self._headers, SPOOL_FILE_HEADER: name} if name else self._headers
+        if self._proxied:
+            return self._post_via_urllib(data, headers)
+        for attempt in (1, 2):
+            connection, reused = self._connection()
+            try:
+                connection.request("POST", self._path, body=data, headers=headers)
+                response = connection.getresponse()
+                response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._close_connection()
+                if reused and attempt == 1:
+                    continue  # the collector had closed the idle connection; nothing was answered
+                return RETRY
+            except (OSError, http.client.HTTPException):
+                self._close_connection()
+                return RETRY
+            if response.will_close:
+                self._close_connection()
+            return _outcome(response.status)
+        return RETRY  # pragma: no cover - the loop returns
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the collector, and whether it was used before."""
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            return connection, True
+        kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        self._local.connection = connection = kind(self._host, self._port, timeout=self._timeout)
+        with self._connections_lock:
+            self._connections.append(connection)  # shutdown closes them, whichever thread made them
+        return connection, False
+
+    def _close_connection(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        self._local.connection = None
+        if connection is not None:
+            connection.close()
+            with self._connections_lock, contextlib.suppress(ValueError):
+                self._connections.remove(connection)
+
+    def _post_via_urllib(self, data: bytes, headers: dict[str, str]) -> str:
         request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout):
-                return SENT
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                return _outcome(response.status)
         except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
-                return UNAUTHORIZED
-            return RETRY if exc.code in (408, 429) or exc.code >= 500 else REJECTED
+            return _outcome(exc.code)
         except (urllib.error.URLError, OSError):
             return RETRY
+
+
+def _outcome(status: int) -> str:
+    if 200 <= status < 300:
+        return SENT
+    if status in (401, 403):
+        return UNAUTHORIZED
+    return RETRY if status in (408, 429) or status >= 500 else REJECTED
