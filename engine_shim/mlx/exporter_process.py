@@ -10,8 +10,9 @@ Why not the SDK in that process: on a 2-core machine the engine keeps both cores
 so the exporter's CPU still comes off decode. Building SDK spans and encoding them cost 40-45 µs a
 token of the 55-147 measured; the process now writes the same spans straight to OTLP protobuf
 (``tokentrace.engine_shim.emit.otlp_wire``) and batches them itself: a batch leaves when its first
-span is ``EXPORT_DELAY_MS`` old or when it holds ``MAX_BATCH`` spans, one HTTP post each, with the
-spool behind it. One thread does it all, so nothing else wakes up.
+span is ``EXPORT_DELAY_MS`` old or when it holds ``MAX_BATCH`` spans, one HTTP post each on a kept
+connection, with the spool behind it. One thread builds and sends; the spool's resend thread sleeps
+unless the spool holds something.
 
 The parent sends records over a ``multiprocessing`` pipe (spawn context: nothing of the engine's
 MLX state is inherited). The child answers flush and stop requests with its export counters. If
