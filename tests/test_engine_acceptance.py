@@ -280,13 +280,13 @@ signal.signal(signal.SIGUSR1, _report)
 
 def test_a_lazy_load_freezes_the_heap_it_leaves(tmp_path, monkeypatch, collector_factory, engine_factory):
     """The load leaves ~100k long-lived objects (mlx-lm, the tokenizer). Unfrozen, their first full
-    collection fell on whatever ran next: 50-70 ms holding the GIL, which once made the demo's first
-    request after a lazy load a prefill rather than a cold start. The load now collects and freezes
-    them, inside its warm-up stage."""
+    collection falls on whatever runs next: 50-70 ms holding the GIL, enough to make the demo's first
+    request after a lazy load a prefill rather than a cold start (CI once saw that verdict). The load
+    now collects and freezes them, inside its warm-up stage."""
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(HEAP_PROBE)
-    report = tmp_path / "heap.jsonl"
+    report = tmp_path / "heap.json"
     monkeypatch.setenv("PYTHONPATH", str(probe))
     monkeypatch.setenv("TOKENTRACE_TEST_HEAP_PROBE", str(report))
     collector = collector_factory().start()
