@@ -261,5 +261,5 @@ def test_attributes_of_every_kind_read_back_as_the_sdk_encoder_writes_them():
     assert list(ours) == _encode_attributes({k: v for k, v in values.items() if v is not None})
     for bad, error in (({"nested": [[1]]}, TypeError), ({"huge": 2**63}, OverflowError), ({1: "x"}, TypeError),
                        ({"object": object()}, TypeError), ({"set": {1}}, TypeError)):
-        with pytest.raises(error, match="attribute|keys"):
+        with pytest.raises(error, match=r"attribute|keys"):
             attributes(0x4A, bad)
