@@ -27,6 +27,8 @@ from tokentrace.collector import fastpath
 from tokentrace.collector.columns import SCHEMAS, Columns
 from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding, decode
+from tokentrace.engine_shim.emit import otlp_wire
+from tokentrace.engine_shim.emit.otlp_wire import varint
 
 MAX = 65_536
 PB = Encoding("protobuf", PROTOBUF)
@@ -78,15 +80,6 @@ def taken(body: bytes, max_len: int = MAX) -> Columns:
     return got
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 # --- payloads: the SDK, our shims --------------------------------------------------------------------
 def sdk_spans(resource: dict, build) -> bytes:
     """The protobuf body the SDK's OTLP exporter sends for the spans ``build(tracer)`` makes."""
@@ -98,8 +91,9 @@ def sdk_spans(resource: dict, build) -> bytes:
     return encode_spans(exporter.get_finished_spans()).SerializeToString()
 
 
-def mlx_payload(seed: int) -> bytes:
-    """Every record kind of the MLX engine, built into spans by its own SpanBuilder."""
+def mlx_payload(seed: int, wire: bool = False) -> bytes:
+    """Every record kind of the MLX engine, built into spans by its own SpanBuilder: on the SDK, or
+    (``wire``) written as its exporter process writes them (engine_shim/emit/otlp_wire.py)."""
     from tokentrace.engine_shim.mlx.prompts import Prompt
     from tokentrace.engine_shim.mlx.records import (
         Clock,
@@ -148,8 +142,14 @@ def mlx_payload(seed: int) -> bytes:
         builder.build(window)
         builder.build(HeartbeatRecord(t0 + 5_000_000, 1, 2, 8, 3, 300_000, 16, 1 << 30, 1000, 10**9))
 
-    return sdk_spans({c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: f"mlx-{seed}",
-                      c.ENGINE: c.ENGINE_MLX, c.ENGINE_VERSION: "0.32.0", c.MODEL: "tiny"}, build)
+    resource = {c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: f"mlx-{seed}", c.ENGINE: c.ENGINE_MLX,
+                c.ENGINE_VERSION: "0.32.0", c.MODEL: "tiny"}
+    if not wire:
+        return sdk_spans(resource, build)
+    spans: list[bytes] = []
+    build(otlp_wire.WireTracer(spans.append))
+    return otlp_wire.export_request(otlp_wire.resource_attributes(Resource.create(resource).attributes),
+                                    otlp_wire.scope("tokentrace.tests.fastpath", "1.0"), spans)
 
 
 def gateway_payloads() -> list[bytes]:
