@@ -6,19 +6,22 @@ for small generic spans), per span:
 - Python: ``ExportTraceServiceRequest.FromString`` + ``normalize`` + ``Batch.columns()`` (each part
   shown too), what ``ingest.parse`` costs without the decoder;
 - C: ``fastpath.decode``, the Arrow import included (and its two parts, measured in one pass);
-- ``Columns.to_bytes()`` / ``from_bytes()`` of the result, how the parse worker ships it.
+- ``Columns.to_bytes()`` / ``from_bytes()`` of the result, how the parse worker ships it;
+- the C path on ``--threads`` threads at once (the collector decodes on 4, beside its other
+  threads): CPU per span, which what the threads share (the GIL, malloc) adds to.
 
 Each figure is the best of ``--repeat`` passes over all batches, the passes of each figure
 interleaved (a shared machine's other load only ever adds time, and falls on all alike). Every
 batch must take the C path and give the Python path's tables.
 
-    python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5]
+    python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5] [--threads 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +75,24 @@ def c_parts(bodies: list[bytes], repeat: int) -> tuple[float, float]:
     return fastest
 
 
+def threaded(bodies: list[bytes], threads: int, repeat: int) -> float:
+    """Fewest CPU seconds of ``repeat`` runs in which ``threads`` threads each decode every body."""
+    def work() -> None:
+        for body in bodies:
+            fastpath.decode(body, LIMIT)
+
+    fewest = float("inf")
+    for _ in range(repeat):
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        started = time.process_time()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        fewest = min(fewest, (time.process_time() - started) / threads)
+    return fewest
+
+
 def check(bodies: list[bytes]) -> list[Columns]:
     """The decoder's Columns of every body, each equal to the Python path's (tables and keys)."""
     out = []
@@ -94,6 +115,7 @@ def main() -> int:
     parser.add_argument("--spans-per-batch", type=int, default=512)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=4, help="threads decoding at once, for the last line")
     args = parser.parse_args()
     if fastpath.unavailable():
         raise SystemExit(f"the compiled decoder is not in use: {fastpath.unavailable()}")
@@ -116,6 +138,7 @@ def main() -> int:
         "from_bytes": lambda: [Columns.from_bytes(data) for data in shipped],
     }).items()}
     decoder, arrow = (per_span(seconds) for seconds in c_parts(bodies, args.repeat))
+    alone, together = (per_span(threaded(bodies, n, args.repeat)) for n in (1, args.threads))
     python, c_path, norm = times["python"], times["c_path"], times["normalize"]
 
     print(f"{args.batches} batches of {args.shape} spans ({spans} spans, {sum(map(len, bodies)) / spans:.0f} "
@@ -126,6 +149,7 @@ def main() -> int:
     print(f"  ratio         {python / c_path:7.1f} x  (normalize alone / C path: {norm / c_path:.1f} x)")
     print(f"  to_bytes      {times['to_bytes']:7.2f}   from_bytes {times['from_bytes']:.2f}   "
           f"({sum(map(len, shipped)) / spans:.0f} bytes per span shipped)")
+    print(f"  C path, CPU   {together:7.2f}   with {args.threads} threads decoding at once ({alone:.2f} with one)")
     return 0
 
 

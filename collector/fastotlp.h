@@ -221,6 +221,19 @@ typedef struct {
 
 int table_init(table_t *t, const char *name, const colspec_t *specs, int ncols);
 void table_free(table_t *t);
+
+/* The sizes a table's buffers reached in a decoder's last request (values or offsets, string bytes,
+ * and the same of list elements, per column; then the origins), which its next request reserves
+ * before writing: grown by doubling from 256 bytes, each buffer was reallocated (and copied) about
+ * ten times a request, and 4 decoding threads spent a third of their time in malloc and page faults
+ * (perf, issue 17). */
+#define HINT_SLOTS (MAX_COLUMNS * 4 + 1)
+typedef struct {
+    size_t n[HINT_SLOTS];
+} table_hint_t;
+
+void table_remember(const table_t *t, table_hint_t *hint);
+int table_reserve(table_t *t, const table_hint_t *hint);
 /* Writing a row: one put per column, in order, then row_end (which checks the count). */
 int put_null(table_t *t);
 int put_str(table_t *t, view_t s);         /* NULL view: null */
@@ -272,6 +285,7 @@ typedef struct {
 typedef struct {
     int64_t max_len;
     table_t tables[T_COUNT];
+    table_hint_t hints[T_COUNT];
     int32_t span_index;  /* spans accepted so far */
     buf_t keys;          /* uint64 key hash per span (once.key_hashes) */
     attrs_t attrs;       /* the span's */

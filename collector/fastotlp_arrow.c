@@ -162,6 +162,44 @@ void table_free(table_t *t) {
     buf_free(&t->origin);
 }
 
+/* Each growable buffer of a table in hint order (NULL where a column has no list elements). Validity
+ * bitmaps are not among them: an allocated bitmap means a null was written (column_valid). */
+static void table_buffers(table_t *t, buf_t *out[HINT_SLOTS]) {
+    memset(out, 0, HINT_SLOTS * sizeof *out);
+    for (int i = 0; i < t->ncols; i++) {
+        column_t *c = &t->cols[i];
+        out[4 * i] = &c->data;
+        out[4 * i + 1] = &c->chars;
+        if (c->child) {
+            out[4 * i + 2] = &c->child->data;
+            out[4 * i + 3] = &c->child->chars;
+        }
+    }
+    out[HINT_SLOTS - 1] = &t->origin;
+}
+
+void table_remember(const table_t *t, table_hint_t *hint) {
+    buf_t *bufs[HINT_SLOTS];
+    table_buffers((table_t *)t, bufs);
+    for (int i = 0; i < HINT_SLOTS; i++) hint->n[i] = bufs[i] ? bufs[i]->n : 0;
+}
+
+/* Room for an eighth more than last time, in one allocation per buffer; what a request leaves unused
+ * is given back when the buffer is exported (give). */
+int table_reserve(table_t *t, const table_hint_t *hint) {
+    buf_t *bufs[HINT_SLOTS];
+    table_buffers(t, bufs);
+    for (int i = 0; i < HINT_SLOTS; i++) {
+        size_t want = hint->n[i] + hint->n[i] / 8;
+        if (!bufs[i] || !hint->n[i] || bufs[i]->cap >= want) continue;
+        uint8_t *grown = realloc(bufs[i]->p, want);
+        if (!grown) return FALLBACK;
+        bufs[i]->p = grown;
+        bufs[i]->cap = want;
+    }
+    return 0;
+}
+
 /* The next column of the row, when it has the type the caller writes (a mismatch is a bug in
  * fastotlp_rows.c; the decoder then falls back, and the differential tests fail). */
 static column_t *next(table_t *t, int list_or_type) {

@@ -273,16 +273,32 @@ def test_decoded_columns_travel_as_bytes():
 
 def test_threads_decoding_at_once_get_what_one_thread_gets():
     """The decoder holds no GIL while it walks a body (collector/ingest.py decodes on several threads
-    of the collector's process): bodies decoded by eight threads at once, each many times, equal
-    the Python reference; floats (whose repr takes the GIL back) are in every one of them."""
+    of the collector's process): bodies decoded by twelve threads at once, each many times, equal
+    the Python reference; floats are in every one of them. Twelve: more than the decoders the
+    module keeps between calls (8), so that calls also make and free decoders of their own."""
     import concurrent.futures
 
     rng = random.Random(SEED + 1)
-    bodies = [engine_request(rng, requests=40, odd=False).SerializeToString() for _ in range(8)]
+    bodies = [engine_request(rng, requests=40, odd=False).SerializeToString() for _ in range(12)]
     expected = [reference(body) for body in bodies]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
         for _ in range(5):
             results = list(pool.map(lambda body: fastpath.decode(body, MAX), bodies * 3))
             for got, want in zip(results, expected * 3, strict=True):
                 assert got is not None
                 assert_same(got, want)
+
+
+def test_batches_of_every_size_in_turn_on_one_decoder():
+    """A decoder reserves what its last request's tables needed (table_hint_t): a huge batch after
+    small ones, small ones after it and a batch without engine tables still give the reference's
+    columns."""
+    rng = random.Random(SEED + 2)
+    bodies = [engine_request(rng, requests=2, odd=False), engine_request(rng, requests=300, odd=False),
+              engine_request(rng, requests=1, odd=False), one_span(), engine_request(rng, requests=300, odd=True),
+              engine_request(rng, requests=5, odd=True)]
+    for body in (request.SerializeToString() for request in bodies):
+        got = fastpath.decode(body, MAX)
+        assert got is not None
+        assert_same(got, reference(body))
+
