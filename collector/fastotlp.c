@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "fastotlp.h"
+#include "fastotlp_double.h"
 #include "fastotlp_wire.h"
 
 config_t CONFIG;
@@ -272,7 +273,18 @@ static PyObject *schemas(PyObject *self, PyObject *unused) {
     return out;
 }
 
+/* For the tests: the decoder's text for a float (float.__repr__'s), or None where it would ask Python. */
+static PyObject *repr_double(PyObject *self, PyObject *arg) {
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    char text[32];
+    int n = double_repr(v, text, sizeof text);
+    if (n < 0) Py_RETURN_NONE;
+    return PyUnicode_FromStringAndSize(text, n);
+}
+
 static PyMethodDef METHODS[] = {
+    {"repr_double", repr_double, METH_O, "repr_double(x) -> repr(x) as the decoder writes it, or None (tests)."},
     {"configure", configure, METH_VARARGS,
      "configure(contract, expanded, legacy, lifecycle, fallback): the names decode() needs."},
     {"decode", decode, METH_VARARGS,

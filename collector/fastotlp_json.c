@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "fastotlp.h"
+#include "fastotlp_double.h"
 
 int buf_grow(buf_t *b, size_t extra) {
     size_t cap = b->cap ? b->cap : 256;
@@ -94,7 +95,10 @@ static int json_double(buf_t *b, double v) {
         TRY(json_int(b, (int64_t)v));
         return buf_put(b, ".0", 2);
     }
-    /* decode() runs without the GIL; Python's own repr needs it, for as long as it takes. */
+    char shortest[32];
+    int n = double_repr(v, shortest, sizeof shortest);
+    if (n > 0) return buf_put(b, shortest, (size_t)n);
+    /* Where the C++ library cannot: decode() runs without the GIL; Python's own repr needs it. */
     PyGILState_STATE gil = PyGILState_Ensure();
     char *text = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     int rc = FALLBACK;

@@ -302,3 +302,24 @@ def test_batches_of_every_size_in_turn_on_one_decoder():
         assert got is not None
         assert_same(got, reference(body))
 
+
+def test_floats_are_written_as_pythons_repr_writes_them():
+    """The decoder writes a float as float.__repr__ (json.dumps) does without asking Python
+    (fastotlp_double.cpp): the same text for random bit patterns, measured milliseconds, every
+    binary exponent and the decimal powers where repr switches to an exponent."""
+    import math
+    import struct
+
+    from tokentrace.collector import _fastotlp
+
+    rng = random.Random(SEED)
+    values = [struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0] for _ in range(300_000)]
+    values += [rng.randrange(10**9) / 1e6 for _ in range(100_000)]
+    values += [rng.random() * 10.0 ** rng.randint(-30, 30) for _ in range(100_000)]
+    values += [sign * math.ldexp(m, e) for e in range(-1074, 1024) for m in (1.0, 1.5, 1.0000000000000002)
+               for sign in (1, -1)]
+    values += [float(f"{d}e{k}") for k in range(-330, 310) for d in (1, 5, 9.999999999999999)]
+    finite = [v for v in values if math.isfinite(v)]
+    assert len(finite) > 500_000
+    wrong = [(repr(v), _fastotlp.repr_double(v)) for v in finite if _fastotlp.repr_double(v) != repr(v)]
+    assert not wrong, wrong[:5]
