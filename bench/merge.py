@@ -6,9 +6,12 @@ the journal's sequence number with them), ``--groups`` batches per merge, each s
 its own and the sizes taken in turn, round after round, so that a host whose speed drifts (this
 project's VM: up to 2x within an hour) moves every size alike. Prints, per size, the merge thread's
 CPU per span (``time.thread_time``: DuckDB runs its work on the calling thread with ``threads = 1``),
-how much of it the COMMIT took, and each size's ratio to the first.
+how much of it the COMMIT (DuckDB's checkpoints among them) and the first-new-block frontiers
+(collector/frontier.py) took, and each size's ratio to the first. DuckDB's memory is bounded as the
+collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it,
+and a run must span several checkpoints (one per 256 MB of WAL, ~310k engine spans) to show them.
 
-    python bench/merge.py [--batches 1200] [--groups 60,150] [--rounds 3]
+    python bench/merge.py [--batches 3000] [--groups 60,150] [--rounds 3] [--memory-limit BYTES]
 """
 
 from __future__ import annotations
@@ -26,8 +29,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from ingest import _parse, make_bodies
 
-from tokentrace.collector import journal
+from tokentrace.collector import frontier, journal
+from tokentrace.collector.settings import SETTINGS
 from tokentrace.collector.store_duckdb import DuckDBStore
+
+#: Thread CPU seconds of the frontiers (the store calls frontier.fresh_frontiers in each merge).
+_FRONTIER_S = [0.0]
+_fresh_frontiers = frontier.fresh_frontiers
+
+
+def _timed_frontiers(*args):
+    began = time.thread_time()
+    try:
+        return _fresh_frontiers(*args)
+    finally:
+        _FRONTIER_S[0] += time.thread_time() - began
+
+
+frontier.fresh_frontiers = _timed_frontiers  # the module store_duckdb imports when a store opens
+#: The collector's bound on DuckDB's memory (--store-memory-bytes).
+COLLECTOR_MEMORY = next(setting.default for setting in SETTINGS if setting.name == "store_memory_bytes")
 
 
 class _TimedCommit:
@@ -49,12 +70,15 @@ class _TimedCommit:
         return getattr(self.cursor, name)
 
 
-def run(columns: list, group: int, folder: Path) -> tuple[float, float]:
-    """(merge CPU, COMMIT CPU) in microseconds per span, appending ``columns`` ``group`` at a time."""
+def run(columns: list, group: int, folder: Path, memory_limit: int) -> tuple[float, float, float]:
+    """(merge CPU, COMMIT CPU, frontier CPU) in microseconds per span, appending ``columns``
+    ``group`` at a time."""
     store = DuckDBStore(folder / f"merge-{group}.duckdb")
     store._journal.close()  # this benchmark merges by itself
+    store.limit_memory(memory_limit)
     timed = store._merger = _TimedCommit(store._merger)
     spans, cpu, seq = 0, 0.0, 0
+    _FRONTIER_S[0] = 0.0
     try:
         for at in range(0, len(columns), group):
             entries = []
@@ -67,32 +91,33 @@ def run(columns: list, group: int, folder: Path) -> tuple[float, float]:
             spans += sum(part.spans for part in columns[at:at + group])
     finally:
         store._con.close()  # its journal is closed already, and holds nothing
-    return cpu / spans * 1e6, timed.commit_s / spans * 1e6
+    return cpu / spans * 1e6, timed.commit_s / spans * 1e6, _FRONTIER_S[0] / spans * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=1200, help="engine batches of ~460 spans each")
+    parser.add_argument("--batches", type=int, default=3000, help="engine batches of ~460 spans each")
     parser.add_argument("--groups", default="60,150", help="batches per merge, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-limit", type=int, default=COLLECTOR_MEMORY,
+                        help="DuckDB's memory_limit in bytes (default: the collector's --store-memory-bytes)")
     args = parser.parse_args()
     groups = [int(text) for text in args.groups.split(",")]
     columns = [dataclasses.replace(_parse(body), sources=None) for body, _ in make_bodies(3000, 512)[:args.batches]]
     spans = sum(part.spans for part in columns)
     print(f"{len(columns)} batches, {spans:,} engine spans; merges of {', '.join(str(g) for g in groups)} batches "
           f"({', '.join(f'~{spans * g // len(columns):,}' for g in groups)} spans), {args.rounds} rounds")
-    results: dict[int, list[tuple[float, float]]] = {group: [] for group in groups}
+    results: dict[int, list[tuple[float, float, float]]] = {group: [] for group in groups}
     for _ in range(args.rounds):
         for group in groups:
             with tempfile.TemporaryDirectory() as tmp:
-                results[group].append(run(columns, group, Path(tmp)))
-    first = statistics.median(cpu for cpu, _ in results[groups[0]])
+                results[group].append(run(columns, group, Path(tmp), args.memory_limit))
+    first = statistics.median(cpu for cpu, _, _ in results[groups[0]])
     for group in groups:
-        cpu = statistics.median(value for value, _ in results[group])
-        commit = statistics.median(value for _, value in results[group])
-        each = ", ".join(f"{value:.2f}" for value, _ in results[group])
-        print(f"  {group:4d} batches a merge: {cpu:6.2f} us/span merge CPU (rounds: {each}), COMMIT {commit:5.2f}; "
-              f"ratio {cpu / first:.2f}")
+        cpu, commit, frontiers = (statistics.median(values) for values in zip(*results[group], strict=True))
+        each = ", ".join(f"{value:.2f}" for value, _, _ in results[group])
+        print(f"  {group:4d} batches a merge: {cpu:6.2f} us/span merge CPU (rounds: {each}), COMMIT {commit:5.2f}, "
+              f"frontiers {frontiers:5.2f}; ratio {cpu / first:.2f}")
     return 0
 
 
