@@ -48,7 +48,7 @@ from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
 from tokentrace.analyzers.slowness import analyze_slowness
 from tokentrace.collector.normalize import Batch, normalize
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.store_duckdb import DuckDBStore, _attach
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
@@ -151,7 +151,7 @@ def _column(table: str, column: str) -> str:
 
 def _replicate(path: Path, base: int, chunks: int, ends: list[dict[str, int]]) -> None:
     """Append replicas 1.. of the base chunks by copying their rows (see BASE_CHUNKS)."""
-    con = duckdb.connect(str(path))
+    con = _attach(str(path), read_only=False)  # as the store attaches it: its row group size
     con.execute("CREATE TEMP MACRO rid(x, o) AS CASE WHEN regexp_full_match(x, 'req-[0-9]{8}') "
                 "THEN 'req-' || lpad(CAST(CAST(substr(x, 5) AS BIGINT) + o AS VARCHAR), 8, '0') ELSE x END")
     tables = _tables(con)
