@@ -124,8 +124,9 @@ static PyObject *tuple_of_names(const char *const *names, int n) {
  * assembled) and what their last request's tables needed (table_hint_t): fresh buffers each time
  * cost page faults and reallocations that showed in profiles. decode() walks the body without the
  * GIL (issue 17: the collector decodes on threads of its own process, beside its HTTP loop and its
- * writer, instead of paying a worker process's pickling and pipe for every batch); only a float's
- * repr takes the GIL back, briefly (fastotlp_json.c). A call takes a decoder from the pool, or makes
+ * writer, instead of paying a worker process's pickling and pipe for every batch); only a float,
+ * where the C++ library cannot write it (fastotlp_double.cpp), takes the GIL back for Python's repr
+ * (fastotlp_json.c). A call takes a decoder from the pool, or makes
  * one, and puts it back after; both under the GIL, so each decoder serves one call at a time
  * (another thread's, or a finalizer's that runs while a result is built). Before, one shared
  * decoder served whichever call found it free, and every call beside it made and freed a decoder of

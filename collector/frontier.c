@@ -16,6 +16,11 @@
 
 #define MIX UINT64_C(0x9E3779B97F4A7C15)
 #define AHEAD 8
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address) __builtin_prefetch(address)
+#else
+#define PREFETCH(address) ((void)(address))
+#endif
 
 typedef struct {
     uint64_t *slots; /* 0 marks an empty slot; the key 0 is kept apart (has_zero) */
@@ -221,7 +226,7 @@ static PyObject *recent_frontiers(RecentKeys *self, PyObject *args) {
                 uint64_t ahead = keys[n + AHEAD];
                 for (int g = 0; g < 2; g++) {
                     const KeySet *set = &self->generations[g];
-                    __builtin_prefetch(&set->slots[slot_of(ahead, set->mask)]);
+                    PREFETCH(&set->slots[slot_of(ahead, set->mask)]);
                 }
             }
             if (offer(self, keys[n]) && fresh[row] < 0)

@@ -69,8 +69,8 @@ def _libraries() -> None:
 
 CHECKPOINT_THRESHOLD = "256MB"
 #: Rows per row group of the tables a store writes (DuckDB's default: 122,880). Merge CPU per engine
-#: span over 2.76M spans under the collector's memory bound (issue 17): 10.7-11.1 us at 122,880 rows,
-#: 10.7 at 65,536, 7.9-8.7 at 32,768, 6.8 at 16,384; DuckDB's checkpoints were half of it. Likely
+#: span over 2.76M spans under the collector's memory bound (issue 17): 9.8-11.1 us at 122,880 rows,
+#: 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384; DuckDB's checkpoints were half of it. Likely
 #: why: a checkpoint compresses a table's last, partly filled row group again, whole, whenever rows
 #: were added to it, so a small table's row group was compressed many times before it filled.
 #: Verdicts read fewer rows (finer min/max pruning): at 200k requests, slow p99 13.7 against 20.2 ms,

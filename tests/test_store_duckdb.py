@@ -321,8 +321,8 @@ def test_slot_holders_read_the_queue_spans_of_their_window_only(tmp_path):
 
 
 def test_the_store_writes_row_groups_of_its_own_size_and_spills_beside_its_file(tmp_path):
-    """The store attaches its file with ROW_GROUP_SIZE (store_duckdb.ROW_GROUP_SIZE; DuckDB's own
-    122,880 cost the merge a third more CPU) on every cursor it reads and writes with, and DuckDB's
+    """The store attaches its file with ROW_GROUP_SIZE (store_duckdb.ROW_GROUP_SIZE; with DuckDB's
+    own 122,880 the merge took half as much CPU again) on every cursor it reads and writes with, and DuckDB's
     spill files go to FILE.tmp, as they did for a connected file, not to the working directory."""
     from tokentrace.collector.store_duckdb import ROW_GROUP_SIZE
 
