@@ -36,6 +36,7 @@ from tokentrace.collector.columns import Columns
 from tokentrace.collector.ingest import parse
 from tokentrace.collector.otlp import PROTOBUF, Encoding
 from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.errors import Overloaded
 
 _PROTOBUF = Encoding("protobuf", PROTOBUF)
 
@@ -108,7 +109,12 @@ def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 4)
         while time.perf_counter() - start < seconds and index + group <= len(bodies):
             merged = Columns.concat([_parse(body) for body, _ in bodies[index:index + group]])
             index += group  # never wraps: a batch written again would be a resend, stored once
-            store.write(merged)
+            while True:
+                try:
+                    store.write(merged)
+                    break
+                except Overloaded:  # the merge fell a journal's bound behind: wait for it, as a sender does
+                    store.settle()
             spans += merged.spans
         store.settle()  # everything in the tables
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
