@@ -11,15 +11,15 @@ check runs once per span, before any row is written, and the rows of a known spa
 Finding out cheaply which spans are stored (``SpanKeys``): a B-tree or ART index on 48 hex
 characters per span costs more than the rest of the write (measured with DuckDB 1.x on this
 machine: 55k keys/s with a primary key, and 1.8 s per batch of 10k known keys through ON CONFLICT).
-A resent span has the span's own start time, so the collector keeps, in memory, a 64-bit hash of the
-key of every stored span that started after a horizon, with the 10-second bucket of its start time,
+A resent span has the span's own end time, so the collector keeps, in memory, a 64-bit hash of the
+key of every stored span that ended after a horizon, with the 10-second bucket of its end time,
 in a hash table in C (collector/spankeys.c: 12 bytes a slot, at most 3/4 of the slots used, 64 MiB
 for ``capacity`` spans; before a batch would pass the capacity, the oldest buckets are dropped down
 to three quarters of it). Then:
 
-- a span starting after the horizon whose hash is not in memory is new: no query at all (the
+- a span ending after the horizon whose hash is not in memory is new: no query at all (the
   common case);
-- a span whose hash is in memory, or that starts before the horizon (late data, an old spool file),
+- a span whose hash is in memory, or that ends before the horizon (late data, an old spool file),
   is looked up in the store by its trace id and exact start time (named query ``span_keys``),
   and compared by its full ids: a hash collision never drops a span.
 
@@ -32,6 +32,13 @@ folded (sorted again whole) every ninth batch of the minute, which cost the writ
 with 1M keys in the minute and 4 us with 4M (a microbenchmark of its calls; docs/benchmarks.md);
 at 100k spans/s a minute holds 6M spans, more than the capacity, so the current minute itself was
 dropped and every later span of it looked up in the store. A bucket of 10 s holds 1M at that rate.
+
+Why end times (issue 17): a span is exported when it ends, so its end time follows its arrival,
+while its start time is as old as the work it measures. The buckets were of start times: at 100k
+spans/s the capacity holds about 40 s, so every span of a request that ran longer (an llm.request
+of a long generation, its llm.decode) started before the horizon and sent its batch to the store
+for a lookup: 2.3 ms for one span on a store of 10M spans, 0.4 ms a span for more, on the writer
+thread that every sender waits on. By end time, only data that arrives late is looked up.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ BUCKET_NS = 10_000_000_000
 _PER_MINUTE = MINUTE_NS // BUCKET_NS
 #: Spans held at most: 64 MiB of slots when full (4M keys in 5.3M slots of 12 bytes).
 DEFAULT_CAPACITY = 4_000_000
-#: Buckets held at most (start times spread over years by a sender's clock): the oldest go first.
+#: Buckets held at most (end times spread over years by a sender's clock): the oldest go first.
 MAX_BUCKETS = 65_536
 #: Spans looked up in the store per query (each binds its start times and trace ids as values).
 LOOKUP_SPANS = 2_000
@@ -74,13 +81,13 @@ def key_hashes(trace_ids: list[str], span_ids: list[str]) -> np.ndarray:
 
 
 class SpanKeys:
-    """The keys of stored spans that started in or after bucket ``horizon`` (module docstring)."""
+    """The keys of stored spans that ended in or after bucket ``horizon`` (module docstring)."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, max_buckets: int = MAX_BUCKETS):
         self.capacity, self.max_buckets = capacity, max_buckets
         self._table = _spankeys.KeyTable(max_slots=capacity * 4 // 3 + 1)
         self._counts: dict[int, int] = {}  # bucket -> keys held
-        #: Spans starting before this bucket (start_ns // BUCKET_NS) may be stored without being in memory.
+        #: Spans ending before this bucket (end_ns // BUCKET_NS) may be stored without being in memory.
         self.horizon = -(2**62)
 
     def load(self, minute_counts: pl.DataFrame, since: Callable[[int], pl.DataFrame]) -> None:
@@ -94,7 +101,7 @@ class SpanKeys:
             self.horizon = (minute_counts["minute"].max() + 1) * _PER_MINUTE if minute_counts.height else -(2**62)
             return
         rows = since(horizon * MINUTE_NS)
-        self.add(key_hashes(rows["trace_id"].to_list(), rows["span_id"].to_list()), rows["start_ns"].to_numpy())
+        self.add(key_hashes(rows["trace_id"].to_list(), rows["span_id"].to_list()), rows["end_ns"].to_numpy())
         self.horizon = max(self.horizon, horizon * _PER_MINUTE)
 
     def __len__(self) -> int:
@@ -112,7 +119,8 @@ class SpanKeys:
         spans = batch.tables["spans"]
         hashes, starts = batch.keys, spans.column("start_ns").to_numpy()
         keep = _first_of_each(hashes, spans)
-        doubt = keep & (self._known(hashes) | (starts // BUCKET_NS < self.horizon))
+        ended = spans.column("end_ns").to_numpy() // BUCKET_NS
+        doubt = keep & (self._known(hashes) | (ended < self.horizon))
         if not doubt.any():
             return keep
         traces = spans.column("trace_id").to_pylist()
@@ -126,11 +134,11 @@ class SpanKeys:
                     keep[i] = False
         return keep
 
-    def add(self, hashes: np.ndarray, starts: np.ndarray) -> None:
-        """Record the key hashes (``key_hashes``) of spans just committed, by their start times.
+    def add(self, hashes: np.ndarray, ends: np.ndarray) -> None:
+        """Record the key hashes (``key_hashes``) of spans just committed, by their end times.
         Where they would take the memory past the capacity (or ``max_buckets``), the oldest buckets
         go first, theirs included, down to three quarters of it."""
-        buckets = np.asarray(starts, dtype=np.int64) // BUCKET_NS
+        buckets = np.asarray(ends, dtype=np.int64) // BUCKET_NS
         incoming = dict(zip(*(part.tolist() for part in np.unique(buckets[buckets >= self.horizon],
                                                                       return_counts=True)), strict=True))
         if (len(self._table) + sum(incoming.values()) > self.capacity
@@ -163,10 +171,10 @@ class SpanKeys:
     def add_batch(self, batch: Columns) -> None:
         """Record the spans of a batch just committed."""
         if batch.spans:
-            self.add(batch.keys, batch.tables["spans"].column("start_ns").to_numpy())
+            self.add(batch.keys, batch.tables["spans"].column("end_ns").to_numpy())
 
     def _known(self, hashes: np.ndarray) -> np.ndarray:
-        """Mask of the hashes held (whatever their start: a span before the horizon is doubted anyway)."""
+        """Mask of the hashes held (whatever their end: a span before the horizon is doubted anyway)."""
         return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool)
 
 

@@ -124,3 +124,74 @@ def test_the_memory_drops_old_buckets_before_a_batch_would_pass_the_capacity():
     keys.add(_keys(300, 8), np.full(300, BASE_NS + BUCKET_NS))  # 1,200 > 1,000: the older bucket goes first
     assert len(keys) == 300 and keys.horizon == BASE_NS // BUCKET_NS + 1
     assert keys._table.nbytes <= (1000 * 4 // 3 + 1) * 12
+
+
+def _json_batch(first: int, count: int, start_ns: int, end_ns: int):
+    """Parsed OTLP/JSON spans ``first`` .. ``first + count - 1``, ids from their number."""
+    from tokentrace.collector.ingest import parse
+    from tokentrace.collector.otlp import JSON, Encoding
+
+    spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "llm.request",
+              "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(end_ns + i)}
+             for i in range(first, first + count)]
+    body = {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": spans}]}]}
+    data = json.dumps(body).encode()
+    return parse(data, Encoding("json", JSON), None, len(data), 65_536)
+
+
+def test_a_long_request_ending_now_needs_no_store_lookup():
+    """Spans of a request that ran for minutes, exported as it ends, arrive with a start time far
+    behind the memory's horizon (at 100k spans/s the capacity holds ~40 s). The memory keeps spans
+    by end time, so those are judged from memory alone; by start time, every batch holding one went
+    to the store (2.3 ms a lookup on a store of 10M spans, on the writer thread)."""
+    keys, asked = SpanKeys(capacity=1000), []
+    ends = BASE_NS + np.arange(1200, dtype=np.int64) * (MINUTE_NS // 1200)
+    for at in range(0, 1200, 100):  # a minute of short spans, recorded batch by batch
+        keys.add(_keys(100, 10 + at), ends[at:at + 100])
+    assert keys.horizon > BASE_NS // BUCKET_NS + 1
+    long_ones = _json_batch(5000, 3, start_ns=BASE_NS - 5 * MINUTE_NS, end_ns=int(ends[-1]))
+
+    def stored(starts, traces):
+        asked.append(traces)
+        return set()
+
+    assert keys.fresh(long_ones, stored).all() and asked == []
+    late = _json_batch(6000, 2, start_ns=BASE_NS - 5 * MINUTE_NS, end_ns=BASE_NS)  # ended before the horizon
+    assert keys.fresh(late, stored).all() and len(asked) == 1  # looked up: it may be stored already
+
+
+def test_a_store_drops_the_resend_of_a_long_span_and_remembers_it_after_a_restart(tmp_path):
+    """On a real DuckDB store with a small memory: a span that started long before the horizon and
+    ended after it is written without a lookup, its resend is dropped from memory, and after a
+    restart (the memory filled from the store by end time) its resend is dropped again."""
+    from tokentrace.collector.store_duckdb import DuckDBStore
+
+    path = tmp_path / "long.duckdb"
+    store = DuckDBStore(path)
+    lookups = []
+    try:
+        store._keys = SpanKeys(capacity=1000)
+        looked_up = store._stored_keys
+        store._stored_keys = lambda starts, traces: lookups.append(len(traces)) or looked_up(starts, traces)
+        for minute_part in range(12):  # 1,200 short spans over a minute: the horizon moves up
+            at = BASE_NS + minute_part * (MINUTE_NS // 12)
+            assert store.write(_json_batch(minute_part * 100, 100, at, at + 1000))
+        assert store._keys.horizon > BASE_NS // BUCKET_NS + 1
+        end = BASE_NS + MINUTE_NS
+        long_span = _json_batch(9000, 1, start_ns=BASE_NS - 5 * MINUTE_NS, end_ns=end)
+        assert store.write(long_span) and long_span.spans == 1 and lookups == []
+        resent = _json_batch(9000, 1, start_ns=BASE_NS - 5 * MINUTE_NS, end_ns=end)
+        store.write(resent)
+        assert resent.spans == 0 and resent.duplicates == 1  # in memory, confirmed by its lookup
+    finally:
+        store.close()
+    store = DuckDBStore(path)
+    try:
+        assert store._keys._known(_json_batch(9000, 1, BASE_NS - 5 * MINUTE_NS, end).keys).all()
+        again = _json_batch(9000, 1, start_ns=BASE_NS - 5 * MINUTE_NS, end_ns=end)
+        store.write(again)
+        assert again.spans == 0 and again.duplicates == 1
+        [(count,)] = store._con.execute("SELECT count(*) FROM spans WHERE span_id = ?", [f"{9001:016x}"]).fetchall()
+        assert count == 1
+    finally:
+        store.close()
