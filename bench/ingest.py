@@ -85,7 +85,7 @@ def in_time_order(bodies: list) -> list:
     Every chunk's workload starts at the same instant (synth.Workload's clock), so chunk after
     chunk replayed the same two minutes of span times again and again: past the writer's memory of
     span keys (collector/once.py, 4M spans) every later span was late data, looked up in the store
-    (a 60 s run fell to 9-10k spans/s there). Interleaved, batches arrive in the order of their
+    (a 90 s run fell to 9.5-9.9k spans/s past 4M spans). Interleaved, batches arrive in the order of their
     times, as the spans of many engines running at once do."""
     chunks = [bodies[at:at + _CHUNK] for at in range(0, len(bodies), _CHUNK)]
     return [chunk[i] for i in range(_CHUNK) for chunk in chunks if i < len(chunk)]

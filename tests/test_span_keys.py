@@ -20,6 +20,19 @@ def _keys(count: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2**64, count, dtype=np.uint64)
 
 
+def _json_batch(first: int, count: int, start_ns: int, end_ns: int):
+    """Parsed OTLP/JSON spans ``first`` .. ``first + count - 1``, ids from their number."""
+    from tokentrace.collector.ingest import parse
+    from tokentrace.collector.otlp import JSON, Encoding
+
+    spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "work",
+              "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(end_ns + i)}
+             for i in range(first, first + count)]
+    body = {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": spans}]}]}
+    data = json.dumps(body).encode()
+    return parse(data, Encoding("json", JSON), None, len(data), 65_536)
+
+
 def test_key_table_agrees_with_a_set_through_growth_and_drops():
     rng = random.Random(7)
     table, model = KeyTable(), {}
@@ -81,29 +94,17 @@ def test_start_times_spread_over_years_keep_the_buckets_bounded():
     assert keys._known(_keys(1000, 3)[-48:]).all()  # is older than the horizon
 
 
-def test_fresh_looks_up_only_what_memory_cannot_rule_out(tmp_path):
-    from tokentrace.collector.columns import Columns
-    from tokentrace.collector.ingest import parse
-    from tokentrace.collector.otlp import JSON, Encoding
-
-    def batch(first: int, count: int, start_ns: int) -> Columns:
-        spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "work",
-                  "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(start_ns + i + 1000)}
-                 for i in range(first, first + count)]
-        body = {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": spans}]}]}
-        data = json.dumps(body).encode()
-        return parse(data, Encoding("json", JSON), None, len(data), 65_536)
-
+def test_fresh_looks_up_only_what_memory_cannot_rule_out():
     keys, asked = SpanKeys(), []
 
     def stored(starts, traces):
         asked.append(len(traces))
         return {(f"{i:032x}", f"{i:016x}") for i in range(1, 11)}  # the first ten are stored
 
-    first = batch(0, 10, BASE_NS)
+    first = _json_batch(0, 10, BASE_NS, BASE_NS + 1000)
     assert keys.fresh(first, stored).all() and not asked  # nothing held: new, no lookup
     keys.add_batch(first)
-    again = batch(5, 10, BASE_NS)  # five resent, five new
+    again = _json_batch(5, 10, BASE_NS, BASE_NS + 1000)  # five resent, five new
     assert list(keys.fresh(again, stored)) == [False] * 5 + [True] * 5
     assert asked == [5]  # only the five that memory holds were looked up
     assert len(keys) == 10 and list(key_hashes([f"{1:032x}"], [f"{1:016x}"])) == [first.keys[0]]
@@ -124,19 +125,6 @@ def test_the_memory_drops_old_buckets_before_a_batch_would_pass_the_capacity():
     keys.add(_keys(300, 8), np.full(300, BASE_NS + BUCKET_NS))  # 1,200 > 1,000: the older bucket goes first
     assert len(keys) == 300 and keys.horizon == BASE_NS // BUCKET_NS + 1
     assert keys._table.nbytes <= (1000 * 4 // 3 + 1) * 12
-
-
-def _json_batch(first: int, count: int, start_ns: int, end_ns: int):
-    """Parsed OTLP/JSON spans ``first`` .. ``first + count - 1``, ids from their number."""
-    from tokentrace.collector.ingest import parse
-    from tokentrace.collector.otlp import JSON, Encoding
-
-    spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "llm.request",
-              "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(end_ns + i)}
-             for i in range(first, first + count)]
-    body = {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": spans}]}]}
-    data = json.dumps(body).encode()
-    return parse(data, Encoding("json", JSON), None, len(data), 65_536)
 
 
 def test_a_long_request_ending_now_needs_no_store_lookup():
@@ -162,8 +150,8 @@ def test_a_long_request_ending_now_needs_no_store_lookup():
 
 def test_a_store_drops_the_resend_of_a_long_span_and_remembers_it_after_a_restart(tmp_path):
     """On a real DuckDB store with a small memory: a span that started long before the horizon and
-    ended after it is written without a lookup, its resend is dropped from memory, and after a
-    restart (the memory filled from the store by end time) its resend is dropped again."""
+    ended after it is written without a lookup, its resend is recognised (remembered, then confirmed
+    in the store) and dropped, and so is it after a restart (the memory refilled by end time)."""
     from tokentrace.collector.store_duckdb import DuckDBStore
 
     path = tmp_path / "long.duckdb"
