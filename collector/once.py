@@ -12,16 +12,25 @@ Finding out cheaply which spans are stored (``SpanKeys``): a B-tree or ART index
 characters per span costs more than the rest of the write (measured with DuckDB 1.x on this
 machine: 55k keys/s with a primary key, and 1.8 s per batch of 10k known keys through ON CONFLICT).
 A resent span has the span's own end time, so the collector keeps, in memory, a 64-bit hash of the
-key of every stored span that ended after a horizon, with the 10-second bucket of its end time,
-in a hash table in C (collector/spankeys.c: 12 bytes a slot, at most 3/4 of the slots used, 64 MiB
-for ``capacity`` spans; before a batch would pass the capacity, the oldest buckets are dropped down
-to three quarters of it). Then:
+key of every stored span that ended after a horizon, with the 10-second bucket of its end time and
+the low 32 bits of that end time as a check, in a hash table in C (collector/spankeys.c: 16 bytes a
+slot, at most 3/4 of the slots used, 85 MiB for ``capacity`` spans; before a batch would pass the
+capacity, the oldest buckets are dropped down to three quarters of it). Then:
 
 - a span ending after the horizon whose hash is not in memory is new: no query at all (the
   common case);
-- a span whose hash is in memory, or that ends before the horizon (late data, an old spool file),
-  is looked up in the store by its trace id and exact start time (named query ``span_keys``),
-  and compared by its full ids: a hash collision never drops a span.
+- a span whose hash is in memory with its check is stored already: dropped, no query (a resend);
+- a span whose hash is in memory with another check, or that ends before the horizon and is not
+  remembered (late data, an old spool file), is looked up in the store by its trace id and exact
+  start time (named query ``span_keys``), and compared by its full ids.
+
+A new span is taken for a stored one only if its 64-bit hash equals a remembered span's (with 4M
+remembered, about once in 2**64 / 4M = 4e12 new spans) and its end time agrees with that span's in
+the low 32 bits of its nanoseconds as well (with clocks of nanosecond resolution, once in 2e22; a
+clock of millisecond resolution leaves 26 of those bits). Trace ids are random, so nobody can aim a
+collision at another sender's spans. The store was asked for every remembered hash before (issue 17):
+a sender that resent stored batches cost the writer ~150 us a span, and every other sender waited
+on it (bench/resend.py: 69k new spans/s alone, 17k beside one sender resending 4k spans/s).
 
 At start the memory is filled from the store's newest minutes (named queries ``span_key_minutes``
 and ``span_keys_since``), so a resend after a restart is recognised too. Spans repeated within one
@@ -55,7 +64,7 @@ MINUTE_NS = 60_000_000_000
 #: Start times are kept by bucket of this many nanoseconds (a divisor of a minute).
 BUCKET_NS = 10_000_000_000
 _PER_MINUTE = MINUTE_NS // BUCKET_NS
-#: Spans held at most: 64 MiB of slots when full (4M keys in 5.3M slots of 12 bytes).
+#: Spans held at most: 85 MiB of slots when full (4M keys in 5.3M slots of 16 bytes).
 DEFAULT_CAPACITY = 4_000_000
 #: Buckets held at most (end times spread over years by a sender's clock): the oldest go first.
 MAX_BUCKETS = 65_536
@@ -63,6 +72,8 @@ MAX_BUCKETS = 65_536
 LOOKUP_SPANS = 2_000
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9))
 
+#: KeyTable.match: the hash is held with the span's check (stored), or with another one (ask the store).
+_REMEMBERED, _OTHER_CHECK = 1, 2
 #: (start times, trace ids) -> the (trace id, span id) pairs stored with those.
 Lookup = Callable[[list[int], list[str]], set[tuple[str, str]]]
 
@@ -117,10 +128,12 @@ class SpanKeys:
         if not batch.spans:
             return np.zeros(0, dtype=bool)
         spans = batch.tables["spans"]
-        hashes, starts = batch.keys, spans.column("start_ns").to_numpy()
+        hashes, starts, ends = batch.keys, spans.column("start_ns").to_numpy(), spans.column("end_ns").to_numpy()
         keep = _first_of_each(hashes, spans)
-        ended = spans.column("end_ns").to_numpy() // BUCKET_NS
-        doubt = keep & (self._known(hashes) | (ended < self.horizon))
+        held = np.frombuffer(self._table.match(np.ascontiguousarray(hashes, dtype=np.uint64), _checks(ends)),
+                             dtype=np.uint8)
+        keep &= held != _REMEMBERED
+        doubt = keep & ((held == _OTHER_CHECK) | (ends // BUCKET_NS < self.horizon))
         if not doubt.any():
             return keep
         traces = spans.column("trace_id").to_pylist()
@@ -144,13 +157,14 @@ class SpanKeys:
         if (len(self._table) + sum(incoming.values()) > self.capacity
                 or len(self._counts.keys() | incoming.keys()) > self.max_buckets):
             self._drop_oldest(incoming)
+        checks = _checks(ends)
         kept = buckets >= self.horizon
         if not kept.all():
-            hashes, buckets = hashes[kept], buckets[kept]
+            hashes, buckets, checks = hashes[kept], buckets[kept], checks[kept]
         if not len(hashes):
             return
         added = np.frombuffer(self._table.add(np.ascontiguousarray(hashes, dtype=np.uint64),
-                                              buckets.astype(np.int32)), dtype=bool)
+                                              buckets.astype(np.int32), checks), dtype=bool)
         for bucket, count in zip(*np.unique(buckets[added], return_counts=True), strict=True):
             self._counts[int(bucket)] = self._counts.get(int(bucket), 0) + int(count)
 
@@ -174,8 +188,14 @@ class SpanKeys:
             self.add(batch.keys, batch.tables["spans"].column("end_ns").to_numpy())
 
     def _known(self, hashes: np.ndarray) -> np.ndarray:
-        """Mask of the hashes held (whatever their end: a span before the horizon is doubted anyway)."""
+        """Mask of the hashes held, whatever their bucket and check."""
         return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool)
+
+
+def _checks(ends: np.ndarray) -> np.ndarray:
+    """The check kept beside each key hash: the low 32 bits of the span's end time."""
+    return np.ascontiguousarray(np.asarray(ends, dtype=np.int64).astype(np.uint64) & np.uint64(0xFFFFFFFF),
+                                dtype=np.uint32)
 
 
 def _first_of_each(hashes: np.ndarray, spans) -> np.ndarray:

@@ -1,6 +1,6 @@
 /* The writer's memory of stored span keys: 64-bit key hashes, each with the time bucket of its
- * span's start, in one open-addressing hash table (collector/once.py explains what is kept and
- * why).
+ * span's end and a 32-bit check (the low bits of its end time), in one open-addressing hash table
+ * (collector/once.py explains what is kept and why).
  *
  * It replaces sorted numpy arrays per minute of start time, which were folded (re-sorted whole)
  * every ninth batch: at a sustained 60k spans/s all of a minute's keys were sorted again and again,
@@ -8,10 +8,10 @@
  * dropping every key of the buckets before a horizon rebuilds the table once (the caller drops a
  * quarter of the capacity at a time, so each key is moved a bounded number of times).
  *
- * Slots: the key (8 bytes) and its bucket (4 bytes); EMPTY in the bucket marks a free slot, so
- * every 64-bit key, 0 included, can be held. At most 3/4 of the slots are used, and the number of
- * slots is any number up to `max_slots` (a key's first slot is its hash scaled to it), so that a
- * table for 4M keys takes 5.3M slots (64 MiB), not the 8M a power of two would.
+ * Slots: the key (8 bytes), its bucket (4) and its check (4); EMPTY in the bucket marks a free slot,
+ * so every 64-bit key, 0 included, can be held. At most 3/4 of the slots are used, and the number
+ * of slots is any number up to `max_slots` (a key's first slot is its hash scaled to it), so that a
+ * table for 4M keys takes 5.3M slots (85 MiB), not the 8M a power of two would.
  *
  * Buffers come in through the buffer protocol (numpy arrays), so nothing here knows numpy. Every
  * call holds the GIL: a table is the writer thread's, and a call never runs beside another.
@@ -30,6 +30,7 @@ typedef struct {
     PyObject_HEAD
     uint64_t *keys;
     int32_t *buckets;
+    uint32_t *checks;
     size_t slots;     /* any number: a key's first slot is its mixed hash scaled to it */
     size_t size;      /* keys held */
     size_t max_slots; /* the most slots the table may take (0: no limit) */
@@ -43,12 +44,23 @@ static inline size_t next_slot(size_t at, size_t slots) {
     return at + 1 == slots ? 0 : at + 1;
 }
 
+static void table_free(KeyTable *self) {
+    PyMem_RawFree(self->keys);
+    PyMem_RawFree(self->buckets);
+    PyMem_RawFree(self->checks);
+    self->keys = NULL;
+    self->buckets = NULL;
+    self->checks = NULL;
+}
+
 static int table_alloc(KeyTable *self, size_t slots) {
     uint64_t *keys = PyMem_RawMalloc(slots * sizeof *keys);
     int32_t *buckets = PyMem_RawMalloc(slots * sizeof *buckets);
-    if (keys == NULL || buckets == NULL) {
+    uint32_t *checks = PyMem_RawMalloc(slots * sizeof *checks);
+    if (keys == NULL || buckets == NULL || checks == NULL) {
         PyMem_RawFree(keys);
         PyMem_RawFree(buckets);
+        PyMem_RawFree(checks);
         PyErr_NoMemory();
         return -1;
     }
@@ -56,27 +68,29 @@ static int table_alloc(KeyTable *self, size_t slots) {
         buckets[i] = EMPTY;
     self->keys = keys;
     self->buckets = buckets;
+    self->checks = checks;
     self->slots = slots;
     self->size = 0;
     return 0;
 }
 
-/* 1 when the key is held. */
-static inline int table_has(const KeyTable *self, uint64_t key) {
+/* The slot holding the key, or -1. */
+static inline Py_ssize_t table_find(const KeyTable *self, uint64_t key) {
     for (size_t at = slot_of(key, self->slots);; at = next_slot(at, self->slots)) {
         if (self->buckets[at] == EMPTY)
-            return 0;
+            return -1;
         if (self->keys[at] == key)
-            return 1;
+            return (Py_ssize_t)at;
     }
 }
 
-/* Adds the key with its bucket; 1 when it was not held (a held key keeps its first bucket). */
-static inline int table_put(KeyTable *self, uint64_t key, int32_t bucket) {
+/* Adds the key with its bucket and check; 1 when it was not held (a held key keeps its first). */
+static inline int table_put(KeyTable *self, uint64_t key, int32_t bucket, uint32_t check) {
     for (size_t at = slot_of(key, self->slots);; at = next_slot(at, self->slots)) {
         if (self->buckets[at] == EMPTY) {
             self->keys[at] = key;
             self->buckets[at] = bucket;
+            self->checks[at] = check;
             self->size++;
             return 1;
         }
@@ -94,9 +108,8 @@ static int table_rebuild(KeyTable *self, size_t slots, int64_t from) {
     }
     for (size_t i = 0; i < old.slots; i++)
         if (old.buckets[i] != EMPTY && old.buckets[i] >= from)
-            table_put(self, old.keys[i], old.buckets[i]);
-    PyMem_RawFree(old.keys);
-    PyMem_RawFree(old.buckets);
+            table_put(self, old.keys[i], old.buckets[i], old.checks[i]);
+    table_free(&old);
     return 0;
 }
 
@@ -109,17 +122,13 @@ static int keytable_init(KeyTable *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "max_slots must be 0 (no limit) or more");
         return -1;
     }
-    PyMem_RawFree(self->keys);
-    PyMem_RawFree(self->buckets);
-    self->keys = NULL;
-    self->buckets = NULL;
+    table_free(self);
     self->max_slots = max_slots && (size_t)max_slots < MIN_SLOTS ? MIN_SLOTS : (size_t)max_slots;
     return table_alloc(self, MIN_SLOTS);
 }
 
 static void keytable_dealloc(KeyTable *self) {
-    PyMem_RawFree(self->keys);
-    PyMem_RawFree(self->buckets);
+    table_free(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -143,29 +152,69 @@ static PyObject *keytable_has(KeyTable *self, PyObject *arg) {
         char *mask = PyBytes_AS_STRING(out);
         const uint64_t *values = keys.buf;
         for (Py_ssize_t i = 0; i < count; i++)
-            mask[i] = (char)table_has(self, values[i]);
+            mask[i] = (char)(table_find(self, values[i]) >= 0);
     }
     PyBuffer_Release(&keys);
+    return out;
+}
+
+static PyObject *keytable_match(KeyTable *self, PyObject *args) {
+    if (!ready(self))
+        return NULL;
+    PyObject *objects[2];
+    if (!PyArg_ParseTuple(args, "OO", &objects[0], &objects[1]))
+        return NULL;
+    Py_buffer keys, checks;
+    if (get_buffer(objects[0], &keys, 8, "keys") < 0)
+        return NULL;
+    if (get_buffer(objects[1], &checks, 4, "checks") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t count = keys.len / 8;
+    if (checks.len / 4 != count) {
+        PyErr_SetString(PyExc_ValueError, "keys and checks must have as many items");
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, count);
+    if (out != NULL) {
+        char *found = PyBytes_AS_STRING(out);
+        const uint64_t *values = keys.buf;
+        const uint32_t *expected = checks.buf;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t at = table_find(self, values[i]);
+            found[i] = (char)(at < 0 ? 0 : self->checks[at] == expected[i] ? 1 : 2);
+        }
+    }
+done:
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&checks);
     return out;
 }
 
 static PyObject *keytable_add(KeyTable *self, PyObject *args) {
     if (!ready(self))
         return NULL;
-    PyObject *objects[2];
-    if (!PyArg_ParseTuple(args, "OO", &objects[0], &objects[1]))
+    PyObject *objects[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2]))
         return NULL;
-    Py_buffer keys, buckets;
+    Py_buffer keys, buckets, checks;
     if (get_buffer(objects[0], &keys, 8, "keys") < 0)
         return NULL;
     if (get_buffer(objects[1], &buckets, 4, "buckets") < 0) {
         PyBuffer_Release(&keys);
         return NULL;
     }
+    if (get_buffer(objects[2], &checks, 4, "checks") < 0) {
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&buckets);
+        return NULL;
+    }
     PyObject *out = NULL;
     Py_ssize_t count = keys.len / 8;
-    if (buckets.len / 4 != count) {
-        PyErr_SetString(PyExc_ValueError, "keys and buckets must have as many items");
+    if (buckets.len / 4 != count || checks.len / 4 != count) {
+        PyErr_SetString(PyExc_ValueError, "keys, buckets and checks must have as many items");
         goto done;
     }
     const int32_t *at = buckets.buf;
@@ -190,12 +239,14 @@ static PyObject *keytable_add(KeyTable *self, PyObject *args) {
     if (out != NULL) {
         char *added = PyBytes_AS_STRING(out);
         const uint64_t *values = keys.buf;
+        const uint32_t *check = checks.buf;
         for (Py_ssize_t i = 0; i < count; i++)
-            added[i] = (char)table_put(self, values[i], at[i]);
+            added[i] = (char)table_put(self, values[i], at[i], check[i]);
     }
 done:
     PyBuffer_Release(&keys);
     PyBuffer_Release(&buckets);
+    PyBuffer_Release(&checks);
     return out;
 }
 
@@ -223,13 +274,17 @@ static Py_ssize_t keytable_len(KeyTable *self) {
 
 static PyObject *keytable_nbytes(KeyTable *self, void *closure) {
     (void)closure;
-    return PyLong_FromSize_t(self->slots * (sizeof(uint64_t) + sizeof(int32_t)));
+    return PyLong_FromSize_t(self->slots * (sizeof(uint64_t) + sizeof(int32_t) + sizeof(uint32_t)));
 }
 
 static PyMethodDef keytable_methods[] = {
     {"has", (PyCFunction)keytable_has, METH_O, "has(keys: uint64 buffer) -> bytes: 1 for each key held."},
+    {"match", (PyCFunction)keytable_match, METH_VARARGS,
+     "match(keys: uint64 buffer, checks: uint32 buffer) -> bytes: for each key 0 (not held), 1 (held "
+     "with this check) or 2 (held with another check)."},
     {"add", (PyCFunction)keytable_add, METH_VARARGS,
-     "add(keys: uint64 buffer, buckets: int32 buffer) -> bytes: 1 for each key not held before."},
+     "add(keys: uint64 buffer, buckets: int32 buffer, checks: uint32 buffer) -> bytes: 1 for each key "
+     "not held before (a held key keeps its first bucket and check)."},
     {"drop_before", (PyCFunction)keytable_drop_before, METH_O,
      "drop_before(bucket: int) -> int: drop the keys of earlier buckets; how many were dropped."},
     {NULL, NULL, 0, NULL},
@@ -250,7 +305,7 @@ static PyTypeObject KeyTableType = {
     .tp_basicsize = sizeof(KeyTable),
     .tp_dealloc = (destructor)keytable_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "64-bit keys, each with an int32 bucket, in an open-addressing hash table.",
+    .tp_doc = "64-bit keys, each with an int32 bucket and a uint32 check, in an open-addressing hash table.",
     .tp_methods = keytable_methods,
     .tp_getset = keytable_getset,
     .tp_as_sequence = &keytable_sequence,
