@@ -158,66 +158,73 @@ static PyObject *keytable_has(KeyTable *self, PyObject *arg) {
     return out;
 }
 
+/* Takes the `count` buffer arguments of `args` (items of `sizes[i]` bytes, named for errors); on
+ * failure nothing is held. */
+static int take_buffers(PyObject *args, int count, Py_buffer *views, const int *sizes, const char *const *names) {
+    PyObject *objects[3] = {NULL, NULL, NULL};
+    if (!PyArg_UnpackTuple(args, "KeyTable", count, count, &objects[0], &objects[1], &objects[2]))
+        return -1;
+    for (int i = 0; i < count; i++) {
+        if (get_buffer(objects[i], &views[i], sizes[i], names[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_buffers(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 static PyObject *keytable_match(KeyTable *self, PyObject *args) {
     if (!ready(self))
         return NULL;
-    PyObject *objects[2];
-    if (!PyArg_ParseTuple(args, "OO", &objects[0], &objects[1]))
+    static const int sizes[] = {8, 4};
+    static const char *const names[] = {"keys", "checks"};
+    Py_buffer views[2];
+    if (take_buffers(args, 2, views, sizes, names) < 0)
         return NULL;
-    Py_buffer keys, checks;
-    if (get_buffer(objects[0], &keys, 8, "keys") < 0)
-        return NULL;
-    if (get_buffer(objects[1], &checks, 4, "checks") < 0) {
-        PyBuffer_Release(&keys);
-        return NULL;
-    }
+    Py_buffer *keys = &views[0], *checks = &views[1];
     PyObject *out = NULL;
-    Py_ssize_t count = keys.len / 8;
-    if (checks.len / 4 != count) {
+    Py_ssize_t count = keys->len / 8;
+    if (checks->len / 4 != count) {
         PyErr_SetString(PyExc_ValueError, "keys and checks must have as many items");
         goto done;
     }
     out = PyBytes_FromStringAndSize(NULL, count);
     if (out != NULL) {
         char *found = PyBytes_AS_STRING(out);
-        const uint64_t *values = keys.buf;
-        const uint32_t *expected = checks.buf;
+        const uint64_t *values = keys->buf;
+        const uint32_t *expected = checks->buf;
         for (Py_ssize_t i = 0; i < count; i++) {
             Py_ssize_t at = table_find(self, values[i]);
             found[i] = (char)(at < 0 ? 0 : self->checks[at] == expected[i] ? 1 : 2);
         }
     }
 done:
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&checks);
+    release_buffers(views, 2);
     return out;
 }
 
 static PyObject *keytable_add(KeyTable *self, PyObject *args) {
     if (!ready(self))
         return NULL;
-    PyObject *objects[3];
-    if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2]))
+    static const int sizes[] = {8, 4, 4};
+    static const char *const names[] = {"keys", "buckets", "checks"};
+    Py_buffer views[3];
+    if (take_buffers(args, 3, views, sizes, names) < 0)
         return NULL;
-    Py_buffer keys, buckets, checks;
-    if (get_buffer(objects[0], &keys, 8, "keys") < 0)
-        return NULL;
-    if (get_buffer(objects[1], &buckets, 4, "buckets") < 0) {
-        PyBuffer_Release(&keys);
-        return NULL;
-    }
-    if (get_buffer(objects[2], &checks, 4, "checks") < 0) {
-        PyBuffer_Release(&keys);
-        PyBuffer_Release(&buckets);
-        return NULL;
-    }
+    Py_buffer *keys = &views[0], *buckets = &views[1], *checks = &views[2];
     PyObject *out = NULL;
-    Py_ssize_t count = keys.len / 8;
-    if (buckets.len / 4 != count || checks.len / 4 != count) {
+    Py_ssize_t count = keys->len / 8;
+    if (buckets->len / 4 != count || checks->len / 4 != count) {
         PyErr_SetString(PyExc_ValueError, "keys, buckets and checks must have as many items");
         goto done;
     }
-    const int32_t *at = buckets.buf;
+    const int32_t *at = buckets->buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (at[i] == EMPTY) {
             PyErr_SetString(PyExc_ValueError, "a bucket of -2**31 is reserved");
@@ -238,15 +245,13 @@ static PyObject *keytable_add(KeyTable *self, PyObject *args) {
     out = PyBytes_FromStringAndSize(NULL, count);
     if (out != NULL) {
         char *added = PyBytes_AS_STRING(out);
-        const uint64_t *values = keys.buf;
-        const uint32_t *check = checks.buf;
+        const uint64_t *values = keys->buf;
+        const uint32_t *check = checks->buf;
         for (Py_ssize_t i = 0; i < count; i++)
             added[i] = (char)table_put(self, values[i], at[i], check[i]);
     }
 done:
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&buckets);
-    PyBuffer_Release(&checks);
+    release_buffers(views, 3);
     return out;
 }
 
