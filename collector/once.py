@@ -30,7 +30,8 @@ the low 32 bits of its nanoseconds as well (with clocks of nanosecond resolution
 clock of millisecond resolution leaves 26 of those bits). Trace ids are random, so nobody can aim a
 collision at another sender's spans. The store was asked for every remembered hash before (issue 17):
 a sender that resent stored batches cost the writer ~150 us a span, and every other sender waited
-on it (bench/resend.py: 69k new spans/s alone, 17k beside one sender resending 4k spans/s).
+on it (bench/resend.py: 22-32k new spans/s beside one sender resending 5.5-8.1k spans/s, against
+56-95k alone; 43-51k with the check).
 
 At start the memory is filled from the store's newest minutes (named queries ``span_key_minutes``
 and ``span_keys_since``), so a resend after a restart is recognised too. Spans repeated within one
@@ -61,7 +62,7 @@ from tokentrace.collector import _spankeys
 from tokentrace.collector.columns import Columns
 
 MINUTE_NS = 60_000_000_000
-#: Start times are kept by bucket of this many nanoseconds (a divisor of a minute).
+#: End times are kept by bucket of this many nanoseconds (a divisor of a minute).
 BUCKET_NS = 10_000_000_000
 _PER_MINUTE = MINUTE_NS // BUCKET_NS
 #: Spans held at most: 85 MiB of slots when full (4M keys in 5.3M slots of 16 bytes).
