@@ -42,17 +42,15 @@ ENV = "TOKENTRACE_FASTPATH"
 _OFF = {"0", "false", "no", "off"}
 
 
-class _Capsules:
-    """The Arrow PyCapsule protocol's producer side, for pyarrow to import a table or a schema."""
+class _SchemaCapsule:
+    """The Arrow PyCapsule protocol's producer side, for pyarrow to import a schema (``unavailable``;
+    the decoder's arrays are imported by address with these schemas, ``imported``)."""
 
-    def __init__(self, schema, array=None):
-        self._schema, self._array = schema, array
+    def __init__(self, schema):
+        self._schema = schema
 
     def __arrow_c_schema__(self):
         return self._schema
-
-    def __arrow_c_array__(self, requested_schema=None):
-        return self._schema, self._array
 
 
 @cache
@@ -69,7 +67,7 @@ def unavailable() -> str | None:
     legacy = (*v.LEGACY_USAGE, *v.LATENCY_TO_CONTRACT_MS)  # what vllm.names.with_both_names rewrites
     _fastotlp.configure(c, tuple(sorted(normalize.EXPANDED)), legacy, c.LIFECYCLE_EVENTS, tuple(sorted(fallback)))
     for name, capsule in _fastotlp.schemas():
-        exported = pa.schema(_Capsules(capsule))
+        exported = pa.schema(_SchemaCapsule(capsule))
         if not exported.equals(SCHEMAS[name]):
             return f"the decoder's {name} columns are {exported}, not those of tables.py"
     return None

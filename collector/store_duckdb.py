@@ -70,9 +70,11 @@ def _libraries() -> None:
 CHECKPOINT_THRESHOLD = "256MB"
 #: Rows per row group of the tables a store writes (DuckDB's default: 122,880). Merge CPU per engine
 #: span over 2.76M spans under the collector's memory bound (issue 17): 9.8-11.1 us at 122,880 rows,
-#: 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384; DuckDB's checkpoints were half of it. Likely
-#: why: a checkpoint compresses a table's last, partly filled row group again, whole, whenever rows
-#: were added to it, so a small table's row group was compressed many times before it filled.
+#: 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384; DuckDB's checkpoints were half of it. A
+#: merge's inserts that fill whole row groups are written (compressed) as they are inserted; a
+#: checkpoint compresses the rest (tables given fewer rows than a row group a merge) and merges the
+#: partial row groups merges leave: about 1.4 us a span over 5.5M spans, not growing with the store
+#: (docs/benchmarks.md, Issue 17, sixth round).
 #: Verdicts read fewer rows (finer min/max pruning): at 200k requests, slow p99 13.7 against 20.2 ms,
 #: cache 21.6 against 28.7, the file 342 against 401 bytes a span (bench/analyze.py).
 #: DuckDB takes it per attach, not from the file: a store written before keeps its row groups, and
