@@ -279,6 +279,8 @@ class DuckDBStore(NamedQueryReader):
         for version, name, sql in sqlfiles.migrations("duckdb"):
             if version in applied:
                 continue
+            if applied:  # a store written by an earlier version: some migrations rebuild a table (seconds)
+                log.info("store %s: applying %s", self.path, name)
             try:
                 con.execute("BEGIN")
                 con.execute(sql)

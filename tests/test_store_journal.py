@@ -1,7 +1,8 @@
 """The DuckDB store's write-ahead journal (collector/journal.py) and the packed layout's migration:
 an acknowledged batch survives a process that dies before merging it, exactly once; a record cut
 short by a crash is dropped and the rest appended; a store written by the previous layout
-(migrations up to 008) opens with the same rows and the same cache answers."""
+(migrations up to 008) opens with the same rows and the same cache answers; one written before 011
+keeps its spans, their attributes then compressed with zstd."""
 
 from __future__ import annotations
 
@@ -190,6 +191,46 @@ def test_the_packed_tables_are_what_the_old_names_expand(tmp_path, layout):
     assert 0 < lists < expanded
     store.close()
 
+
+
+def _attributes_compression(path: Path) -> set[str]:
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return {kind for (kind,) in con.execute(
+            "SELECT DISTINCT compression FROM pragma_storage_info('spans') "
+            "WHERE column_name = 'attributes' AND segment_type <> 'VALIDITY'").fetchall()}
+    finally:
+        con.close()
+
+
+def test_a_store_written_before_011_keeps_every_span_and_compresses_their_attributes_with_zstd(tmp_path):
+    """Migration 011 rebuilds spans with attributes USING COMPRESSION zstd (issue 17): rows kept,
+    old and new ones compressed that way."""
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name VARCHAR NOT NULL, "
+                "applied_ns BIGINT NOT NULL)")
+    for version, name, sql in sqlfiles.migrations("duckdb"):
+        if version <= 10:
+            con.execute(sql)
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", [version, name])
+    old_rows = _golden_batch().expanded("spans")
+    con.executemany(f"INSERT INTO spans VALUES ({', '.join('?' * len(old_rows[0]))})", old_rows)
+    con.execute("CHECKPOINT")
+    spans = con.execute("SELECT * FROM spans ORDER BY ALL").fetchall()
+    con.close()
+    assert "ZSTD" not in _attributes_compression(path)  # what the previous layout chose
+    store = DuckDBStore(path)
+    assert store._cursor().execute("SELECT * FROM spans ORDER BY ALL").fetchall() == spans
+    store.write(_golden_batch(offset_s=60))
+    assert store.counts()["spans"] == 2 * len(spans)
+    store.close()  # checkpoints
+    assert _attributes_compression(path) == {"ZSTD"}
+    fresh = tmp_path / "new.duckdb"
+    store = DuckDBStore(fresh)
+    store.write(_golden_batch())
+    store.close()
+    assert _attributes_compression(fresh) == {"ZSTD"}
 
 def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
     from tokentrace.collector import journal
