@@ -12,7 +12,6 @@ the reset. docs/metrics.md lists every series, its labels and where it comes fro
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import threading
@@ -133,34 +132,34 @@ class Histogram:
 #: Columns of a queued request (tuples, in this order): the requests row and its category.
 _ROW = (*_REQUEST_COLUMNS, "category")
 _AT = {name: i for i, name in enumerate(_ROW)}
+#: Requests of each instance kept as candidates for the slowness baseline (its latest by start).
+HISTORY_KEEP = 4 * BASELINE_LIMIT
 
 
 class _History:
-    """Recent requests of one instance ordered by start (``_ROW`` tuples): the slowness baseline's
-    candidates."""
+    """Recent requests of one instance ordered by start (a frame of ``_ROW`` columns): the slowness
+    baseline's candidates. A frame, not Python rows: a fold adds thousands of requests a second."""
 
-    def __init__(self, keep: int = 4 * BASELINE_LIMIT):
-        self.starts: list[int] = []
-        self.rows: list[tuple] = []
+    def __init__(self, keep: int = HISTORY_KEEP):
+        self.frame: pl.DataFrame | None = None
         self.keep = keep
 
-    def add(self, row: tuple) -> None:
-        start = row[_AT["start_ns"]]
-        at = bisect.bisect_right(self.starts, start)
-        self.starts.insert(at, start)
-        self.rows.insert(at, row)
-        if len(self.rows) > self.keep:
-            del self.starts[0], self.rows[0]
+    def extend(self, rows: pl.DataFrame) -> None:
+        """Add rows (in arrival order): the ``keep`` latest by start stay, an earlier arrival first
+        among equal starts (so an equal start of a later arrival outlasts it)."""
+        joined = rows if self.frame is None else pl.concat([self.frame, rows], how="vertical_relaxed")
+        self.frame = joined.sort("start_ns", maintain_order=True).tail(self.keep)
 
     def before(self, row: dict) -> pl.DataFrame:
         """baseline.sql over what is held: same instance, the window before, successful, newest first."""
-        lo = bisect.bisect_left(self.starts, row["start_ns"] - BASELINE_WINDOW_NS)
-        hi = bisect.bisect_left(self.starts, row["start_ns"])
-        rid, status = _AT["request_id"], _AT["http_status"]
-        picked = [r for r in reversed(self.rows[lo:hi]) if r[rid] != row["request_id"]
-                  and (r[status] is None or r[status] < 400)][:BASELINE_LIMIT]
-        return pl.DataFrame(picked, schema=list(_ROW), orient="row", infer_schema_length=None) if picked \
-            else pl.DataFrame()
+        if self.frame is None:
+            return pl.DataFrame()
+        start = pl.col("start_ns")
+        picked = self.frame.filter(
+            (start >= row["start_ns"] - BASELINE_WINDOW_NS) & (start < row["start_ns"])
+            & pl.col("request_id").ne_missing(row["request_id"])
+            & (pl.col("http_status").is_null() | (pl.col("http_status") < 400))).reverse().head(BASELINE_LIMIT)
+        return picked if picked.height else pl.DataFrame()
 
 
 class MetricsState:
@@ -349,8 +348,9 @@ class MetricsState:
         flat = pc.list_flatten(offsets).to_numpy()
         # An unknown instance is labelled "unknown" either way (``_labels``).
         codes = pc.dictionary_encode(pc.fill_null(packed.column("instance_id").combine_chunks(), ""))
+        indices = codes.indices.to_numpy(zero_copy_only=False)
         for code, instance in enumerate(codes.dictionary.to_pylist()):
-            rows = (codes.indices.to_numpy(zero_copy_only=False) == code) & (lengths > 1)
+            rows = (indices == code) & (lengths > 1)
             if not rows.any():
                 continue
             gaps = np.diff(flat[np.repeat(rows, lengths)])
@@ -382,12 +382,16 @@ class MetricsState:
         for instance, model, category in frame.select("instance_id", "model", "category").unique().iter_rows():
             # Present at 0 from the first request of a category on, as a client library's counter is.
             self.counters[("tokentrace_abnormal_requests", self._labels(instance, model, category=category))] += 0
-        for row in frame.select(*_ROW).rows():
-            self._history[row[_AT["instance_id"]]].add(row)
-            if len(self._verdicts) >= self._max_verdicts:
-                self.counters[("tokentrace_verdicts_skipped", ())] += 1
-                continue
-            self._verdicts.append(row)
+        # Only what the queue has room for is made into Python rows; the rest are counted as skipped
+        # at once. A Python step per request (history and queue) took 0.40 instead of 0.14 us of
+        # fold CPU an engine span, the whole fold 1.11 instead of 0.85 (9k requests/s at 75k spans/s).
+        rows = frame.select(*_ROW)
+        for (instance,), part in rows.partition_by("instance_id", as_dict=True, maintain_order=True).items():
+            self._history[instance].extend(part)
+        room = max(0, self._max_verdicts - len(self._verdicts))
+        self._verdicts.extend(rows.head(room).rows())
+        if rows.height > room:
+            self.counters[("tokentrace_verdicts_skipped", ())] += rows.height - room
         self._wake.notify_all()
 
     # -- verdict thread ------------------------------------------------------------------------
