@@ -384,7 +384,8 @@ class MetricsState:
             self.counters[("tokentrace_abnormal_requests", self._labels(instance, model, category=category))] += 0
         # Only what the queue has room for is made into Python rows; the rest are counted as skipped
         # at once. A Python step per request (history and queue) took 0.40 instead of 0.14 us of
-        # fold CPU an engine span, the whole fold 1.11 instead of 0.85 (9k requests/s at 75k spans/s).
+        # fold CPU an engine span, the whole fold 1.11 instead of 0.85 (docs/benchmarks.md, Issue 17,
+        # seventh round).
         rows = frame.select(*_ROW)
         for (instance,), part in rows.partition_by("instance_id", as_dict=True, maintain_order=True).items():
             self._history[instance].extend(part)

@@ -192,7 +192,6 @@ def test_the_packed_tables_are_what_the_old_names_expand(tmp_path, layout):
     store.close()
 
 
-
 def _attributes_compression(path: Path) -> set[str]:
     con = duckdb.connect(str(path), read_only=True)
     try:
@@ -231,6 +230,7 @@ def test_a_store_written_before_011_keeps_every_span_and_compresses_their_attrib
     store.write(_golden_batch())
     store.close()
     assert _attributes_compression(fresh) == {"ZSTD"}
+
 
 def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
     from tokentrace.collector import journal

@@ -1,7 +1,7 @@
 -- spans.attributes compressed with zstd instead of the dictionary + FSST compression DuckDB picks
 -- for it (issue 17). Engine spans' attribute objects are long and seldom repeat whole, so a
--- dictionary gains little, and analysing each row group for it was a fifth of what appending a
--- span to this table cost: appending 414k engine spans took 2.18 instead of 1.68 us of CPU a span,
+-- dictionary gains little, and compressing them that way was a fifth of what appending a span to
+-- this table cost: appending 414k engine spans took 2.18 instead of 1.68 us of CPU a span,
 -- and the table took 96 instead of 69 bytes a span (docs/benchmarks.md, Issue 17, seventh round).
 -- DuckDB sets a column's compression only when its table is created: a store written before is
 -- rebuilt here once when a collector opens it (3.9 s for 1.38M engine spans), and needs room for
