@@ -122,16 +122,22 @@ def test_a_merge_that_fails_keeps_the_batch_and_the_store_says_so(tmp_path):
     store.close()
 
 
-def _old_layout(path: Path, rows: list[tuple], decode: list[tuple]) -> None:
-    """A store as the previous layout wrote it: migrations 001-008, expanded block and token rows,
-    and prefix_sightings as its writer kept it (the first row of each hash, instance and source)."""
+def _migrated_to(path: Path, last: int) -> duckdb.DuckDBPyConnection:
+    """A store file as an earlier version created it: the migrations up to ``last`` applied."""
     con = duckdb.connect(str(path))
     con.execute("CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name VARCHAR NOT NULL, "
                 "applied_ns BIGINT NOT NULL)")
     for version, name, sql in sqlfiles.migrations("duckdb"):
-        if version <= 8:
+        if version <= last:
             con.execute(sql)
             con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", [version, name])
+    return con
+
+
+def _old_layout(path: Path, rows: list[tuple], decode: list[tuple]) -> None:
+    """A store as the previous layout wrote it: migrations 001-008, expanded block and token rows,
+    and prefix_sightings as its writer kept it (the first row of each hash, instance and source)."""
+    con = _migrated_to(path, 8)
     for rid, instance, t_ns, source, fingerprint, hashes in rows:
         con.executemany("INSERT INTO prefix_blocks VALUES (?, ?, ?, ?, ?, ?, ?)",
                         [(rid, instance, t_ns, source, index, value, fingerprint)
@@ -206,13 +212,7 @@ def test_a_store_written_before_011_keeps_every_span_and_compresses_their_attrib
     """Migration 011 rebuilds spans with attributes USING COMPRESSION zstd (issue 17): rows kept,
     old and new ones compressed that way."""
     path = tmp_path / "old.duckdb"
-    con = duckdb.connect(str(path))
-    con.execute("CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name VARCHAR NOT NULL, "
-                "applied_ns BIGINT NOT NULL)")
-    for version, name, sql in sqlfiles.migrations("duckdb"):
-        if version <= 10:
-            con.execute(sql)
-            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", [version, name])
+    con = _migrated_to(path, 10)
     old_rows = _golden_batch().expanded("spans")
     con.executemany(f"INSERT INTO spans VALUES ({', '.join('?' * len(old_rows[0]))})", old_rows)
     con.execute("CHECKPOINT")
