@@ -197,7 +197,8 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
     return acked[0], time.perf_counter() - start, latencies, exports, refused[0], errors[0]
 
 
-def _percentile(values: list[float], share: float) -> float:
+def percentile(values: list[float], share: float) -> float:
+    """The value at ``share`` of the sorted ``values`` (seconds), in milliseconds (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))] * 1000 if ordered else float("nan")
 
@@ -241,9 +242,9 @@ def main() -> int:
           f"{stored:,} spans in the store)")
     print(f"tables:    {stored / (elapsed + lag):,.0f} spans/s into the tables (everything stored, over the run and "
           "the time until the last acknowledged span was in them)")
-    print(f"latency:   p50 {_percentile(latencies, 0.5):.1f} ms, p99 {_percentile(latencies, 0.99):.1f} ms a request "
+    print(f"latency:   p50 {percentile(latencies, 0.5):.1f} ms, p99 {percentile(latencies, 0.99):.1f} ms a request "
           f"at {args.senders} senders; an export, from its first attempt to its acknowledgement: "
-          f"p50 {_percentile(exports, 0.5):.1f} ms, p99 {_percentile(exports, 0.99):.1f} ms")
+          f"p50 {percentile(exports, 0.5):.1f} ms, p99 {percentile(exports, 0.99):.1f} ms")
     print(f"ceiling:   {ceiling:,.0f} spans/s (parse + journal + merge: one thread and the merge thread, no HTTP)")
     print(f"ratio:     {rate / ceiling:.0%} of the raw ceiling")
     if cpu_before is not None and cpu_after is not None and acked:

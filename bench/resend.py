@@ -13,7 +13,6 @@ resent spans/s, and the collector's duplicate count, which must equal the resent
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import threading
@@ -23,11 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness_collector import CollectorProcess
-from ingest import drive, make_bodies
-
-
-def _p99(latencies: list[float]) -> float:
-    return statistics.quantiles(latencies, n=100)[98] * 1000 if len(latencies) >= 2 else float("nan")
+from ingest import drive, make_bodies, percentile
 
 
 def phase(port: int, fresh: list, stored: list, seconds: float, resending: bool) -> tuple:
@@ -40,7 +35,7 @@ def phase(port: int, fresh: list, stored: list, seconds: float, resending: bool)
     new, elapsed, latencies, _, refused, errors = drive(port, fresh, 4, seconds, 1_000_000)
     if resending:
         thread.join()
-    return new / elapsed, _p99(latencies), refused, errors, resent[0][0] if resent else 0
+    return new / elapsed, percentile(latencies, 0.99), refused, errors, resent[0][0] if resent else 0
 
 
 def main() -> int:
