@@ -17,6 +17,21 @@ Writer guarantees (ClickHouse has no multi-table transactions; compare store.py'
       (kept for the last 1000 inserts of each table), so a batch resent after a crash mid-batch
       finds the tables inserted before the crash and the server drops those blocks. The writer
       gives this store one request per write (``group_writes``), so a resend is the same blocks.
+    - A deduplication token can outlive the part it names: a non-replicated MergeTree records the
+      token in its deduplication log before it commits the part, so a crash between the two leaves
+      a token whose rows are gone, and a resend's INSERT with it is dropped while its summary still
+      counts the rows written. For ``spans``, which decide what counts as stored:
+        - on chdb the crash is this process's (chdb runs in it, and one process holds a data
+          directory), so the ``spans`` token also carries an id drawn when the store opens: a
+          token logged before a crash is never used after it, and a resend of spans committed
+          before it is left out by the span check above, token or not;
+        - on a server, which can crash and restart while collectors keep running, ``write`` asks
+          the store for the batch's span keys once the ``spans`` INSERT returned (named query
+          ``span_keys``, one query per ``LOOKUP_SPANS`` spans) and inserts the missing ones again
+          without deduplication.
+      The other tables keep tokens that hold across restarts (a resend must not repeat the rows a
+      crash mid-batch left), so the rows of the one table whose INSERT was in flight at such a
+      crash can still be missing after a resend: not every table has a key to check them by.
     - Spool files are also known by their sha256: a file whose sha256 is in ``spool_files`` is
       skipped, and the ``spool_files`` row goes in after every table.
     - Durability is the server's: an INSERT returns after its part is written, not fsynced
@@ -28,6 +43,8 @@ Writer guarantees (ClickHouse has no multi-table transactions; compare store.py'
 from __future__ import annotations
 
 import hashlib
+import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +64,7 @@ from tokentrace.collector.store import NamedQueryReader, SpoolRecord, as_columns
 from tokentrace.collector.tables import PACKED, TABLES
 from tokentrace.errors import StoreError
 
+log = logging.getLogger("tokentrace.collector")
 #: Insert order: ``requests`` next to last, so that a request visible to readers has all its rows;
 #: ``spans`` last, so that a span counts as stored (once.py) only once every row it made is in.
 WRITE_ORDER = (*(t for t in TABLES if t not in ("requests", "spans")), "requests", "spans")
@@ -113,6 +131,9 @@ class ClickHouseStore(NamedQueryReader):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._queries = sqlfiles.NamedQueries("clickhouse", "ClickHouse")
+        #: The end of the ``spans`` deduplication tokens: an id of this open on chdb, nothing on a
+        #: server (module docstring).
+        self._life = f":{secrets.token_hex(8)}" if target.path is not None else ""
         try:
             admin = self._track(target.client(None))
             admin.command("CREATE DATABASE IF NOT EXISTS {db:Identifier}", parameters={"db": target.database})
@@ -210,8 +231,11 @@ class ClickHouseStore(NamedQueryReader):
                 data = self._table(columns, table)
                 if data is None:
                     continue
-                settings["insert_deduplication_token"] = f"once:{digest}:{table}"
+                settings["insert_deduplication_token"] = f"once:{digest}:{table}" + (
+                    self._life if table == "spans" else "")
                 self._writer.insert_arrow(table, data, settings=settings)
+            if not self._life:  # a server
+                self._confirm_spans(columns)
             if spool is not None:
                 self._writer.insert("spool_files", [(spool.sha256, spool.name, in_file, time.time_ns())],
                                     column_names=["sha256", "name", "spans", "ingested_ns"])
@@ -224,6 +248,36 @@ class ClickHouseStore(NamedQueryReader):
         if on_stored is not None:
             on_stored()
         return True
+
+    def _confirm_spans(self, columns: Columns) -> None:
+        """Insert again, without deduplication, the spans of ``columns`` that a server does not
+        return after their INSERT: a deduplication token left by a part lost in a crash dropped
+        them (module docstring). StoreError if they are still missing then."""
+        spans = columns.tables.get("spans")
+        if spans is None or not spans.num_rows:
+            return
+        missing = self._missing_spans(spans)
+        if not len(missing):
+            return
+        log.warning("%s dropped %d of %d spans as already inserted, but does not hold them (a part lost in a "
+                    "crash after its deduplication token was logged): inserting them again",
+                    self.path, len(missing), spans.num_rows)
+        self._writer.insert_arrow("spans", self._table(columns, "spans").take(missing),
+                                  settings={**_INSERT_SETTINGS, "insert_deduplicate": 0})
+        still = self._missing_spans(spans)
+        if len(still):
+            raise StoreError(f"{self.path} does not return {len(still)} spans of a batch after inserting them twice")
+
+    def _missing_spans(self, spans: pa.Table) -> np.ndarray:
+        """Indices of the rows of ``spans`` whose keys the store does not return."""
+        traces, ids = spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist()
+        starts = spans.column("start_ns").to_pylist()
+        missing = []
+        for at in range(0, len(traces), once.LOOKUP_SPANS):
+            part = range(at, min(at + once.LOOKUP_SPANS, len(traces)))
+            found = self._stored_keys(sorted({starts[i] for i in part}), sorted({traces[i] for i in part}))
+            missing.extend(i for i in part if (traces[i], ids[i]) not in found)
+        return np.array(missing, dtype=np.int64)
 
     def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
         rows = self.frame("span_keys", starts=starts, traces=traces)
