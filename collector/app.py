@@ -240,7 +240,7 @@ class Collector:
         self.store = store
         self.counters = Counters()
         self.pipeline = Pipeline(self.counters, config.max_body_bytes, config.max_attribute_length,
-                                 config.parse_workers)
+                                 config.parse_workers, config.decode_nice)
         self.queue: WriteQueue | None = None
         self.spool = None
         #: Read-side parts told of every committed batch (``observe(batch)``, ``close()``): /metrics.

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
@@ -108,6 +108,23 @@ def _start_worker(parent_pid: int) -> None:
     threading.Thread(target=exit_with_parent, name="tokentrace-parent-watch", daemon=True).start()
 
 
+#: Threads that decode the event loop's payloads: the decoder holds no GIL while it walks a body,
+#: so more threads than cores only queue; requests beyond them wait inside the memory bound.
+DECODE_THREADS = min(32, max(4, 2 * (os.cpu_count() or 1)))
+
+
+def lower_priority(by: int) -> None:
+    """Make the calling thread's scheduling priority ``by`` lower (nice higher, at most 19). Linux
+    keeps a nice per thread; elsewhere, or where the system refuses, the thread keeps the process's."""
+    if by <= 0:
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
+    except (OSError, AttributeError):  # macOS takes a thread id for no process; Windows has no setpriority
+        log.debug("could not lower the priority of a decoding thread", exc_info=True)
+
+
 class Pipeline:
     """Turns payloads into Columns, counting refusals: protobuf through the compiled decoder on a
     thread of this process, and what it leaves to the normalizer in worker processes when
@@ -119,28 +136,53 @@ class Pipeline:
     CPU-bound Python; in the collector's process it would share one core (the GIL) with HTTP and the
     writer, so worker processes give it the other cores. A worker that dies breaks its pool: the
     pool is rebuilt and the payload parsed in-process, so no request fails.
+
+    The event loop's payloads are decoded on threads of their own (``DECODE_THREADS``), ``nice``
+    higher than the collector by ``decode_nice`` (Linux: each thread has its own). The DuckDB
+    store appends acknowledged batches to its tables on one merge thread, the one stage that cannot
+    spread over cores; when it waited for a core behind the decoders, its backlog reached the memory
+    bound, every sender was refused for a second (503) and only the merge ran meanwhile. With the
+    decoders at +10 the merge gets a core first and they take the rest: 4-13 % more engine spans/s
+    into the tables and a third to two thirds fewer refusals; where the machine is short of CPU,
+    acknowledgements wait longer instead (p99 +18 ms; bench/ingest.py side by side,
+    docs/benchmarks.md, Issue 17, eighth round).
     """
 
-    def __init__(self, counters: Counters, max_body_bytes: int, max_value_length: int, workers: int = 0):
+    def __init__(self, counters: Counters, max_body_bytes: int, max_value_length: int, workers: int = 0,
+                 decode_nice: int = 0):
         self.counters = counters
         self.max_body_bytes = max_body_bytes
         self.max_value_length = max_value_length
         self.workers = workers
+        self.decode_nice = decode_nice
         self._pool: ProcessPoolExecutor | None = None
+        self._decoders: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the worker processes (none when ``workers`` is 0)."""
+        """Start the decoding threads' pool and the worker processes (none when ``workers`` is 0)."""
+        self._decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="tokentrace-decode",
+                                            initializer=lower_priority, initargs=(self.decode_nice,))
         if self.workers > 0:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start_worker, initargs=(os.getpid(),))
 
     def stop(self) -> None:
-        """Stop the workers after the payloads they hold."""
+        """Stop the workers and decoding threads after the payloads they hold."""
         with self._lock:
             pool, self._pool = self._pool, None
+            decoders, self._decoders = self._decoders, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=False)
+        if decoders is not None:
+            decoders.shutdown(wait=True, cancel_futures=False)
+
+    async def _decoding(self, function, *args):
+        """``function(*args)`` on a decoding thread (on the event loop's default threads before ``start``)."""
+        decoders = self._decoders
+        if decoders is None:
+            return await run_in_threadpool(function, *args)
+        return await asyncio.get_running_loop().run_in_executor(decoders, function, *args)
 
     def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
@@ -161,17 +203,17 @@ class Pipeline:
         """``batch`` for the event loop: the compiled decoder on a thread (it holds no GIL while it
         decodes), and what it leaves to the normalizer on a worker, or a thread without workers."""
         if self._pool is None:
-            return await run_in_threadpool(self.batch, body, encoding, content_encoding)
+            return await self._decoding(self.batch, body, encoding, content_encoding)
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         pool = self._pool
         with self._counting_refusals():
-            batch = await run_in_threadpool(self._fast, *args) if encoding.name == "protobuf" else None
+            batch = await self._decoding(self._fast, *args) if encoding.name == "protobuf" else None
             try:
                 if batch is None:
                     batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
             except BrokenProcessPool:
                 self._rebuild(pool)
-                batch = await run_in_threadpool(parse, *args, False)
+                batch = await self._decoding(parse, *args, False)
         return self._checked(batch)
 
     @staticmethod

@@ -118,6 +118,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("parse_workers", None, "TOKENTRACE_PARSE_WORKERS",
             "processes that normalize the payloads the compiled decoder leaves to Python (JSON, rare values); "
             "0 normalizes them in the collector (default: cores - 1, at most 4)", _non_negative),
+    Setting("decode_nice", 10, "TOKENTRACE_DECODE_NICE",
+            "how much lower than the collector's the scheduling priority of its payload-decoding threads is "
+            "(Linux nice, 0-19), so that the store's one merge thread gets a core first; 0 leaves them equal",
+            lambda text: _integer(text, "an integer from 0 to 19", 0, 19)),
     Setting("slo", None, "TOKENTRACE_SLO",
             "service-level objectives, e.g. ttft=2s,tpot=50ms;model=NAME:ttft=1s (docs/metrics.md)", _slo),
     Setting("log_level", "info", "TOKENTRACE_LOG_LEVEL", "debug, info, warning or error"),
@@ -142,6 +146,7 @@ class CollectorConfig:
     store_memory_bytes: int
     max_attribute_length: int
     parse_workers: int
+    decode_nice: int  #: nice added to the decoding threads' (ingest.Pipeline)
     slo: Any  #: analyzers.slo.SloSpec, or None
     log_level: str
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
+from pathlib import Path
 
 import golden
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from tokentrace.collector.normalize import EXPANDED, TABLES
@@ -112,6 +115,42 @@ def test_golden_trace_sent_by_the_sdk_lands_in_every_table(collector_factory):
     assert collector.sql("SELECT DISTINCT instance_id, host_name, engine, engine_version, model FROM resources") == [
         ("golden-1", "mac-mini-1", "mlx-lm", "0.32.2", "tiny-llama")]
 
+
+
+def _threads(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread of ``pid``: (nice, CPU ticks), from /proc/PID/task/TID/stat."""
+    out = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        out[int(stat.parent.name)] = (int(fields[16]), int(fields[11]) + int(fields[12]))  # nice; utime + stime
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread priorities are read from Linux's /proc")
+@pytest.mark.parametrize("nice", [7, 0])
+def test_payloads_are_decoded_on_threads_niced_by_decode_nice(collector_factory, nice):
+    """The store's merge thread gets a core before the decoders (ingest.Pipeline): the threads that
+    decode at ``--decode-nice`` above the collector's own priority, and they are the ones that work."""
+    collector = collector_factory("--decode-nice", str(nice)).start()
+    own = os.getpriority(os.PRIO_PROCESS, collector.proc.pid)
+    before = _threads(collector.proc.pid)
+    assert {niced for niced, _ in before.values()} == {own}
+    fixture = golden.load("golden_engine_trace.json")
+    bodies = [golden.encode(fixture, time.time_ns() - 10**10 + i * 10**6)[0] for i in range(60)]
+    for body in bodies:
+        assert collector.post(body, "application/x-protobuf").status_code == 200
+    after = _threads(collector.proc.pid)
+    lowered = {tid: ticks for tid, (niced, ticks) in after.items() if niced != own}
+    if nice:
+        assert lowered and {after[tid][0] for tid in lowered} == {own + nice}
+        assert not lowered.keys() & before.keys()  # threads of their own, started for the payloads
+        assert sum(lowered.values()) > 0  # and they decoded them
+    else:
+        assert not lowered
+    assert collector.health()["accepted_spans"] == 17 * len(bodies)
 
 def test_handwritten_json_and_its_protobuf_twin_store_the_same_rows(collector_factory):
     collector = collector_factory().start()
