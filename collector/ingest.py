@@ -143,7 +143,7 @@ class Pipeline:
     spread over cores; when it waited for a core behind the decoders, its backlog reached the memory
     bound, every sender was refused for a second (503) and only the merge ran meanwhile. With the
     decoders at +10 the merge gets a core first and they take the rest: 4-13 % more engine spans/s
-    into the tables and a third to two thirds fewer refusals; where the machine is short of CPU,
+    into the tables and fewer refusals in four pairs of five; where the machine is short of CPU,
     acknowledgements wait longer instead (p99 +18 ms; bench/ingest.py side by side,
     docs/benchmarks.md, Issue 17, eighth round).
     """

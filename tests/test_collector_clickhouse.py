@@ -163,6 +163,7 @@ def test_a_batch_whose_spans_part_was_lost_after_its_token_was_logged_is_stored_
     finally:
         restarted.close()
 
+
 def _split(fixture: dict) -> tuple[dict, dict]:
     """The golden trace as two exports: the request's spans, and the model load it waited on."""
     load = {"load", "resolve", "weights", "tok", "warm"}
