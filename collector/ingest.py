@@ -19,8 +19,6 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
-from starlette.concurrency import run_in_threadpool
-
 from tokentrace.collector import fastpath
 from tokentrace.collector.columns import Columns
 from tokentrace.collector.normalize import normalize
@@ -178,11 +176,8 @@ class Pipeline:
             decoders.shutdown(wait=True, cancel_futures=False)
 
     async def _decoding(self, function, *args):
-        """``function(*args)`` on a decoding thread (on the event loop's default threads before ``start``)."""
-        decoders = self._decoders
-        if decoders is None:
-            return await run_in_threadpool(function, *args)
-        return await asyncio.get_running_loop().run_in_executor(decoders, function, *args)
+        """``function(*args)`` on a decoding thread (the event loop's default executor before ``start``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._decoders, function, *args)
 
     def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
         """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""

@@ -131,7 +131,6 @@ class Histogram:
 
 #: Columns of a queued request (tuples, in this order): the requests row and its category.
 _ROW = (*_REQUEST_COLUMNS, "category")
-_AT = {name: i for i, name in enumerate(_ROW)}
 #: Requests of each instance kept as candidates for the slowness baseline (its latest by start).
 HISTORY_KEEP = 4 * BASELINE_LIMIT
 
