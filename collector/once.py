@@ -129,7 +129,7 @@ class SpanKeys:
         if not batch.spans:
             return np.zeros(0, dtype=bool)
         spans = batch.tables["spans"]
-        hashes, starts, ends = batch.keys, spans.column("start_ns").to_numpy(), spans.column("end_ns").to_numpy()
+        hashes, ends = batch.keys, spans.column("end_ns").to_numpy()
         keep = _first_of_each(hashes, spans)
         held = np.frombuffer(self._table.match(np.ascontiguousarray(hashes, dtype=np.uint64), _checks(ends)),
                              dtype=np.uint8)
@@ -137,15 +137,8 @@ class SpanKeys:
         doubt = keep & ((held == _OTHER_CHECK) | (ends // BUCKET_NS < self.horizon))
         if not doubt.any():
             return keep
-        traces = spans.column("trace_id").to_pylist()
-        ids = spans.column("span_id").to_pylist()
-        for where in np.array_split(np.flatnonzero(doubt), max(1, -(-int(doubt.sum()) // LOOKUP_SPANS))):
-            if not len(where):
-                continue
-            found = stored(sorted({int(starts[i]) for i in where}), sorted({traces[i] for i in where}))
-            for i in where:
-                if (traces[i], ids[i]) in found:
-                    keep[i] = False
+        asked = np.flatnonzero(doubt)
+        keep[asked[in_store(spans, asked, stored)]] = False
         return keep
 
     def add(self, hashes: np.ndarray, ends: np.ndarray) -> None:
@@ -191,6 +184,22 @@ class SpanKeys:
     def _known(self, hashes: np.ndarray) -> np.ndarray:
         """Mask of the hashes held, whatever their bucket and check."""
         return np.frombuffer(self._table.has(np.ascontiguousarray(hashes, dtype=np.uint64)), dtype=bool)
+
+
+def in_store(spans, rows: np.ndarray, stored: Lookup) -> np.ndarray:
+    """Mask over ``rows`` (indices into the Arrow table ``spans``) of the spans the store holds:
+    asked by their trace ids and exact start times, ``LOOKUP_SPANS`` spans a query, and compared by
+    their full ids."""
+    traces, ids = spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist()
+    starts = spans.column("start_ns").to_pylist()
+    held = np.zeros(len(rows), dtype=bool)
+    for part in np.array_split(np.arange(len(rows)), max(1, -(-len(rows) // LOOKUP_SPANS))):
+        if not len(part):
+            continue
+        chosen = rows[part]
+        found = stored(sorted({starts[i] for i in chosen}), sorted({traces[i] for i in chosen}))
+        held[part] = [(traces[i], ids[i]) in found for i in chosen]
+    return held
 
 
 def _checks(ends: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ Writer guarantees (ClickHouse has no multi-table transactions; compare store.py'
           before it is left out by the span check above, token or not;
         - on a server, which can crash and restart while collectors keep running, ``write`` asks
           the store for the batch's span keys once the ``spans`` INSERT returned (named query
-          ``span_keys``, one query per ``LOOKUP_SPANS`` spans) and inserts the missing ones again
+          ``span_keys``, ``once.in_store``) and inserts the missing ones again
           without deduplication.
       The other tables keep tokens that hold across restarts (a resend must not repeat the rows a
       crash mid-batch left), so the rows of the one table whose INSERT was in flight at such a
@@ -270,14 +270,8 @@ class ClickHouseStore(NamedQueryReader):
 
     def _missing_spans(self, spans: pa.Table) -> np.ndarray:
         """Indices of the rows of ``spans`` whose keys the store does not return."""
-        traces, ids = spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist()
-        starts = spans.column("start_ns").to_pylist()
-        missing = []
-        for at in range(0, len(traces), once.LOOKUP_SPANS):
-            part = range(at, min(at + once.LOOKUP_SPANS, len(traces)))
-            found = self._stored_keys(sorted({starts[i] for i in part}), sorted({traces[i] for i in part}))
-            missing.extend(i for i in part if (traces[i], ids[i]) not in found)
-        return np.array(missing, dtype=np.int64)
+        rows = np.arange(spans.num_rows)
+        return rows[~once.in_store(spans, rows, self._stored_keys)]
 
     def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
         rows = self.frame("span_keys", starts=starts, traces=traces)
