@@ -111,9 +111,10 @@ class GatewayProcess(Process):
         return httpx.get(self.url + "/health", headers=self.headers, timeout=10).json()
 
     def chat(self, messages: list[dict], request_id: str, session: str | None = None, stream: bool = True,
-             max_tokens: int = 8, **fields) -> dict:
+             max_tokens: int = 8, on_first=None, **fields) -> dict:
         """One chat request; returns what the client saw: status, headers, text, usage, and the
-        client's own TTFT (first content chunk) and e2e in ms."""
+        client's own TTFT (first content chunk) and e2e in ms. ``on_first`` (streamed only) is called
+        when the first content chunk arrives, while the rest is still on its way."""
         headers = {"X-Request-Id": request_id, **({"X-Session-Id": session} if session else {})}
         body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "stream": stream, **fields}
         start = time.perf_counter()
@@ -137,6 +138,8 @@ class GatewayProcess(Process):
                         text += piece
                         if first is None:
                             first = (time.perf_counter() - start) * 1e3
+                            if on_first is not None:
+                                on_first()
         return {"status": response.status_code, "headers": response.headers, "text": text, "usage": usage,
                 "events": events, "ttft_ms": first, "e2e_ms": (time.perf_counter() - start) * 1e3}
 

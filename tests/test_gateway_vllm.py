@@ -83,14 +83,21 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
         ok.append(gateway.chat(edited, "v-edited", model=MODEL))
         tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": first,
                                                       "add_generation_prompt": True}, timeout=30).json()["tokens"]
-        burst = [None] * 3
+        # The burst overlaps by construction, not by thread timing: v-burst-0 streams 512 tokens (seconds
+        # on this CPU) and the other two are sent once its first token has arrived, so it holds the
+        # gateway's one slot while they arrive. Three threads started together were once served one by
+        # one in CI: vLLM's CPU threads spinning on both cores can starve the client for a whole request.
+        burst, streaming = [None] * 3, threading.Event()
 
         def one(i: int) -> None:
-            burst[i] = gateway.chat(conversation(40 + i), f"v-burst-{i}", model=MODEL, max_tokens=64,
-                                    ignore_eos=True)
+            burst[i] = gateway.chat(conversation(40 + i), f"v-burst-{i}", model=MODEL,
+                                    max_tokens=512 if i == 0 else 64, ignore_eos=True,
+                                    on_first=streaming.set if i == 0 else None)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        for thread in threads:
+        threads[0].start()
+        assert streaming.wait(120), "v-burst-0 streamed no token"
+        for thread in threads[1:]:
             thread.start()
         for thread in threads:
             thread.join()
