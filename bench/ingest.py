@@ -215,7 +215,8 @@ def main() -> int:
                         help="engine: the shim's spans (arrays of offsets and hashes); light: small generic spans")
     args = parser.parse_args()
 
-    print(f"generating {args.distinct_batches} batches of ~{args.spans_per_batch} {args.shape} spans ...")
+    print(f"{args.distinct_batches} batches of ~{args.spans_per_batch} {args.shape} spans "
+          "(generated, or read from .cache/ where an earlier run left them) ...")
     bodies = make_bodies(args.distinct_batches, args.spans_per_batch, args.shape)
     mean_bytes = statistics.mean(len(b) for b, _ in bodies)
     print(f"  {sum(s for _, s in bodies)} spans, {mean_bytes / 1024:.0f} KiB per batch")
