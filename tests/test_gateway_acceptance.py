@@ -169,15 +169,15 @@ def test_ttft_and_e2e_agree_with_the_client_and_responses_pass_through(gateway, 
     assert asked["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0, "asked-for usage is delivered"
     rows = [verdict(collector, f"tm-{i}")["slow"]["breakdown_ms"] for i in range(8)]
     # Signed gaps, client minus gateway. The gateway reads the first token before relaying it, so its TTFT
-    # can never exceed the client's; a busy machine (CI once saw gaps of 4-41 ms mid-suite) only ever
+    # can never exceed the client's; a busy machine (a full local run once saw gaps of 1.5-41 ms) only ever
     # delays what the client sees, so an error of the gateway's clocks, which is the same for every
     # request, shows in the smallest gap, while the median says only how busy the machine was.
     ttft = [c["ttft_ms"] - row["ttft"] for row, c in zip(rows, client, strict=True) if c["ttft_ms"]]
-    e2e = [c["e2e_ms"] - row["e2e"] for row, c in zip(rows, client, strict=True)]
+    e2e = [abs(c["e2e_ms"] - row["e2e"]) for row, c in zip(rows, client, strict=True)]
     assert len(ttft) >= 4
     assert min(ttft) >= -0.5, f"the gateway's TTFT ends after the client saw the token: {ttft}"
     assert min(ttft) <= 5.0 and statistics.median(ttft) <= 50.0, ttft
-    assert min(abs(gap) for gap in e2e) <= 5.0 and statistics.median(abs(gap) for gap in e2e) <= 50.0, e2e
+    assert min(e2e) <= 5.0 and statistics.median(e2e) <= 50.0, e2e
     plain_row = verdict(collector, "tm-plain")["slow"]["breakdown_ms"]
     assert plain_row["ttft"] is None, "a non-streamed answer has no first-token time"
 
