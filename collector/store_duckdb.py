@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,10 +117,18 @@ def _cursor_of(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
 def disk_free(path: str) -> int | None:
     """Bytes an unprivileged writer may still use on the file system of ``path`` (None: unknown)."""
     try:
-        stat = os.statvfs(Path(path).resolve().parent)
+        stat = os.statvfs(_directory(path))
     except OSError:
         return None
     return stat.f_bavail * stat.f_frsize
+
+
+@lru_cache(maxsize=64)
+def _directory(path: str) -> Path:
+    """The directory of the file ``path`` names, links followed: found once per path, not for every
+    write (``Path.resolve``, an lstat per part of the path, was 6 % of the writer thread under load;
+    py-spy, docs/benchmarks.md, Issue 17, tenth round)."""
+    return Path(path).resolve().parent
 def _polars_type(duckdb_type: str) -> pl.DataType | None:
     """The polars dtype of a DuckDB result type; None for types left to polars' inference."""
     if duckdb_type.endswith("[]"):

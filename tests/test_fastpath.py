@@ -271,6 +271,21 @@ def test_decoded_columns_travel_as_bytes():
     assert pa.concat_tables([got.tables["spans"], got.tables["spans"]]).num_rows == 2 * got.spans and arrow
 
 
+def test_a_group_of_batches_counts_the_bytes_its_parts_counted():
+    """The writer's group (Columns.concat) takes its byte count from its parts' counts, which the
+    decoding threads made; it equals a count of the group's own buffers, and a part counted
+    before it was changed is counted again."""
+    rng = random.Random(SEED + 3)
+    parts = [taken(engine_request(rng, requests=n, odd=False).SerializeToString()) for n in (3, 40, 1)]
+    counted = [part.nbytes for part in parts]
+    group = Columns.concat(parts)
+    recount = sum(rows.get_total_buffer_size() for rows in group.tables.values())
+    assert group.nbytes == sum(counted) == recount
+    changed = parts[1].select(np.arange(parts[1].spans) % 2 == 0)  # a new set of tables, not counted yet
+    group = Columns.concat([parts[0], changed])
+    assert group.nbytes == sum(rows.get_total_buffer_size() for rows in group.tables.values()) < recount
+
+
 def test_threads_decoding_at_once_get_what_one_thread_gets():
     """The decoder holds no GIL while it walks a body (collector/ingest.py decodes on several threads
     of the collector's process): bodies decoded by twelve threads at once, each many times, equal
