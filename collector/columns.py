@@ -58,11 +58,13 @@ class Columns:
     problems: list[str] = field(default_factory=list)  #: first few reasons, for the response message
     rejected_by: Counter = field(default_factory=Counter)  #: refused spans by reason
     left_out: Counter = field(default_factory=Counter)  #: typed values left out (span kept), by reason
-    #: What each part of this batch was parsed from, while it holds exactly those rows: (kind,
-    #: max_value_length, bytes), kind "columns" (``to_bytes``) or an OTLP encoding ("protobuf",
-    #: "json") of a payload that parses to them. The store journals these instead of the columns
-    #: (collector/journal.py): no second serialization, and a protobuf payload is half the bytes.
-    sources: list[tuple[str, int, bytes]] | None = field(default=None, repr=False, compare=False)
+    #: What each part of this batch was parsed from, in span order: (kind, max_value_length, bytes,
+    #: spans), kind "columns" (``to_bytes``) or an OTLP encoding ("protobuf", "json") of a payload
+    #: that parses to exactly the rows of those ``spans`` spans; bytes None where a part has no such
+    #: form (built in Python, or some of its spans left out): its rows are serialized when journaled
+    #: (``journal_pieces``). The store journals these instead of the columns (collector/journal.py):
+    #: no second serialization, and a protobuf payload is half the bytes.
+    sources: list[tuple[str, int, bytes | None, int]] | None = field(default=None, repr=False, compare=False)
     _nbytes: tuple | None = field(default=None, repr=False, compare=False)
 
     # --- reading ----------------------------------------------------------------------------------
@@ -121,7 +123,40 @@ class Columns:
                 tables[name] = rows.filter(pa.array(mask))
                 origin[name] = renumber[self.origin[name][mask]].astype(np.int32)
         return Columns(tables, origin, self.keys[keep], int(keep.sum()), self.rejected, self.truncated,
-                       self.duplicates, self.problems, self.rejected_by, self.left_out)
+                       self.duplicates, self.problems, self.rejected_by, self.left_out,
+                       _kept_sources(self.sources, keep))
+
+    def journal_pieces(self) -> list[tuple[str, int, bytes]]:
+        """(kind, max_value_length, bytes) of each part, as the journal holds them: a part's payload
+        where it has one, and the rows of each run of parts without one as ``to_bytes`` (without
+        span indexes and key hashes: the journal's reader makes them again). A batch of parts from
+        several senders (the writer's groups) keeps the payloads of those that have one."""
+        sources = self.sources
+        if sources is None or sum(source[3] for source in sources) != self.spans:
+            sources = [("columns", 0, None, self.spans)]
+        pieces: list[tuple[str, int, bytes]] = []
+        at, run = 0, None  # run: the first span of parts without a form, not yet serialized
+        for kind, limit, data, spans in sources:
+            if data is None:
+                run = at if run is None else run
+            else:
+                if run is not None:
+                    pieces.append(self._rows_of(run, at))
+                    run = None
+                pieces.append((kind, limit, data))
+            at += spans
+        if run is not None or not pieces:
+            pieces.append(self._rows_of(run or 0, at))
+        return pieces
+
+    def _rows_of(self, start: int, stop: int) -> tuple[str, int, bytes]:
+        """The rows of spans ``start`` to ``stop`` as a journal piece of kind "columns"."""
+        part = self
+        if (start, stop) != (0, self.spans):
+            mask = np.zeros(self.spans, dtype=bool)
+            mask[start:stop] = True
+            part = self.select(mask)
+        return ("columns", 0, part.to_bytes(with_origin=False))
 
     @classmethod
     def concat(cls, parts: list[Columns]) -> Columns:
@@ -129,8 +164,8 @@ class Columns:
         if len(parts) == 1:
             return parts[0]
         out = cls(keys=np.concatenate([part.keys for part in parts]) if parts else np.zeros(0, np.uint64))
-        if parts and all(part.sources is not None for part in parts):
-            out.sources = [source for part in parts for source in part.sources]
+        if any(part.sources is not None for part in parts):
+            out.sources = [source for part in parts for source in (part.sources or [("columns", 0, None, part.spans)])]
         offset = 0
         for name in TABLES:
             chosen = [(part, offset_of) for part, offset_of in zip(parts, _offsets(parts), strict=True)
@@ -188,7 +223,7 @@ class Columns:
         out = cls(spans=header["spans"], rejected=header["rejected"], truncated=header["truncated"],
                   problems=header["problems"], rejected_by=Counter(header["rejected_by"]),
                   left_out=Counter(header["left_out"]))
-        out.sources = [("columns", 0, data)]
+        out.sources = [("columns", 0, data, header["spans"])]
         buffer = pa.py_buffer(data)
         for name, length in header["tables"]:
             rows = ipc.open_stream(buffer.slice(at, length)).read_all()
@@ -217,3 +252,20 @@ def arrow_table(name: str, rows: list[tuple]) -> pa.Table:
     # From lists, not the tuples zip gives: pyarrow converts a list 1.1-2.7 times as fast (measured).
     arrays = [pa.array(list(column), type=f.type) for column, f in zip(columns, schema, strict=True)]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _kept_sources(sources: list | None, keep: np.ndarray) -> list | None:
+    """``sources`` for the spans of the mask ``keep``: a part whose spans all stay keeps its form,
+    one that lost some has none (its rows are serialized when journaled), one that lost all is gone."""
+    if sources is None or sum(source[3] for source in sources) != len(keep):
+        return None
+    kept, at = [], 0
+    for kind, limit, data, spans in sources:
+        left = int(keep[at:at + spans].sum())
+        if left == spans:
+            kept.append((kind, limit, data, spans))
+        elif left:
+            kept.append(("columns", 0, None, left))
+        at += spans
+    return kept
+

@@ -180,8 +180,8 @@ def _call(callback: Callable[[], None] | None) -> None:
 
 def _record(columns: Columns, spool: SpoolRecord | None) -> list[bytes]:
     """A journal record, in pieces: the spool file it came from (if any) and what each part of the
-    batch was parsed from (Columns.sources: its OTLP payload, or its columns as bytes)."""
-    parts = columns.sources or [("columns", 0, columns.to_bytes(with_origin=False))]
+    batch was parsed from (Columns.journal_pieces: its OTLP payloads, and its other rows as bytes)."""
+    parts = columns.journal_pieces()
     head = json.dumps({"spool": None if spool is None else [spool.sha256, spool.name],
                        "parts": [[kind, limit, len(data)] for kind, limit, data in parts]}).encode()
     return [struct.pack("<I", len(head)), head, *(data for _, _, data in parts)]

@@ -196,8 +196,9 @@ class MetricsState:
         # next scrape, outside the receiver's byte budget (issue 11 item 3).
         batch = as_columns(batch)
         kept = {name: batch.tables[name] for name in (*_FOLDED, "decode_steps") if name in batch.tables}
-        if any(kind == "columns" for kind, _, _ in batch.sources or ()):  # its tables share one buffer,
-            # which a slice kept here would keep whole
+        # A part read back from bytes (Columns.from_bytes): its tables share one buffer, which a
+        # slice kept here would keep whole.
+        if any(kind == "columns" and data is not None for kind, _, data, _ in batch.sources or ()):
             kept = {name: table.take(np.arange(table.num_rows)) for name, table in kept.items()}
         self._last_write = time.monotonic()
         with self._inbox:

@@ -38,13 +38,15 @@ def _counts(path: Path) -> dict[str, int]:
         store.close()
 
 
-def _parsed_batch(offset_s: int = 0):
+def _parsed_batch(offset_s: int = 0, body: bytes | None = None):
     """The golden trace as the collector's parse stage gives it: decoded, with the payload it came
-    from (Columns.sources), which the journal then holds instead of the columns."""
+    from (Columns.sources), which the journal then holds instead of the columns (``body``: that
+    payload, to decode a body again as a resend)."""
     from tokentrace.collector.ingest import Counters, Pipeline
     from tokentrace.collector.otlp import PROTOBUF, Encoding
 
-    body, _ = golden.encode(golden.load("golden_engine_trace.json"), BASE + offset_s * 1_000_000_000)
+    if body is None:
+        body, _ = golden.encode(golden.load("golden_engine_trace.json"), BASE + offset_s * 1_000_000_000)
     batch = Pipeline(Counters(), 1 << 24, 65_536).batch(body, Encoding("protobuf", PROTOBUF))
     assert batch.sources and batch.sources[0][0] == "protobuf"
     return batch
@@ -330,3 +332,85 @@ def test_a_store_opens_while_its_journaled_batches_cannot_be_appended_and_append
         reopened.probe()
     finally:
         reopened.close()
+
+
+def _pieces(record) -> list[tuple[str, bytes]]:
+    """(kind, bytes) of each piece of a journal record (store_duckdb._record)."""
+    import json
+    import struct
+
+    (size,) = struct.unpack_from("<I", record)
+    at, pieces = 4 + size, []
+    for kind, _limit, length in json.loads(bytes(record[4:4 + size]))["parts"]:
+        pieces.append((kind, bytes(record[at:at + length])))
+        at += length
+    return pieces
+
+
+def _span_ids(columns) -> list[tuple[str, str]]:
+    spans = columns.tables["spans"]
+    return sorted(zip(spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist(), strict=True))
+
+
+def test_a_group_journals_the_payloads_of_its_parts_beside_a_resend_and_a_batch_built_in_python(tmp_path):
+    """The writer groups batches of several senders into one write. The journal holds each part's
+    OTLP payload where it has one: a resent batch (its spans left out as stored) or a batch built in
+    Python in the same group used to make the whole group's rows be serialized as columns instead
+    (issue 17, tenth round). Read back, the record gives the rows written, and the store appends
+    each span once."""
+    import threading
+
+    from tokentrace.collector import journal
+    from tokentrace.collector.columns import Columns
+    from tokentrace.collector.store import as_columns
+    from tokentrace.collector.store_duckdb import _read_record
+
+    path = tmp_path / "s.duckdb"
+    store = DuckDBStore(path)
+    real, release = store._journal._merge, threading.Event()
+    store._journal._merge = lambda entries: (release.wait(60), real(entries))[1]  # held until read
+    try:
+        sent = _parsed_batch(0)
+        assert store.write(sent)
+        resent = _parsed_batch(body=sent.sources[0][2])  # the same payload again: its spans are stored
+        parts = [_parsed_batch(10), resent, as_columns(_golden_batch(20)), _parsed_batch(30)]
+        group = Columns.concat(parts)
+        assert store.write(group)
+        assert group.duplicates == resent.spans
+        records = [bytes(data) for _, data in journal.Log(tmp_path / "s.duckdb.journal").records_after(0)]
+    finally:
+        release.set()
+        store.close()
+    assert [kind for kind, _ in _pieces(records[0])] == ["protobuf"]
+    pieces = _pieces(records[1])
+    assert [kind for kind, _ in pieces] == ["protobuf", "columns", "protobuf"]
+    assert pieces[0][1] == parts[0].sources[0][2] and pieces[2][1] == parts[3].sources[0][2]
+    replayed, _ = _read_record(memoryview(records[1]))
+    assert _span_ids(replayed) == _span_ids(group)
+    one = len(_golden_batch().expanded("spans"))
+    assert _counts(path)["spans"] == 4 * one
+
+
+def test_a_part_that_lost_some_spans_is_journaled_as_the_rows_it_kept():
+    """A part of a group some of whose spans are left out has no payload that parses to its rows:
+    those rows are journaled as columns, the other parts as their payloads, and the record reads
+    back as the rows kept, in their order."""
+    import numpy as np
+
+    from tokentrace.collector.columns import Columns
+    from tokentrace.collector.store_duckdb import _read_record, _record
+
+    first, second, third = _parsed_batch(0), _parsed_batch(10), _parsed_batch(20)
+    group = Columns.concat([first, second, third])
+    keep = np.ones(group.spans, dtype=bool)
+    keep[first.spans:first.spans + second.spans:2] = False  # every other span of the second part
+    kept = group.select(keep)
+    assert [(kind, data is None, spans) for kind, _, data, spans in kept.sources] == [
+        ("protobuf", False, first.spans), ("columns", True, second.spans // 2), ("protobuf", False, third.spans)]
+    record = b"".join(_record(kept, None))
+    assert [kind for kind, _ in _pieces(record)] == ["protobuf", "columns", "protobuf"]
+    replayed, _ = _read_record(memoryview(record))
+    assert replayed.spans == kept.spans
+    for name, rows in kept.tables.items():
+        assert replayed.tables[name].equals(rows), name
+    assert [kind for kind, _ in _pieces(b"".join(_record(group.select(~keep), None)))] == ["columns"]
