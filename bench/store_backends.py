@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from ingest import percentile
 from synth import Workload
 
 from tokentrace.collector import sqlfiles, stores
@@ -141,11 +142,6 @@ def bulk_insert(store, copies: dict[str, pa.Table]) -> None:
             store._writer.insert_arrow(table, rows, settings={"insert_deduplicate": 0})
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def _param_names(name: str) -> list[str]:
     text = "\n".join(sqlfiles.statements(sqlfiles.read("duckdb", f"queries/{name}.sql")))
     return sorted(set(re.findall(r"\$([a-z_][a-z0-9_]*)", text)))
@@ -216,7 +212,7 @@ def collector_rate(seconds: float) -> dict[str, float]:
                 collector.stop()
             rates[backend] = acked / elapsed
             print(f"  {backend:7} collector: {rates[backend]:,.0f} spans/s acknowledged, p99 "
-                  f"{_percentile(latencies, 0.99) * 1e3:.0f} ms ({errors} errors)")
+                  f"{percentile(latencies, 0.99):.0f} ms ({errors} errors)")
     return rates
 
 
@@ -268,7 +264,7 @@ def main() -> int:
             timings = query_latency(opened, picks)
             print(f"latency at {spans:,} spans over {args.rounds} random requests, ms (p50 / p99):")
             for label, per_backend in timings.items():
-                cells = "   ".join(f"{b} {statistics.median(v) * 1e3:8.2f} / {_percentile(v, 0.99) * 1e3:8.2f}"
+                cells = "   ".join(f"{b} {statistics.median(v) * 1e3:8.2f} / {percentile(v, 0.99):8.2f}"
                                    for b, v in per_backend.items())
                 print(f"  {label:18} {cells}")
         finally:
