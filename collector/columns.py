@@ -268,4 +268,3 @@ def _kept_sources(sources: list | None, keep: np.ndarray) -> list | None:
             kept.append(("columns", 0, None, left))
         at += spans
     return kept
-

@@ -211,9 +211,12 @@ def _checks(ends: np.ndarray) -> np.ndarray:
 def _first_of_each(hashes: np.ndarray, spans) -> np.ndarray:
     """Mask of the first span of each key in a batch (hashes equal, ids compared exactly)."""
     keep = np.ones(len(hashes), dtype=bool)
-    _, first, counts = np.unique(hashes, return_index=True, return_counts=True)
-    if (counts == 1).all():
+    # A batch without repeats (the common one) needs a sort alone: 0.016 us a span, against 0.12
+    # for np.unique with indexes and counts (issue 17, tenth round).
+    ordered = np.sort(hashes)
+    if not (ordered[1:] == ordered[:-1]).any():
         return keep
+    _, first, counts = np.unique(hashes, return_index=True, return_counts=True)
     traces, ids = spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist()
     seen: set[tuple[str, str]] = set()
     repeated = np.isin(hashes, np.unique(hashes[first[counts > 1]]))

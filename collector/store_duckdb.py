@@ -129,6 +129,8 @@ def _directory(path: str) -> Path:
     write (``Path.resolve``, an lstat per part of the path, was 6 % of the writer thread under load;
     py-spy, docs/benchmarks.md, Issue 17, tenth round)."""
     return Path(path).resolve().parent
+
+
 def _polars_type(duckdb_type: str) -> pl.DataType | None:
     """The polars dtype of a DuckDB result type; None for types left to polars' inference."""
     if duckdb_type.endswith("[]"):
