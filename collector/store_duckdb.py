@@ -194,22 +194,31 @@ def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
     from tokentrace.collector.ingest import parse  # a journal left by a stopped collector: rare
     from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 
-    (size,) = struct.unpack_from("<I", data)
-    head = json.loads(bytes(data[4:4 + size]))
-    parts, at = [], 4 + size
-    for kind, limit, length in head["parts"]:
-        piece = data[at:at + length]
+    spool, pieces = _record_pieces(data)
+    parts = []
+    for kind, limit, piece in pieces:
         if kind == "columns":
             parts.append(Columns.from_bytes(piece))
         else:
             encoding = Encoding(kind, PROTOBUF if kind == "protobuf" else JSON)
-            parts.append(parse(bytes(piece), encoding, None, length, limit))
-        at += length
+            parts.append(parse(bytes(piece), encoding, None, len(piece), limit))
     columns = Columns.concat(parts)
     if columns.spans and len(columns.keys) != columns.spans:  # a part journaled as columns has no keys
         spans = columns.tables["spans"]
         columns.keys = once.key_hashes(spans.column("trace_id").to_pylist(), spans.column("span_id").to_pylist())
-    return columns, None if head["spool"] is None else SpoolRecord(*head["spool"])
+    return columns, None if spool is None else SpoolRecord(*spool)
+
+
+def _record_pieces(data: memoryview) -> tuple[list | None, list[tuple[str, int, memoryview]]]:
+    """The spool file named in a journal record (``_record``) and its pieces: (kind,
+    max_value_length, bytes)."""
+    (size,) = struct.unpack_from("<I", data)
+    head = json.loads(bytes(data[4:4 + size]))
+    pieces, at = [], 4 + size
+    for kind, limit, length in head["parts"]:
+        pieces.append((kind, limit, data[at:at + length]))
+        at += length
+    return head["spool"], pieces
 
 
 def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
@@ -421,8 +430,6 @@ class DuckDBStore(NamedQueryReader):
         return self._con.sql(sql, params=params).pl()
 
     def _stored_keys(self, starts: list[int], traces: list[str]) -> set[tuple[str, str]]:
-        if not starts or not traces:
-            return set()
         # Rows, not a polars frame: the frame cost ~3 ms a call whatever it held (a call per batch of
         # late spans on the writer thread).
         rows = self._con.execute(self._queries.text("span_keys"),

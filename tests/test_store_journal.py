@@ -336,17 +336,11 @@ def test_a_store_opens_while_its_journaled_batches_cannot_be_appended_and_append
         reopened.close()
 
 
-def _pieces(record) -> list[tuple[str, bytes]]:
+def _pieces(record: bytes) -> list[tuple[str, bytes]]:
     """(kind, bytes) of each piece of a journal record (store_duckdb._record)."""
-    import json
-    import struct
+    from tokentrace.collector.store_duckdb import _record_pieces
 
-    (size,) = struct.unpack_from("<I", record)
-    at, pieces = 4 + size, []
-    for kind, _limit, length in json.loads(bytes(record[4:4 + size]))["parts"]:
-        pieces.append((kind, bytes(record[at:at + length])))
-        at += length
-    return pieces
+    return [(kind, bytes(piece)) for kind, _limit, piece in _record_pieces(memoryview(record))[1]]
 
 
 def _span_ids(columns) -> list[tuple[str, str]]:
