@@ -37,6 +37,15 @@ static inline int wire_varint(reader_t *r, uint64_t *out) {
     return FALLBACK;
 }
 
+/* The low 7 bits of each of w's 8 bytes (the first one lowest), packed into 56 bits: the first 8
+ * bytes of a varint whose bytes all have the continuation bit. */
+static inline uint64_t varint_pack8(uint64_t w) {
+    w &= 0x7f7f7f7f7f7f7f7fULL;
+    w = (w & 0x007f007f007f007fULL) | ((w & 0x7f007f007f007f00ULL) >> 1);
+    w = (w & 0x00003fff00003fffULL) | ((w & 0x3fff00003fff0000ULL) >> 2);
+    return (w & 0x000000000fffffffULL) | ((w & 0x0fffffff00000000ULL) >> 4);
+}
+
 /* A field's tag. Field 0 and tags beyond 32 bits are malformed (upb: "invalid tag"). */
 static inline int wire_tag(reader_t *r, uint32_t *field, uint32_t *wire_type) {
     uint64_t tag;

@@ -338,3 +338,42 @@ def test_floats_are_written_as_pythons_repr_writes_them():
     assert len(finite) > 500_000
     wrong = [(repr(v), _fastotlp.repr_double(v)) for v in finite if _fastotlp.repr_double(v) != repr(v)]
     assert not wrong, wrong[:5]
+
+
+def _hashes_lookup(elements: list[bytes]) -> bytes:
+    """A cache lookup span whose block hashes are the AnyValue ``elements``, as encoded here."""
+    array = b"".join(b"\x0a" + varint(len(element)) + element for element in elements)
+    value = b"\x2a" + varint(len(array)) + array
+    key = c.CACHE_BLOCK_HASHES.encode()
+    pair = b"\x0a" + varint(len(key)) + key + b"\x12" + varint(len(value)) + value
+    request = one_span(c.SPAN_CACHE_LOOKUP, {c.CACHE_PROMPT_TOKENS: 40, c.CACHE_MATCH: c.MATCH_NONE})
+    resource_spans = request.resource_spans[0]
+    span = resource_spans.scope_spans[0].spans[0].SerializeToString() + b"\x4a" + varint(len(pair)) + pair
+    scope = b"\x12" + varint(len(span)) + span
+    part = type(resource_spans)(resource=resource_spans.resource).SerializeToString() + b"\x12" + varint(
+        len(scope)) + scope
+    return b"\x0a" + varint(len(part)) + part
+
+
+@pytest.mark.parametrize("bits", [0, 1, 7, 8, 55, 56, 57, 62, 63, 64])
+def test_int_elements_of_every_varint_length_decode_as_protobuf_reads_them(bits):
+    """Block hashes are 9-10 byte varints, which the decoder reads as a word and two bytes: every
+    length from 1 to 10 bytes, values at each length's edges, and the forms protobuf also accepts
+    (padded with continuation bytes, a 10th byte with more than bit 63) give the Python path's
+    columns; a varint that runs past its element, or ends inside it, is left to Python."""
+    rng = random.Random(SEED + bits)
+    values = {(1 << bits) - 1 if bits else 0, 1 << min(bits, 63), rng.getrandbits(64) | (1 << bits >> 1)}
+    canonical = [b"\x18" + varint(value & (2**64 - 1)) for value in sorted(values)]
+    decoded = taken(_hashes_lookup(canonical))
+    stored = decoded.tables["prefix_blocks"].column("hashes").to_pylist()[0]
+    assert [h & (2**64 - 1) for h in stored] == [v & (2**64 - 1) for v in sorted(values)]
+    low7 = (1 << bits) - 1 & 0x7F
+    padded = [bytes([0x80 | low7] + [0x80] * (n - 2) + [0]) for n in (9, 10)]  # the value in 9 and 10 bytes
+    wide = bytes([0xFF] * 9 + [0x7F])  # a 10th byte with bits beyond the 64th
+    for element in [b"\x18" + form for form in [*padded, wide]]:
+        assert check(_hashes_lookup([element])) is not None
+    for broken in (b"\x18" + b"\xff" * 9 + b"\x80\x01",  # 11 bytes
+                   b"\x18" + b"\xff" * 9,  # runs past its element
+                   b"\x18" + b"\x81" + b"\x80" * 6 + b"\x01\x05",  # ends a byte before its element does
+                   b"\x18" + b"\x81" + b"\x80" * 7 + b"\x01\x05"):
+        check(_hashes_lookup([element for element in (broken, *canonical)]))
