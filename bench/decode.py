@@ -14,12 +14,17 @@ Each figure is the best of ``--repeat`` passes over all batches, the passes of e
 interleaved (a shared machine's other load only ever adds time, and falls on all alike). Every
 batch must take the C path and give the Python path's tables.
 
-    python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5] [--threads 4]
+``--against SO`` compares builds: another build of the decoder (the ``_fastotlp`` shared object of
+an earlier commit, or of other compiler flags) decodes the same bodies, pass for pass alternating
+with this one, and the last line gives the ratio of their decoder times (Arrow import left out).
+
+    python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5] [--threads 4] [--against SO]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import threading
 import time
@@ -93,6 +98,32 @@ def threaded(bodies: list[bytes], threads: int, repeat: int) -> float:
     return fewest
 
 
+def alternating(bodies: list[bytes], first, second, repeat: int) -> tuple[float, float]:
+    """CPU seconds of two decoders over ``repeat`` passes, body by body, each body decoded by both
+    in turn and which goes first swapped every time (whole passes one after the other favoured the
+    first by 11 %, a build against itself)."""
+    spent = [0.0, 0.0]
+    decoders = (first, second)
+    for turn in range(repeat):
+        for at, body in enumerate(bodies):
+            for which in ((0, 1) if (at + turn) % 2 == 0 else (1, 0)):
+                started = time.thread_time()
+                decoders[which](body, LIMIT)
+                spent[which] += time.thread_time() - started
+    return spent[0] / repeat, spent[1] / repeat
+
+
+def other_build(path: str):
+    """The decoder built at ``path``, loaded beside this one and configured as it is."""
+    spec = importlib.util.spec_from_file_location("tokentrace.collector._fastotlp", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path} is not a loadable build of the decoder")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fastpath.configure(module)
+    return module
+
+
 def check(bodies: list[bytes]) -> list[Columns]:
     """The decoder's Columns of every body, each equal to the Python path's (tables and keys)."""
     out = []
@@ -116,6 +147,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4, help="threads decoding at once, for the last line")
+    parser.add_argument("--against", metavar="SO", help="another build of _fastotlp to compare this one with")
     args = parser.parse_args()
     if fastpath.unavailable():
         raise SystemExit(f"the compiled decoder is not in use: {fastpath.unavailable()}")
@@ -150,6 +182,13 @@ def main() -> int:
     print(f"  to_bytes      {times['to_bytes']:7.2f}   from_bytes {times['from_bytes']:.2f}   "
           f"({sum(map(len, shipped)) / spans:.0f} bytes per span shipped)")
     print(f"  C path, CPU   {together:7.2f}   with {args.threads} threads decoding at once ({alone:.2f} with one)")
+    if args.against:
+        other = other_build(args.against)
+        if any(other.decode(body, LIMIT) is None for body in bodies):
+            raise SystemExit(f"{args.against} leaves a benchmark batch to the Python path: nothing to compare")
+        this, that = alternating(bodies, _fastotlp.decode, other.decode, args.repeat)
+        print(f"  decoder       {per_span(this):7.2f}   against {per_span(that):.2f} with {args.against}: "
+              f"{this / that:.3f} of its time")
     return 0
 
 

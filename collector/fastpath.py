@@ -61,16 +61,22 @@ def unavailable() -> str | None:
     load engine code, which importing the collector must not (engine_shim/translations.py)."""
     if _fastotlp is None:
         return "the extension tokentrace.collector._fastotlp is not built"
-    implemented = {getattr(c, name) for name in _fastotlp.SPANS}
-    # The engine translations' builders (and any builder normalize gains before the C side) are Python's.
-    fallback = (set(normalize._BUILDERS) | set(translations.builders())) - implemented
-    legacy = (*v.LEGACY_USAGE, *v.LATENCY_TO_CONTRACT_MS)  # what vllm.names.with_both_names rewrites
-    _fastotlp.configure(c, tuple(sorted(normalize.EXPANDED)), legacy, c.LIFECYCLE_EVENTS, tuple(sorted(fallback)))
+    configure(_fastotlp)
     for name, capsule in _fastotlp.schemas():
         exported = pa.schema(_SchemaCapsule(capsule))
         if not exported.equals(SCHEMAS[name]):
             return f"the decoder's {name} columns are {exported}, not those of tables.py"
     return None
+
+
+def configure(module) -> None:
+    """Give a build of the decoder (``_fastotlp``, or another commit's for bench/decode.py
+    ``--against``) the names it needs: the contract's, and the spans it leaves to Python."""
+    implemented = {getattr(c, name) for name in module.SPANS}
+    # The engine translations' builders (and any builder normalize gains before the C side) are Python's.
+    fallback = (set(normalize._BUILDERS) | set(translations.builders())) - implemented
+    legacy = (*v.LEGACY_USAGE, *v.LATENCY_TO_CONTRACT_MS)  # what vllm.names.with_both_names rewrites
+    module.configure(c, tuple(sorted(normalize.EXPANDED)), legacy, c.LIFECYCLE_EVENTS, tuple(sorted(fallback)))
 
 
 def enabled() -> bool:
