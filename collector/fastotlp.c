@@ -42,11 +42,13 @@ static int names_of(PyObject *iterable, names_t *out) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
     out->items = calloc((size_t)n + 1, sizeof *out->items);
     out->n = 0;
+    out->bits = 0;
     for (Py_ssize_t i = 0; out->items && i < n; i++, out->n++) {
         if (name_of(PySequence_Fast_GET_ITEM(items, i), &out->items[i]) < 0) {
             Py_DECREF(items);
             return FALLBACK;
         }
+        out->bits |= UINT64_C(1) << (out->items[i].hash & 63);
     }
     Py_DECREF(items);
     if (!out->items) PyErr_NoMemory();
@@ -66,6 +68,7 @@ static void names_free(names_t *names) {
     free(names->items);
     names->items = NULL;
     names->n = 0;
+    names->bits = 0;
 }
 
 static void config_free(void) {

@@ -110,6 +110,7 @@ typedef struct {
 typedef struct {
     name_t *items;
     size_t n;
+    uint64_t bits;  /* bit (hash & 63) of each name's hash: most texts are ruled out by one test */
 } names_t;
 
 typedef struct {

@@ -32,6 +32,7 @@ int view_eq(view_t a, view_t b) {
 }
 
 int names_find(const names_t *names, view_t text, uint64_t hash) {
+    if (!(names->bits >> (hash & 63) & 1)) return -1;
     for (size_t i = 0; i < names->n; i++)
         if (names->items[i].hash == hash && view_eq(names->items[i].text, text)) return (int)i;
     return -1;

@@ -189,10 +189,9 @@ static int put_attributes(decoder_t *d, table_t *t, int builder_ran) {
         d->skip.n = 0;
         TRY(buf_reserve(&d->skip, a->n));
         memset(d->skip.p, 0, a->n);
-        for (size_t i = 0; i < CONFIG.expanded.n; i++) {
-            const attr_t *found = attrs_find(a, CONFIG.expanded.items[i].text, CONFIG.expanded.items[i].hash);
-            if (found) {
-                d->skip.p[found - a->items] = 1;
+        for (size_t i = 0; i < a->n; i++) {  /* keys are unique (attrs_add): each is one item at most */
+            if (names_find(&CONFIG.expanded, a->items[i].key, a->items[i].hash) >= 0) {
+                d->skip.p[i] = 1;
                 kept--;
             }
         }
