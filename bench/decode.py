@@ -15,8 +15,9 @@ interleaved (a shared machine's other load only ever adds time, and falls on all
 batch must take the C path and give the Python path's tables.
 
 ``--against SO`` compares builds: another build of the decoder (the ``_fastotlp`` shared object of
-an earlier commit, or of other compiler flags) decodes the same bodies, pass for pass alternating
-with this one, and the last line gives the ratio of their decoder times (Arrow import left out).
+an earlier commit, or of other compiler flags) decodes the same bodies, body by body beside this
+one, which goes first swapped each time, and the last line gives the ratio of their decoder times
+(Arrow import left out).
 
     python bench/decode.py [--shape engine|light] [--batches 20] [--repeat 5] [--threads 4] [--against SO]
 """

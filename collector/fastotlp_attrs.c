@@ -74,7 +74,7 @@ static int value_parse(attrs_t *owner, view_t msg, attr_t *out, int64_t max_len,
 /* The common array element, an AnyValue of nothing but {int_value=3}, read without the general
  * loop (block hashes and step offsets are most of an engine payload's values). A varint of 9 or 10
  * bytes (a 64-bit hash) is read as a word and its last bytes, not byte by byte: that loop was half
- * of this function's time, a tenth of the decoder's (issue 17). 0: the general loop decides. */
+ * of value_parse's time, a tenth of the decoder's (issue 17). 0: the general loop decides. */
 static int int_element(view_t sub, int64_t *out) {
     if (sub.n < 2 || sub.p[0] != 0x18) return 0;
     const uint8_t *p = sub.p + 1;
