@@ -314,9 +314,9 @@ def one_span(name: str = c.SPAN_REQUEST, attributes: dict | None = None, events=
     return request
 
 
-def span_suffix(extra: bytes) -> bytes:
-    """The body of ``one_span()`` with ``extra`` appended to the span's own bytes."""
-    resource_spans = one_span().resource_spans[0]
+def span_suffix(extra: bytes, request: ExportTraceServiceRequest | None = None) -> bytes:
+    """The body of ``request`` (``one_span()`` by default) with ``extra`` appended to its span's own bytes."""
+    resource_spans = (request or one_span()).resource_spans[0]
     span = resource_spans.scope_spans[0].spans[0].SerializeToString() + extra
     scope = b"\x12" + varint(len(span)) + span
     part = type(resource_spans)(resource=resource_spans.resource).SerializeToString() + b"\x12" + varint(

@@ -346,13 +346,8 @@ def _hashes_lookup(elements: list[bytes]) -> bytes:
     value = b"\x2a" + varint(len(array)) + array
     key = c.CACHE_BLOCK_HASHES.encode()
     pair = b"\x0a" + varint(len(key)) + key + b"\x12" + varint(len(value)) + value
-    request = one_span(c.SPAN_CACHE_LOOKUP, {c.CACHE_PROMPT_TOKENS: 40, c.CACHE_MATCH: c.MATCH_NONE})
-    resource_spans = request.resource_spans[0]
-    span = resource_spans.scope_spans[0].spans[0].SerializeToString() + b"\x4a" + varint(len(pair)) + pair
-    scope = b"\x12" + varint(len(span)) + span
-    part = type(resource_spans)(resource=resource_spans.resource).SerializeToString() + b"\x12" + varint(
-        len(scope)) + scope
-    return b"\x0a" + varint(len(part)) + part
+    lookup = one_span(c.SPAN_CACHE_LOOKUP, {c.CACHE_PROMPT_TOKENS: 40, c.CACHE_MATCH: c.MATCH_NONE})
+    return span_suffix(b"\x4a" + varint(len(pair)) + pair, lookup)
 
 
 @pytest.mark.parametrize("bits", [0, 1, 7, 8, 55, 56, 57, 62, 63, 64])
@@ -376,4 +371,4 @@ def test_int_elements_of_every_varint_length_decode_as_protobuf_reads_them(bits)
                    b"\x18" + b"\xff" * 9,  # runs past its element
                    b"\x18" + b"\x81" + b"\x80" * 6 + b"\x01\x05",  # ends a byte before its element does
                    b"\x18" + b"\x81" + b"\x80" * 7 + b"\x01\x05"):
-        check(_hashes_lookup([element for element in (broken, *canonical)]))
+        check(_hashes_lookup([broken, *canonical]))
