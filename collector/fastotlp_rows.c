@@ -123,8 +123,6 @@ static int phase(decoder_t *d, const span_t *s, view_t rid) {
     const attrs_t *a = &d->attrs;
     TRY(put_str(t, rid));
     TRY(put_str(t, d->resource.instance_id));
-    TRY(put_ids(t, s));
-    TRY(put_str(t, s->parent.n ? hex_view(s->parent_hex, 16) : NONE));
     TRY(put_str(t, s->name));
     TRY(put_i64(t, (int64_t)s->start));
     TRY(put_i64(t, (int64_t)s->end));

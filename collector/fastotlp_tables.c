@@ -36,8 +36,8 @@ static const colspec_t ROUTES[] = {
     {"avoidable_from", S},
 };
 static const colspec_t PHASES[] = {
-    {"request_id", S}, {"instance_id", S}, {"trace_id", S}, {"span_id", S}, {"parent_span_id", S}, {"name", S},
-    {"start_ns", L}, {"end_ns", L}, {"queue_depth", L}, {"queue_running", L}, {"max_batch", L}, {"load_id", S},
+    {"request_id", S}, {"instance_id", S}, {"name", S}, {"start_ns", L}, {"end_ns", L}, {"queue_depth", L},
+    {"queue_running", L}, {"max_batch", L}, {"load_id", S},
 };
 static const colspec_t PREFILL_CHUNKS[] = {
     {"request_id", S}, {"instance_id", S}, {"start_ns", L}, {"end_ns", L}, {"chunk_offset", L}, {"tokens", L},

@@ -338,7 +338,7 @@ def _route(scope: _Scope, span, a: dict, ids: tuple) -> None:
 
 def _phase(scope: _Scope, span, a: dict, ids: tuple) -> None:
     scope.batch.rows["phases"].append((
-        _str(a.get(c.REQUEST_ID)), scope.instance_id, *ids, span.name, span.start_time_unix_nano,
+        _str(a.get(c.REQUEST_ID)), scope.instance_id, span.name, span.start_time_unix_nano,
         span.end_time_unix_nano, _int(a.get(c.QUEUE_DEPTH)), _int(a.get(c.QUEUE_RUNNING)),
         _int(a.get(c.MAX_BATCH)), _str(a.get(c.LOAD_ID)),
     ))

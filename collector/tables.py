@@ -30,8 +30,8 @@ TABLES: dict[str, tuple[str, ...]] = {
         "avoidable_from",
     ),
     "phases": (
-        "request_id", "instance_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
-        "end_ns", "queue_depth", "queue_running", "max_batch", "load_id",
+        "request_id", "instance_id", "name", "start_ns", "end_ns", "queue_depth", "queue_running",
+        "max_batch", "load_id",
     ),
     "prefill_chunks": (
         "request_id", "instance_id", "start_ns", "end_ns", "chunk_offset", "tokens", "batch_size",
@@ -90,7 +90,7 @@ TYPES: dict[str, tuple[str, ...]] = {
                 + ("VARCHAR", "BOOLEAN", "BOOLEAN", "BIGINT", "VARCHAR", "DOUBLE", "VARCHAR", "VARCHAR"),
     "routes": ("VARCHAR",) * 5 + ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR[]", "DOUBLE[]", "BIGINT",
                                   "VARCHAR[]", "DOUBLE", "BIGINT", "VARCHAR"),
-    "phases": ("VARCHAR",) * 6 + ("BIGINT",) * 5 + ("VARCHAR",),
+    "phases": ("VARCHAR",) * 3 + ("BIGINT",) * 5 + ("VARCHAR",),
     "prefill_chunks": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 5,
     "decode_steps": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT"),
     "steps": ("VARCHAR",) + ("BIGINT",) * 6 + ("VARCHAR[]", "VARCHAR[]"),

@@ -293,8 +293,8 @@ def test_slot_holders_read_the_queue_spans_of_their_window_only(tmp_path):
         "(i % 5) * 0.5, 100 + i % 13, i % 3, 8 FROM range($n) t(i)", {"n": n, "step": step})
     # Every request but each 10th has a queue span; some end up to 20 s off their request (skew).
     cursor.execute(
-        "INSERT INTO phases (request_id, instance_id, trace_id, span_id, name, start_ns, end_ns) "
-        "SELECT 'r' || i, 'i' || (i % 2), 't' || i, 'q' || i, 'llm.queue', i * $step + skew, "
+        "INSERT INTO phases (request_id, instance_id, name, start_ns, end_ns) "
+        "SELECT 'r' || i, 'i' || (i % 2), 'llm.queue', i * $step + skew, "
         "i * $step + skew + (i % 4) * $step FROM "
         "(SELECT i, CASE WHEN i % 97 = 0 THEN -20_000::BIGINT * $step "
         "                WHEN i % 89 = 0 THEN 20_000::BIGINT * $step ELSE 0 END "

@@ -2,7 +2,8 @@
 an acknowledged batch survives a process that dies before merging it, exactly once; a record cut
 short by a crash is dropped and the rest appended; a store written by the previous layout
 (migrations up to 008) opens with the same rows and the same cache answers; one written before 011
-keeps its spans, their attributes then compressed with zstd."""
+keeps its spans, their attributes then compressed with zstd; one written before 012 keeps its phases
+without their span ids."""
 
 from __future__ import annotations
 
@@ -232,6 +233,29 @@ def test_a_store_written_before_011_keeps_every_span_and_compresses_their_attrib
     store.write(_golden_batch())
     store.close()
     assert _attributes_compression(fresh) == {"ZSTD"}
+
+
+def test_a_store_written_before_012_keeps_its_phases_without_their_span_ids(tmp_path):
+    """Migration 012 drops the trace, span and parent span ids from phases (issue 17: `spans` holds
+    them): every phase row is kept with its other columns, and the slowness verdict's phases query
+    reads them and the rows written after alike."""
+    path = tmp_path / "old.duckdb"
+    con = _migrated_to(path, 11)
+    phases = _golden_batch().expanded("phases")
+    assert phases and len(phases[0]) == 9
+    con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(r[0], r[1], f"t{n:031x}", f"s{n:015x}", None, *r[2:]) for n, r in enumerate(phases)])
+    con.close()
+    store = DuckDBStore(path)
+    cursor = store._cursor()
+    assert cursor.execute("SELECT * FROM phases ORDER BY ALL").fetchall() == sorted(phases)
+    store.write(_golden_batch(offset_s=60))
+    rid, start = phases[0][0], min(r[3] for r in phases if r[0] == phases[0][0])
+    for offset in (0, 60 * 10**9):
+        got = store.rows("phases", request_id=rid, t0_ns=start + offset, t1_ns=start + offset + 10**12)
+        assert {row["name"] for row in got} == {r[2] for r in phases if r[0] == rid}
+        assert "span_id" not in got[0]
+    store.close()
 
 
 def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
