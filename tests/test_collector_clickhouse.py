@@ -185,6 +185,56 @@ def _split_verdicts(first, second) -> None:
     assert "load-1" in json.dumps(slow["evidence"])  # the load, written by the other collector
 
 
+def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids(chdb_dir):
+    """ClickHouse migration 009 drops the trace, span and parent span ids from phases (issue 17, as
+    DuckDB's 012 does): a database an earlier version wrote keeps every phase row with its other
+    columns, and the slowness verdict's phases query reads them and the rows written after alike."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tokentrace.collector import sqlfiles
+    from tokentrace.collector.normalize import normalize
+    from tokentrace.collector.store_clickhouse import Target
+    from tokentrace.collector.tables import TABLES
+
+    database, now = unique_database("before009"), time.time_ns()
+    phases = normalize(ExportTraceServiceRequest.FromString(
+        golden.encode(golden.load("golden_engine_trace.json"), now)[0])).expanded("phases")
+    assert phases and len(phases[0]) == len(TABLES["phases"])
+    target = Target(database, path=str(chdb_dir))
+    admin = target.client(None)
+    admin.command(f"CREATE DATABASE {database}")
+    old = target.client(database)
+    old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
+                "ENGINE = MergeTree ORDER BY version")
+    for version, name, script in sqlfiles.migrations("clickhouse"):
+        if version < 9:
+            for statement in sqlfiles.statements(script):
+                old.command(statement)
+            old.insert("schema_migrations", [(version, name, 0)], column_names=["version", "name", "applied_ns"])
+    with_ids = ["request_id", "instance_id", "trace_id", "span_id", "parent_span_id", *TABLES["phases"][2:]]
+    old.insert("phases", [(r[0], r[1], f"{n:032x}", f"{n:016x}", None, *r[2:]) for n, r in enumerate(phases)],
+               column_names=with_ids)
+    old.close()
+    admin.close()
+    store = _open(f"chdb://{chdb_dir}?database={database}")
+    try:
+        assert [name for (name,) in sql(store, "SELECT name FROM system.columns WHERE database = {db:String} "
+                                        "AND table = 'phases' ORDER BY position", db=database)] == \
+            list(TABLES["phases"])
+        assert sorted(sql(store, "SELECT * FROM phases"), key=repr) == sorted(phases, key=repr)
+        batch = Pipeline(Counters(), 1 << 24, 65536).batch(
+            golden.encode(golden.load("golden_engine_trace.json"), now + 60 * 10**9)[0], Encoding("protobuf", PROTOBUF))
+        assert store.write(batch) is True
+        rid = phases[0][0]
+        start = min(r[3] for r in phases if r[0] == rid)
+        for offset in (0, 60 * 10**9):
+            got = store.rows("phases", request_id=rid, t0_ns=start + offset, t1_ns=start + offset + 10**12)
+            assert {row["name"] for row in got} == {r[2] for r in phases if r[0] == rid}
+            assert "span_id" not in got[0]
+    finally:
+        store.close()
+
+
 def test_split_exports_on_one_chdb_collector(collector_factory, tmp_path):
     """chdb allows one process per directory, so here both halves go to one collector: the same
     checks as the two-collector server test below, which runs only against a real server."""
