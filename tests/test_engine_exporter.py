@@ -242,6 +242,29 @@ def test_a_batch_leaves_whole_and_in_order(tmp_path):
     assert names == [f"s{i}" for i in range(exporter_process.MAX_BATCH * 2 + 5)]
 
 
+def test_spans_left_after_a_full_batch_keep_their_age(tmp_path):
+    """A span that ended 0.3 s ago and did not fit in the full batch that just left is due 0.2 s
+    later (EXPORT_DELAY_MS after it ended), not a whole delay after that batch left."""
+    from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
+    from tokentrace.engine_shim.mlx import exporter_process
+
+    exporter = SpoolingSpanExporter("http://127.0.0.1:9", Spool(tmp_path, 1 << 24, "age-test"))
+    batch = Batch(exporter, Resource.create({}), SCOPE, __version__)
+    tracer = otlp_wire.WireTracer(batch.add)
+    for i in range(exporter_process.MAX_BATCH + 3):
+        tracer.start_span(f"s{i}", start_time=i).end(i + 1)
+    ended = time.monotonic()  # the last three ended before this
+    while time.monotonic() < ended + 0.3:  # the spans' age is what is tested: let it grow
+        time.sleep(0.3 - (time.monotonic() - ended))
+    batch.send()
+    assert exporter.spooled_batches == 1
+    assert batch.due_in() <= exporter_process.EXPORT_DELAY_MS / 1000 - 0.3
+    batch.send(everything=True)
+    exporter.shutdown()
+    assert batch.due_in() is None
+    assert _spooled_span_names(tmp_path) == [f"s{i}" for i in range(exporter_process.MAX_BATCH + 3)]
+
+
 def test_attributes_of_every_kind_read_back_as_the_sdk_encoder_writes_them():
     """otlpwire.c against the OTLP encoder of the OpenTelemetry SDK, value by value: lengths that
     take one, two and three varint bytes, negative and extreme ints, floats, bytes, arrays."""

@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,12 +251,15 @@ class Batch:
         self._resource = otlp_wire.resource_attributes(resource.attributes)
         self._scope = otlp_wire.scope(scope_name, scope_version)
         self._spans: list[bytes] = []
-        self._since = 0.0  #: monotonic time the oldest pending span was added
+        #: Monotonic time each batch to come began: the first span of each ``MAX_BATCH`` pending.
+        #: Spans left over after a full batch left keep their age (they once restarted the clock, so
+        #: they could wait up to twice ``EXPORT_DELAY_MS``).
+        self._began: deque[float] = deque()
 
     def add(self, span: bytes) -> None:
         """One ended span (``WireTracer``'s ``on_end``)."""
-        if not self._spans:
-            self._since = time.monotonic()
+        if len(self._spans) % MAX_BATCH == 0:
+            self._began.append(time.monotonic())
         self._spans.append(span)
 
     def due_in(self) -> float | None:
@@ -264,13 +268,13 @@ class Batch:
             return None
         if len(self._spans) >= MAX_BATCH:
             return 0.0
-        return max(0.0, self._since + EXPORT_DELAY_MS / 1000 - time.monotonic())
+        return max(0.0, self._began[0] + EXPORT_DELAY_MS / 1000 - time.monotonic())
 
     def send(self, everything: bool = False) -> None:
         """Export the oldest ``MAX_BATCH`` pending spans (all of them, batch by batch, with ``everything``)."""
         while self._spans:
             spans, self._spans = self._spans[:MAX_BATCH], self._spans[MAX_BATCH:]
-            self._since = time.monotonic()
+            self._began.popleft()
             self.exporter.export_encoded(otlp_wire.export_request(self._resource, self._scope, spans), len(spans))
             if not everything:
                 return
