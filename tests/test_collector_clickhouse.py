@@ -202,7 +202,7 @@ def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids
     assert phases and len(phases[0]) == len(TABLES["phases"])
     target = Target(database, path=str(chdb_dir))
     admin = target.client(None)
-    admin.command(f"CREATE DATABASE {database}")
+    admin.command("CREATE DATABASE {db:Identifier}", parameters={"db": database})
     old = target.client(database)
     old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
                 "ENGINE = MergeTree ORDER BY version")
