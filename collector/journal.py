@@ -62,11 +62,8 @@ GATHER_SHARE = 0.25
 #: reader waiting for the merge (``settle``) or a stop starts it at once. Merges of ~70k engine spans
 #: instead of the ~28k a merge thread that merged whatever was there gathered cost 9.3 instead of
 #: 12.8-13.2 us a span of merge CPU (bench/merge.py): DuckDB's cost per merge (an insert per table,
-#: the commit's per-table work, the tables' last row groups) is paid less often. A second instead of
-#: half of one: merges of 94-108k instead of 78-85k engine spans at 4 senders, and 23.8 instead of
-#: 25.5 us of collector CPU a span (6 rounds alternating, each in favour; docs/benchmarks.md, Issue 17,
-#: thirteenth round); 2 s gathered no larger merges (the span and byte bounds above act first).
-GATHER_S = 1.0
+#: the commit's per-table work, the tables' last row groups) is paid less often.
+GATHER_S = 0.5
 #: Seconds a reader waits for the merge before it reads what is merged.
 SETTLE_TIMEOUT_S = 10.0
 #: Seconds a write waits for room before it refuses.
