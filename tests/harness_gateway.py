@@ -5,6 +5,7 @@ subprocesses on free ports. Stopping the gateway with SIGTERM exports everything
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -111,10 +112,9 @@ class GatewayProcess(Process):
         return httpx.get(self.url + "/health", headers=self.headers, timeout=10).json()
 
     def chat(self, messages: list[dict], request_id: str, session: str | None = None, stream: bool = True,
-             max_tokens: int = 8, on_first=None, **fields) -> dict:
+             max_tokens: int = 8, **fields) -> dict:
         """One chat request; returns what the client saw: status, headers, text, usage, and the
-        client's own TTFT (first content chunk) and e2e in ms. ``on_first`` (streamed only) is called
-        when the first content chunk arrives, while the rest is still on its way."""
+        client's own TTFT (first content chunk) and e2e in ms."""
         headers = {"X-Request-Id": request_id, **({"X-Session-Id": session} if session else {})}
         body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "stream": stream, **fields}
         start = time.perf_counter()
@@ -127,21 +127,56 @@ class GatewayProcess(Process):
         text, usage, first, events = "", None, None, []
         with self.client.stream("POST", self.url + "/v1/chat/completions", json=body, headers=headers) as response:
             for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                event = _event(line)
+                if event is None:
                     continue
-                event = json.loads(line[6:])
                 events.append(event)
                 usage = event.get("usage") or usage
-                for choice in event.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        text += piece
-                        if first is None:
-                            first = (time.perf_counter() - start) * 1e3
-                            if on_first is not None:
-                                on_first()
+                piece = _content(event)
+                if piece:
+                    text += piece
+                    if first is None:
+                        first = (time.perf_counter() - start) * 1e3
         return {"status": response.status_code, "headers": response.headers, "text": text, "usage": usage,
                 "events": events, "ttft_ms": first, "e2e_ms": (time.perf_counter() - start) * 1e3}
+
+
+    def burst(self, chats: list[tuple[list[dict], str, dict]]) -> list[dict]:
+        """Streamed chats, given as (messages, request id, body fields), that reach the gateway
+        together: every connection is opened first, then each request is written whole, one after
+        the other, in one loop of one thread, so no scheduling of this process can space them out
+        (threads started together, or started on a first token, once reached the gateway a whole
+        request apart on a host starved by vLLM). Their answers are read after, in order; returns
+        each one's status, text and events."""
+        ready = []
+        for messages, request_id, fields in chats:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            connection.connect()
+            body = json.dumps({"model": "default_model", "messages": messages, "stream": True, **fields}).encode()
+            ready.append((connection, body, {"X-Request-Id": request_id, "Content-Type": "application/json",
+                                             **self.headers}))
+        for connection, body, headers in ready:
+            connection.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        answers = []
+        for connection, _, _ in ready:
+            response = connection.getresponse()
+            events = [e for e in map(_event, response.read().decode().splitlines()) if e is not None]
+            connection.close()
+            answers.append({"status": response.status, "text": "".join(filter(None, map(_content, events))),
+                            "events": events})
+        return answers
+
+
+def _event(line: str) -> dict | None:
+    """The JSON of one SSE ``data:`` line; None for any other line and for ``[DONE]``."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return json.loads(line[6:])
+
+
+def _content(event: dict) -> str:
+    """The content an OpenAI chat chunk carries."""
+    return "".join((choice.get("delta") or {}).get("content") or "" for choice in event.get("choices") or ())
 
 
 def verdict(collector: CollectorProcess, request_id: str, timeout: float = 30) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 
 import httpx
 import pytest
@@ -83,24 +82,15 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
         ok.append(gateway.chat(edited, "v-edited", model=MODEL))
         tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": first,
                                                       "add_generation_prompt": True}, timeout=30).json()["tokens"]
-        # The burst overlaps by construction, not by thread timing: v-burst-0 streams 512 tokens (seconds
-        # on this CPU) and the other two are sent once its first token has arrived, so it holds the
-        # gateway's one slot while they arrive. Three threads started together were once served one by
-        # one in CI: vLLM's CPU threads spinning on both cores can starve the client for a whole request.
-        burst, streaming = [None] * 3, threading.Event()
-
-        def one(i: int) -> None:
-            burst[i] = gateway.chat(conversation(40 + i), f"v-burst-{i}", model=MODEL,
-                                    max_tokens=512 if i == 0 else 64, ignore_eos=True,
-                                    on_first=streaming.set if i == 0 else None)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        threads[0].start()
-        assert streaming.wait(120), "v-burst-0 streamed no token"
-        for thread in threads[1:]:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        # The burst overlaps by construction, not by thread timing: the three requests are written
+        # back to back on connections opened beforehand (GatewayProcess.burst), so they reach the
+        # gateway within microseconds, and whichever takes its one slot holds it for a whole vLLM
+        # generation (v-burst-0: 512 tokens). Threads started together were once served one by one
+        # in CI, and so were two sent on v-burst-0's first token: vLLM's CPU threads spinning on
+        # both cores starved the client, or vLLM's API server, which then sent a whole answer at once.
+        burst = gateway.burst([(conversation(40 + i), f"v-burst-{i}",
+                                {"model": MODEL, "max_tokens": 512 if i == 0 else 64, "ignore_eos": True})
+                               for i in range(3)])
         assert [a["status"] for a in ok + burst] == [200] * 6
     finally:
         if gateway is not None:
