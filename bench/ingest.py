@@ -197,6 +197,14 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
     return acked[0], time.perf_counter() - start, latencies, exports, refused[0], errors[0]
 
 
+def wait_merged(collector) -> float:
+    """Wait until a collector's journal is merged into its tables; returns the seconds waited."""
+    began = time.perf_counter()
+    while collector.health()["journal"]["unmerged_batches"]:
+        time.sleep(0.01)  # polling the collector's own count: nothing else to wait on
+    return time.perf_counter() - began
+
+
 def percentile(values: list[float], share: float) -> float:
     """The value at ``share`` of the sorted ``values`` (seconds), in milliseconds (nearest rank)."""
     ordered = sorted(values)
@@ -230,10 +238,7 @@ def main() -> int:
                 collector.port, bodies, args.senders, args.seconds, args.max_requests)
             cpu_after = cpu_seconds(collector.proc.pid)
             health = collector.health()
-            drained = time.perf_counter()
-            while collector.health().get("journal", {}).get("unmerged_batches"):
-                time.sleep(0.01)  # polling the collector's own count: nothing else to wait on
-            lag = time.perf_counter() - drained
+            lag = wait_merged(collector)
         finally:
             collector.stop()
         stored, llm_requests = collector.sql("SELECT (SELECT count(*) FROM spans), (SELECT count(*) FROM requests)")[0]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness_collector import CollectorProcess
-from ingest import drive, make_bodies
+from ingest import drive, make_bodies, wait_merged
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -63,8 +63,7 @@ def main() -> int:
             before, senders = thread_cpu(pid), time.process_time()
             acked, elapsed, _, _, refused, errors = drive(collector.port, bodies[8:], 4, args.seconds, 1_000_000)
             senders = time.process_time() - senders
-            while collector.health()["journal"]["unmerged_batches"]:
-                time.sleep(0.01)  # polling the collector's own count: nothing else to wait on
+            wait_merged(collector)
             after, names, journal = thread_cpu(pid), thread_names(pid), collector.health()["journal"]
         finally:
             collector.stop()

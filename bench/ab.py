@@ -1,0 +1,170 @@
+"""Two or more versions of the collector side by side under engine-shaped ingest: the ratio a change
+makes, measured in one run, on a host whose speed drifts within the hour.
+
+Each round starts one collector of each variant in turn (the order rotates every round), warms it,
+drives it as bench/ingest.py does (4 senders over loopback, 512-span engine batches from its cache,
+each distinct batch once), waits until the journal is merged, and reads the collector's CPU seconds
+(user + system, /proc) and its merges (``/healthz``). It prints, per round and variant, collector
+CPU microseconds a span acknowledged, spans/s and spans a merge; then each variant's medians, its
+ratio to the first variant and the rounds in which it used less CPU a span than the first.
+
+A variant is ``LABEL=SPEC``; SPEC is empty (the checkout as it is) or comma-separated items:
+``tree:DIR`` runs the collector from another checkout (``git worktree add DIR COMMIT``, then its
+extensions built in place: ``python -c "from setuptools import setup; setup()" build_ext --inplace``),
+``MODULE.NAME=VALUE`` sets a module's constant (a Python literal) in the collector before it starts.
+Each collector is checked to run the variant's code (its extension modules mapped from the tree,
+its settings applied) before it is measured:
+
+    python bench/ab.py --variant half= --variant second=tokentrace.collector.journal.GATHER_S=1.0
+    python bench/ab.py --variant old=tree:/tmp/old --variant new= --rounds 4 --seconds 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness_collector import CollectorProcess
+from ingest import cpu_seconds, drive, make_bodies, wait_merged
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Written as sitecustomize.py for a variant with settings: Python imports it at start-up, before
+#: the collector's own modules run, and sets each constant on its module.
+_SITE = """import importlib, os
+for _module, _name, _value in {settings!r}:
+    setattr(importlib.import_module(_module), _name, _value)
+with open(os.path.join(os.path.dirname(__file__), "applied"), "a") as _out:
+    _out.write(f"{{os.getpid()}}\\n")
+"""
+
+
+def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, object]]]:
+    """``LABEL=SPEC`` -> (label, another checkout or None, (module, name, value) settings)."""
+    label, sep, spec = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"a variant is LABEL=SPEC, not {text!r}")
+    tree, settings = None, []
+    for item in filter(None, spec.split(",")):
+        if item.startswith("tree:"):
+            tree = Path(item[5:]).resolve()
+            if not list(tree.glob("collector/_fastotlp*.so")):
+                raise argparse.ArgumentTypeError(f"{tree}: no collector/_fastotlp*.so (build its extensions in place)")
+            continue
+        target, sep, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        if not sep or not module:
+            raise argparse.ArgumentTypeError(f"a setting is MODULE.NAME=VALUE, not {item!r}")
+        try:
+            settings.append((module, name, ast.literal_eval(value)))
+        except (ValueError, SyntaxError) as exc:
+            raise argparse.ArgumentTypeError(f"{item!r}: the value is not a Python literal") from exc
+    return label, tree, settings
+
+
+def prepare(folder: Path, tree: Path | None, settings: list) -> None:
+    """The variant's folder for the collector's PYTHONPATH: a ``tokentrace`` package made of links
+    into ``tree`` as pyproject.toml's package-dir maps it (the checkout's own install is an editable
+    one, found after PYTHONPATH), and a sitecustomize.py that applies ``settings``."""
+    folder.mkdir()
+    if tree is not None:
+        package = folder / "tokentrace"
+        package.mkdir()
+        for entry in (tree / "core").iterdir():
+            (package / entry.name).symlink_to(entry)
+        for part in ("collector", "analyzers", "dashboards", "engine_shim"):
+            (package / part).symlink_to(tree / part)
+    if settings:
+        (folder / "sitecustomize.py").write_text(_SITE.format(settings=settings))
+
+
+def check_variant(pid: int, folder: Path, tree: Path | None, settings: list) -> None:
+    """Fail unless the collector ``pid`` runs the variant's code: its decoder mapped from the
+    variant's checkout, and its settings applied (the sitecustomize records each process it ran in)."""
+    expected = (tree or ROOT) / "collector" / "_fastotlp"
+    if not any(str(expected) in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()):
+        raise SystemExit(f"the collector (pid {pid}) has not loaded {expected}*.so: it runs another checkout")
+    applied = folder / "applied"
+    if settings and (not applied.exists() or str(pid) not in applied.read_text().split()):
+        raise SystemExit(f"the variant's settings {settings} were not applied in the collector (pid {pid})")
+
+
+def start(workdir: Path, folder: Path) -> CollectorProcess:
+    """Start a collector with ``folder`` first on its PYTHONPATH."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [saved])])  # inherited
+    try:
+        return CollectorProcess(workdir).start()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def measure(collector: CollectorProcess, variant: tuple, folder: Path, bodies: list, seconds: float) -> dict:
+    """A started collector of ``variant`` under the senders, once it is checked to run the variant's
+    code: its CPU a span, spans/s and merge size."""
+    try:
+        check_variant(collector.proc.pid, folder, *variant[1:])
+        drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
+        cpu = cpu_seconds(collector.proc.pid)
+        acked, elapsed, _, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
+        wait_merged(collector)
+        cpu = cpu_seconds(collector.proc.pid) - cpu
+        journal = collector.health()["journal"]
+    finally:
+        collector.stop()
+    return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "refused": refused,
+            "merge": journal["merged_spans"] / max(1, journal["merges"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True,
+                        help="LABEL=SPEC (twice or more; the first is the baseline)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured ingest of each run")
+    parser.add_argument("--distinct-batches", type=int, default=6000)
+    args = parser.parse_args()
+    if len(args.variant) < 2 or len({label for label, _, _ in args.variant}) < len(args.variant):
+        parser.error("give two or more variants with distinct labels")
+    bodies = make_bodies(args.distinct_batches, 512)
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in args.variant}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, tree, settings in args.variant:
+            prepare(Path(tmp, "site-" + label), tree, settings)
+        for round_ in range(args.rounds):
+            shift = round_ % len(args.variant)
+            for variant in args.variant[shift:] + args.variant[:shift]:
+                label = variant[0]
+                workdir, folder = Path(tmp, f"{label}-{round_}"), Path(tmp, "site-" + label)
+                workdir.mkdir()
+                run = measure(start(workdir, folder), variant, folder, bodies, args.seconds)
+                results[label].append(run)
+                print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
+                      f"{run['merge']:9,.0f} spans a merge  {run['refused']} refused", flush=True)
+    base_label = args.variant[0][0]
+    base = results[base_label]
+    base_us = statistics.median(r["us"] for r in base)
+    for label, runs in results.items():
+        us = statistics.median(r["us"] for r in runs)
+        line = (f"{label:>10}: median {us:6.2f} us/span, {statistics.median(r['rate'] for r in runs):9,.0f} spans/s, "
+                f"{statistics.median(r['merge'] for r in runs):9,.0f} spans a merge")
+        if label != base_label:
+            fewer = sum(r["us"] < b["us"] for r, b in zip(runs, base, strict=True))
+            line += f"; {us / base_us:.3f} x {base_label}'s CPU a span, less in {fewer} of {len(runs)} rounds"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
