@@ -140,7 +140,6 @@ class GatewayProcess(Process):
         return {"status": response.status_code, "headers": response.headers, "text": text, "usage": usage,
                 "events": events, "ttft_ms": first, "e2e_ms": (time.perf_counter() - start) * 1e3}
 
-
     def burst(self, chats: list[tuple[list[dict], str, dict]]) -> list[dict]:
         """Streamed chats, given as (messages, request id, body fields), that reach the gateway
         together: every connection is opened first, then each request is written whole, one after
