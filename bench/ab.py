@@ -99,22 +99,16 @@ def check_variant(pid: int, folder: Path, tree: Path | None, settings: list) -> 
 
 def start(workdir: Path, folder: Path) -> CollectorProcess:
     """Start a collector with ``folder`` first on its PYTHONPATH."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [saved])])  # inherited
-    try:
-        return CollectorProcess(workdir).start()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    path = os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return CollectorProcess(workdir, env={**os.environ, "PYTHONPATH": path}).start()
 
 
-def measure(collector: CollectorProcess, variant: tuple, folder: Path, bodies: list, seconds: float) -> dict:
-    """A started collector of ``variant`` under the senders, once it is checked to run the variant's
-    code: its CPU a span, spans/s and merge size."""
+def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settings: list, bodies: list,
+            seconds: float) -> dict:
+    """A started collector under the senders, once it is checked to run its variant's code: its CPU
+    a span, spans/s and merge size."""
     try:
-        check_variant(collector.proc.pid, folder, *variant[1:])
+        check_variant(collector.proc.pid, folder, tree, settings)
         drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
         cpu = cpu_seconds(collector.proc.pid)
         acked, elapsed, _, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
@@ -144,11 +138,10 @@ def main() -> int:
             prepare(Path(tmp, "site-" + label), tree, settings)
         for round_ in range(args.rounds):
             shift = round_ % len(args.variant)
-            for variant in args.variant[shift:] + args.variant[:shift]:
-                label = variant[0]
+            for label, tree, settings in args.variant[shift:] + args.variant[:shift]:
                 workdir, folder = Path(tmp, f"{label}-{round_}"), Path(tmp, "site-" + label)
                 workdir.mkdir()
-                run = measure(start(workdir, folder), variant, folder, bodies, args.seconds)
+                run = measure(start(workdir, folder), folder, tree, settings, bodies, args.seconds)
                 results[label].append(run)
                 print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
                       f"{run['merge']:9,.0f} spans a merge  {run['refused']} refused", flush=True)

@@ -54,8 +54,9 @@ class CollectorProcess:
     """One ``tokentrace collector`` subprocess on a free port."""
 
     def __init__(self, workdir: Path, *args: str, db: Path | None = None, token: str | None = None,
-                 store: str | None = None):
+                 store: str | None = None, env: dict[str, str] | None = None):
         self.workdir = Path(workdir)
+        self.env = env  #: the subprocess's environment (None: this process's)
         self.db = Path(db) if db else self.workdir / "store.duckdb"
         self.store = store  #: a --store URL, used instead of --db when set
         self.args = list(args)
@@ -82,7 +83,7 @@ class CollectorProcess:
         if self.token:
             cmd += ["--token", self.token]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child process owns it
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=self.env)
         log.close()
         wait_for(self._healthy, timeout, f"collector on port {self.port} (log {self.log_path})")
         return self
