@@ -396,6 +396,10 @@ class DuckDBStore(NamedQueryReader):
     def _append(self, cursor: duckdb.DuckDBPyConnection, columns: Columns) -> None:
         """One INSERT per table; packed block lists get their first new block (collector/frontier.py)."""
         for name, rows in columns.tables.items():
+            # One chunk a column instead of one a batch (~460 spans): DuckDB scans an Arrow table
+            # chunk by chunk, paying for each; the copy is dropped after its insert, one table at a
+            # time (issue 17, fifteenth round: the merge 12 % less CPU, copy included).
+            rows = rows.combine_chunks()
             if name == "prefix_blocks":
                 fresh_from, fresh_hash = frontier.fresh_frontiers(rows, self._recent)
                 rows = rows.append_column("fresh_from", fresh_from).append_column("fresh_hash", fresh_hash)
