@@ -244,7 +244,9 @@ class MetricsState:
                                                 r["host_name"] or "")
                 self._declared[r["instance_id"]] = measures_of(r["attributes"])
         if "requests" in tables:
-            self._fold_requests(pl.from_arrow(tables["requests"]))
+            # One chunk a column: polars converts an Arrow table chunk by chunk, then joins them (one
+            # chunk a batch took 0.37 instead of 0.09 us of fold CPU a span; issue 17, fifteenth round).
+            self._fold_requests(pl.from_arrow(tables["requests"].combine_chunks()))
         if "decode_steps" in tables:
             self._fold_itl(tables["decode_steps"])
         self._fold_heartbeats(rows["heartbeats"])
