@@ -5,18 +5,21 @@ Each round starts one collector of each variant in turn (the order rotates every
 drives it as bench/ingest.py does (4 senders over loopback, 512-span engine batches from its cache,
 each distinct batch once), waits until the journal is merged, and reads the collector's CPU seconds
 (user + system, /proc) and its merges (``/healthz``). It prints, per round and variant, collector
-CPU microseconds a span acknowledged, spans/s and spans a merge; then each variant's medians, its
-ratio to the first variant and the rounds in which it used less CPU a span than the first.
+CPU microseconds a span acknowledged, spans/s, spans a merge and peak resident memory; then each
+variant's medians, its ratio to the first variant and the rounds in which it used less CPU a span
+than the first.
 
 A variant is ``LABEL=SPEC``; SPEC is empty (the checkout as it is) or comma-separated items:
 ``tree:DIR`` runs the collector from another checkout (``git worktree add DIR COMMIT``, then its
 extensions built in place: ``python -c "from setuptools import setup; setup()" build_ext --inplace``),
-``MODULE.NAME=VALUE`` sets a module's constant (a Python literal) in the collector before it starts.
+``MODULE.NAME=VALUE`` sets a module's constant (a Python literal) in the collector before it starts,
+``env:NAME=VALUE`` sets an environment variable of the collector's process (an allocator's tunables).
 Each collector is checked to run the variant's code (its extension modules mapped from the tree,
-its settings applied) before it is measured:
+its settings applied, its environment as given) before it is measured:
 
     python bench/ab.py --variant half= --variant second=tokentrace.collector.journal.GATHER_S=1.0
     python bench/ab.py --variant old=tree:/tmp/old --variant new= --rounds 4 --seconds 25
+    python bench/ab.py --variant mimalloc= --variant system=env:ARROW_DEFAULT_MEMORY_POOL=system
 """
 
 from __future__ import annotations
@@ -47,13 +50,19 @@ with open(os.path.join(os.path.dirname(__file__), "applied"), "a") as _out:
 """
 
 
-def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, object]]]:
-    """``LABEL=SPEC`` -> (label, another checkout or None, (module, name, value) settings)."""
+def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, object]], dict[str, str]]:
+    """``LABEL=SPEC`` -> (label, another checkout or None, (module, name, value) settings, environment)."""
     label, sep, spec = text.partition("=")
     if not sep or not label:
         raise argparse.ArgumentTypeError(f"a variant is LABEL=SPEC, not {text!r}")
-    tree, settings = None, []
+    tree, settings, env = None, [], {}
     for item in filter(None, spec.split(",")):
+        if item.startswith("env:"):
+            name, sep, value = item[4:].partition("=")
+            if not sep or not name:
+                raise argparse.ArgumentTypeError(f"an environment variable is env:NAME=VALUE, not {item!r}")
+            env[name] = value
+            continue
         if item.startswith("tree:"):
             tree = Path(item[5:]).resolve()
             if not list(tree.glob("collector/_fastotlp*.so")):
@@ -67,7 +76,7 @@ def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, obj
             settings.append((module, name, ast.literal_eval(value)))
         except (ValueError, SyntaxError) as exc:
             raise argparse.ArgumentTypeError(f"{item!r}: the value is not a Python literal") from exc
-    return label, tree, settings
+    return label, tree, settings, env
 
 
 def prepare(folder: Path, tree: Path | None, settings: list) -> None:
@@ -86,39 +95,50 @@ def prepare(folder: Path, tree: Path | None, settings: list) -> None:
         (folder / "sitecustomize.py").write_text(_SITE.format(settings=settings))
 
 
-def check_variant(pid: int, folder: Path, tree: Path | None, settings: list) -> None:
+def check_variant(pid: int, folder: Path, tree: Path | None, settings: list, env: dict[str, str]) -> None:
     """Fail unless the collector ``pid`` runs the variant's code: its decoder mapped from the
-    variant's checkout, and its settings applied (the sitecustomize records each process it ran in)."""
+    variant's checkout, its settings applied (the sitecustomize records each process it ran in), and
+    its environment holding the variant's variables."""
     expected = (tree or ROOT) / "collector" / "_fastotlp"
     if not any(str(expected) in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()):
         raise SystemExit(f"the collector (pid {pid}) has not loaded {expected}*.so: it runs another checkout")
     applied = folder / "applied"
     if settings and (not applied.exists() or str(pid) not in applied.read_text().split()):
         raise SystemExit(f"the variant's settings {settings} were not applied in the collector (pid {pid})")
+    held = dict(entry.partition("=")[::2] for entry in Path(f"/proc/{pid}/environ").read_text().split("\0") if entry)
+    if any(held.get(name) != value for name, value in env.items()):
+        raise SystemExit(f"the collector (pid {pid}) does not have the variant's environment {env}")
 
 
-def start(workdir: Path, folder: Path) -> CollectorProcess:
-    """Start a collector with ``folder`` first on its PYTHONPATH."""
+def start(workdir: Path, folder: Path, env: dict[str, str]) -> CollectorProcess:
+    """Start a collector with ``folder`` first on its PYTHONPATH and ``env`` added to its environment."""
     path = os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return CollectorProcess(workdir, env={**os.environ, "PYTHONPATH": path}).start()
+    return CollectorProcess(workdir, env={**os.environ, **env, "PYTHONPATH": path}).start()
 
 
-def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settings: list, bodies: list,
-            seconds: float) -> dict:
+def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settings: list, env: dict[str, str],
+            bodies: list, seconds: float) -> dict:
     """A started collector under the senders, once it is checked to run its variant's code: its CPU
     a span, spans/s and merge size."""
     try:
-        check_variant(collector.proc.pid, folder, tree, settings)
+        check_variant(collector.proc.pid, folder, tree, settings, env)
         drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
         cpu = cpu_seconds(collector.proc.pid)
         acked, elapsed, _, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
         wait_merged(collector)
         cpu = cpu_seconds(collector.proc.pid) - cpu
         journal = collector.health()["journal"]
+        peak = _peak_mib(collector.proc.pid)
     finally:
         collector.stop()
     return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "refused": refused,
-            "merge": journal["merged_spans"] / max(1, journal["merges"])}
+            "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak}
+
+
+def _peak_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MiB."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 def main() -> int:
@@ -129,29 +149,31 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="measured ingest of each run")
     parser.add_argument("--distinct-batches", type=int, default=6000)
     args = parser.parse_args()
-    if len(args.variant) < 2 or len({label for label, _, _ in args.variant}) < len(args.variant):
+    if len(args.variant) < 2 or len({label for label, *_ in args.variant}) < len(args.variant):
         parser.error("give two or more variants with distinct labels")
     bodies = make_bodies(args.distinct_batches, 512)
-    results: dict[str, list[dict]] = {label: [] for label, _, _ in args.variant}
+    results: dict[str, list[dict]] = {label: [] for label, *_ in args.variant}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, tree, settings in args.variant:
+        for label, tree, settings, _ in args.variant:
             prepare(Path(tmp, "site-" + label), tree, settings)
         for round_ in range(args.rounds):
             shift = round_ % len(args.variant)
-            for label, tree, settings in args.variant[shift:] + args.variant[:shift]:
+            for label, tree, settings, env in args.variant[shift:] + args.variant[:shift]:
                 workdir, folder = Path(tmp, f"{label}-{round_}"), Path(tmp, "site-" + label)
                 workdir.mkdir()
-                run = measure(start(workdir, folder), folder, tree, settings, bodies, args.seconds)
+                run = measure(start(workdir, folder, env), folder, tree, settings, env, bodies, args.seconds)
                 results[label].append(run)
                 print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
-                      f"{run['merge']:9,.0f} spans a merge  {run['refused']} refused", flush=True)
+                      f"{run['merge']:9,.0f} spans a merge  peak {run['peak']:5.0f} MiB  {run['refused']} refused",
+                      flush=True)
     base_label = args.variant[0][0]
     base = results[base_label]
     base_us = statistics.median(r["us"] for r in base)
     for label, runs in results.items():
         us = statistics.median(r["us"] for r in runs)
         line = (f"{label:>10}: median {us:6.2f} us/span, {statistics.median(r['rate'] for r in runs):9,.0f} spans/s, "
-                f"{statistics.median(r['merge'] for r in runs):9,.0f} spans a merge")
+                f"{statistics.median(r['merge'] for r in runs):9,.0f} spans a merge, "
+                f"peak {statistics.median(r['peak'] for r in runs):5.0f} MiB")
         if label != base_label:
             fewer = sum(r["us"] < b["us"] for r, b in zip(runs, base, strict=True))
             line += f"; {us / base_us:.3f} x {base_label}'s CPU a span, less in {fewer} of {len(runs)} rounds"
