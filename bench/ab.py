@@ -119,7 +119,7 @@ def start(workdir: Path, folder: Path, env: dict[str, str]) -> CollectorProcess:
 def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settings: list, env: dict[str, str],
             bodies: list, seconds: float) -> dict:
     """A started collector under the senders, once it is checked to run its variant's code: its CPU
-    a span, spans/s and merge size."""
+    a span, spans/s, merge size and peak memory."""
     try:
         check_variant(collector.proc.pid, folder, tree, settings, env)
         drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
