@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness_collector import CollectorProcess
+from harness_collector import CollectorProcess, proc_status
 from ingest import cpu_seconds, drive, make_bodies, wait_merged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,17 +128,12 @@ def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settin
         wait_merged(collector)
         cpu = cpu_seconds(collector.proc.pid) - cpu
         journal = collector.health()["journal"]
-        peak = _peak_mib(collector.proc.pid)
+        peak = proc_status(collector.proc.pid, "VmHWM") / (1 << 20)
     finally:
         collector.stop()
     return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "refused": refused,
             "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak}
 
-
-def _peak_mib(pid: int) -> float:
-    """The process's peak resident memory (VmHWM), MiB."""
-    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
 
 
 def main() -> int:

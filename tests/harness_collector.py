@@ -38,6 +38,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
+def proc_status(pid: int, field: str) -> int:
+    """A memory figure of a process from /proc/PID/status, in bytes (``VmRSS``; ``VmHWM``: the most
+    resident memory it ever had)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def terminate(proc: subprocess.Popen | None, timeout: float = 30) -> None:
     """SIGTERM a helper process (a third-party server) and wait; SIGKILL when it does not stop."""
     if proc is None or proc.poll() is not None:

@@ -8,22 +8,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
+from harness_collector import proc_status
 from test_collector_errors import make_request
 
 MIB = 1 << 20
 BUDGET = 24 * MIB
 STORE_MEMORY = 64 * MIB
 SENDERS, BODIES_EACH, SPANS = 12, 2, 2000
-
-
-def _status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def _body() -> bytes:
@@ -39,7 +32,7 @@ def test_a_full_budget_answers_503_and_memory_stays_bounded(collector_factory):
                                   "--parse-workers", "1").start()
     # Idle: after one body of the same kind (the first large batch sizes the allocator's pools).
     assert collector.post(_body(), "application/x-protobuf").status_code == 200
-    idle = _status(collector.proc.pid, "VmRSS")
+    idle = proc_status(collector.proc.pid, "VmRSS")
     bodies = [[_body() for _ in range(BODIES_EACH)] for _ in range(SENDERS)]
     refusals: list[str] = []
     accepted: list[int] = []
@@ -63,7 +56,7 @@ def test_a_full_budget_answers_503_and_memory_stays_bounded(collector_factory):
         thread.start()
     for thread in threads:
         thread.join(300)
-    peak = _status(collector.proc.pid, "VmHWM")
+    peak = proc_status(collector.proc.pid, "VmHWM")
     health = collector.health()
     assert collector.stop() == 0
     assert len(accepted) == SENDERS * BODIES_EACH, "every sender got its batches in after retrying"

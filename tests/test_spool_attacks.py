@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness_collector import free_port, wait_for
+from harness_collector import free_port, proc_status, wait_for
 from test_collector_errors import make_request
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -32,14 +32,6 @@ def _drop(directory: Path, name: str | bytes, data: bytes) -> None:
     tmp = os.path.join(os.fsencode(directory), b".drop.tmp")
     Path(os.fsdecode(tmp)).write_bytes(data)
     os.replace(tmp, os.path.join(os.fsencode(directory), os.fsencode(name)))
-
-
-def _peak_rss(pid: int) -> int:
-    """VmHWM of a process: the most resident memory it ever had (Linux /proc/PID/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/PID/status")
 
 
 class _Accesses(FileSystemEventHandler):
@@ -125,7 +117,7 @@ def test_an_attack_file_never_stops_spool_ingest(collector_factory, tmp_path, ma
         collector = collector_factory("--spool-dir", str(spool)).start()
         _drop(spool, "canary.pb", _valid("canary"))
         wait_for(lambda: (spool / "ingested" / "canary.pb").exists(), 60, "the canary file to be ingested")
-        peak = _peak_rss(collector.proc.pid)
+        peak = proc_status(collector.proc.pid, "VmHWM")
         assert collector.stop() == 0
     finally:
         observer.stop()
