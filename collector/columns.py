@@ -96,6 +96,11 @@ class Columns:
                 for rid, inst, t_ns, source, fingerprint, hashes in self.rows(name)
                 for index, value in enumerate(hashes)]
 
+    def counted(self, nbytes: int) -> None:
+        """Take ``nbytes`` as ``nbytes`` of the tables as they are: a count their builder made (the
+        compiled decoder's, collector/fastpath.py)."""
+        self._nbytes = (self.tables, nbytes)
+
     @property
     def nbytes(self) -> int:
         """Memory the tables' buffers hold (their total size; Table.nbytes, which counts only the

@@ -188,19 +188,22 @@ static PyObject *bytearray_of(const buf_t *b) {
     return PyByteArray_FromStringAndSize((const char *)(b->p ? b->p : EMPTY_TEXT), (Py_ssize_t)b->n);
 }
 
-/* (spans, keys, [(table, array capsule, its address, origin), ...]) for the non-empty tables. No
+/* (spans, keys, [(table, array capsule, its address, origin), ...], bytes) for the non-empty tables,
+ * bytes being what pyarrow counts for the tables' buffers (Columns.nbytes; get_total_buffer_size took
+ * 0.16 ms an engine batch, with the GIL, issue 17). No
  * schema: the Python side imports each array with its table's schema, which it compared with
  * schemas() once (collector/fastpath.py); building and importing one per call cost 0.15-0.2 us a
  * span (issue 17). */
 static PyObject *result_of(decoder_t *d) {
     PyObject *tables = PyList_New(0);
+    int64_t bytes = 0;
     for (int i = 0; tables && i < T_COUNT; i++) {
         table_t *t = &d->tables[i];
         if (!t->rows) continue;
         PyObject *entry = PyTuple_New(4);
         if (entry) {
             PyTuple_SET_ITEM(entry, 0, PyUnicode_FromString(t->name));
-            PyObject *array = table_array_capsule(t);
+            PyObject *array = table_array_capsule(t, &bytes);
             PyTuple_SET_ITEM(entry, 1, array);
             PyTuple_SET_ITEM(entry, 2, array ? PyLong_FromVoidPtr(PyCapsule_GetPointer(array, "arrow_array")) : NULL);
             PyTuple_SET_ITEM(entry, 3, bytearray_of(&t->origin));
@@ -225,7 +228,7 @@ static PyObject *result_of(decoder_t *d) {
         Py_DECREF(tables);
         return NULL;
     }
-    return Py_BuildValue("(iNN)", d->span_index, keys, tables);
+    return Py_BuildValue("(iNNL)", d->span_index, keys, tables, (long long)bytes);
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
@@ -296,7 +299,7 @@ static PyMethodDef METHODS[] = {
     {"configure", configure, METH_VARARGS,
      "configure(contract, expanded, legacy, lifecycle, fallback): the names decode() needs."},
     {"decode", decode, METH_VARARGS,
-     "decode(body, max_value_length) -> (spans, keys, [(table, array capsule, its address, origin)]) or None "
+     "decode(body, max_value_length) -> (spans, keys, [(table, array capsule, its address, origin)], bytes) or None "
      "(use the Python normalizer)."},
     {"schemas", schemas, METH_NOARGS, "schemas() -> [(table, schema capsule)] of every table decode() writes."},
     {NULL, NULL, 0, NULL},

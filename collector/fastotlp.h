@@ -254,9 +254,10 @@ int elem_f64(column_t *c, double v);
 int row_end(table_t *t, int32_t origin);
 
 /* The table's schema and rows as the Arrow C data interface's PyCapsules ("arrow_schema",
- * "arrow_array"); the rows' buffers move into the array (zero-copy for the consumer). */
+ * "arrow_array"); the rows' buffers move into the array (zero-copy for the consumer), and the bytes
+ * pyarrow counts for them (Table.get_total_buffer_size) are added to `*bytes`. */
 void *table_schema_capsule(const table_t *t);
-void *table_array_capsule(table_t *t);
+void *table_array_capsule(table_t *t, int64_t *bytes);
 
 /* --- the decoder's state for one request ---------------------------------------------------------- */
 enum table_id {

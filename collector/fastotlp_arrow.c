@@ -399,21 +399,32 @@ static int give(owned_t *own, int slot, buf_t *b) {
     return 0;
 }
 
-static int array_of_column(struct ArrowArray *a, column_t *c) {
+/* Add to `bytes` what pyarrow counts for the buffers a column exports (its list's child apart): the
+ * sizes an importer gives them from the array's length (a bitmap of length bits; length values, or
+ * offsets past the first and the characters the last one ends at). Those are the bytes the builder
+ * wrote, except the null bitmap, which it makes whole bytes and 64 at least (column_valid). */
+static void count_buffers(const column_t *c, int64_t *bytes) {
+    if (c->nulls) *bytes += (c->length + 7) / 8;
+    *bytes += (int64_t)c->data.n;
+    if (c->type == COL_STR) *bytes += (int64_t)c->chars.n;
+}
+
+static int array_of_column(struct ArrowArray *a, column_t *c, int64_t *bytes) {
     int list = is_list(c->type);
     TRY(array_fill(a, c->length, c->type == COL_STR ? 3 : 2, list ? 1 : 0));
+    count_buffers(c, bytes);
     owned_t *own = a->private_data;
     a->null_count = c->nulls;
     if (c->nulls) TRY(give(own, 0, &c->valid));
     TRY(give(own, 1, &c->data));
     if (c->type == COL_STR) TRY(give(own, 2, &c->chars));
-    if (list) TRY(array_of_column(a->children[0], c->child));
+    if (list) TRY(array_of_column(a->children[0], c->child, bytes));
     return 0;
 }
 
-static int array_of_table(struct ArrowArray *a, table_t *t) {
+static int array_of_table(struct ArrowArray *a, table_t *t, int64_t *bytes) {
     TRY(array_fill(a, t->rows, 1, t->ncols));
-    for (int i = 0; i < t->ncols; i++) TRY(array_of_column(a->children[i], &t->cols[i]));
+    for (int i = 0; i < t->ncols; i++) TRY(array_of_column(a->children[i], &t->cols[i], bytes));
     return 0;
 }
 
@@ -445,10 +456,10 @@ void *table_schema_capsule(const table_t *t) {
     return capsule;
 }
 
-void *table_array_capsule(table_t *t) {
+void *table_array_capsule(table_t *t, int64_t *bytes) {
     struct ArrowArray *a = calloc(1, sizeof *a);
     if (!a) return NULL;
-    if (array_of_table(a, t) < 0) {
+    if (array_of_table(a, t, bytes) < 0) {
         if (a->release) a->release(a);
         free(a);
         return NULL;

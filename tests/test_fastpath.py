@@ -286,6 +286,19 @@ def test_a_group_of_batches_counts_the_bytes_its_parts_counted():
     assert group.nbytes == sum(rows.get_total_buffer_size() for rows in group.tables.values()) < recount
 
 
+def test_the_decoder_counts_the_bytes_pyarrow_counts():
+    """The decoder gives the byte count of the tables it exports (Columns.nbytes, charged against
+    the byte budget until the rows are merged): the count pyarrow makes of the imported buffers,
+    for batches with nulls, lists, odd values, one span and thousands."""
+    rng = random.Random(SEED + 4)
+    bodies = [engine_request(rng).SerializeToString() for _ in range(30)]
+    bodies += [one_span().SerializeToString(), engine_request(rng, requests=300, odd=True).SerializeToString()]
+    for body in bodies:
+        got = fastpath.decode(body, MAX)
+        assert got is not None and got._nbytes is not None  # counted by the decoder, not recounted below
+        assert got.nbytes == sum(rows.get_total_buffer_size() for rows in got.tables.values()) > 0
+
+
 def test_threads_decoding_at_once_get_what_one_thread_gets():
     """The decoder holds no GIL while it walks a body (collector/ingest.py decodes on several threads
     of the collector's process): bodies decoded by twelve threads at once, each many times, equal
