@@ -188,39 +188,53 @@ static PyObject *bytearray_of(const buf_t *b) {
     return PyByteArray_FromStringAndSize((const char *)(b->p ? b->p : EMPTY_TEXT), (Py_ssize_t)b->n);
 }
 
-/* (spans, keys, [(table, array capsule, its address, origin), ...], bytes) for the non-empty tables,
- * bytes being what pyarrow counts for the tables' buffers (Columns.nbytes; get_total_buffer_size took
- * 0.16 ms an engine batch, with the GIL, issue 17). No
+/* Each non-empty table's rows as an exported array (exported[i]; NULL for an empty table), the bytes
+ * pyarrow counts for them added to `*bytes`, each table's sizes remembered for the next request. C
+ * only: run without the GIL. -1, with every array it made released, if memory runs out. */
+static int export_tables(decoder_t *d, void *exported[T_COUNT], int64_t *bytes) {
+    for (int i = 0; i < T_COUNT; i++) {
+        exported[i] = NULL;
+        table_remember(&d->tables[i], &d->hints[i]);
+        if (d->tables[i].rows && !(exported[i] = table_export(&d->tables[i], bytes))) {
+            for (int k = 0; k < i; k++) table_export_free(exported[k]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* (spans, keys, [(table, array capsule, its address, origin), ...], bytes) for the exported tables,
+ * bytes being what pyarrow counts for their buffers (Columns.nbytes; get_total_buffer_size took
+ * 0.16 ms an engine batch, with the GIL, issue 17); NULL, with every array released, on failure. No
  * schema: the Python side imports each array with its table's schema, which it compared with
  * schemas() once (collector/fastpath.py); building and importing one per call cost 0.15-0.2 us a
  * span (issue 17). */
-static PyObject *result_of(decoder_t *d) {
+static PyObject *result_of(decoder_t *d, void *exported[T_COUNT], int64_t bytes) {
     PyObject *tables = PyList_New(0);
-    int64_t bytes = 0;
-    for (int i = 0; tables && i < T_COUNT; i++) {
-        table_t *t = &d->tables[i];
-        if (!t->rows) continue;
-        PyObject *entry = PyTuple_New(4);
+    for (int i = 0; i < T_COUNT; i++) {
+        if (!exported[i]) continue;
+        if (!tables) {  /* an earlier table failed: release the rest */
+            table_export_free(exported[i]);
+            continue;
+        }
+        PyObject *array = array_capsule(exported[i]);  /* on failure it released the array */
+        PyObject *entry = array ? PyTuple_New(4) : NULL;
         if (entry) {
-            PyTuple_SET_ITEM(entry, 0, PyUnicode_FromString(t->name));
-            PyObject *array = table_array_capsule(t, &bytes);
+            PyTuple_SET_ITEM(entry, 0, PyUnicode_FromString(d->tables[i].name));
             PyTuple_SET_ITEM(entry, 1, array);
-            PyTuple_SET_ITEM(entry, 2, array ? PyLong_FromVoidPtr(PyCapsule_GetPointer(array, "arrow_array")) : NULL);
-            PyTuple_SET_ITEM(entry, 3, bytearray_of(&t->origin));
+            PyTuple_SET_ITEM(entry, 2, PyLong_FromVoidPtr(exported[i]));
+            PyTuple_SET_ITEM(entry, 3, bytearray_of(&d->tables[i].origin));
             for (int k = 0; k < 4; k++) {
                 if (!PyTuple_GET_ITEM(entry, k)) {  /* a tuple with empty slots frees the rest */
                     Py_CLEAR(entry);
                     break;
                 }
             }
+        } else {
+            Py_XDECREF(array);
         }
-        if (!entry) {
-            Py_CLEAR(tables);
-            break;
-        }
-        int rc = PyList_Append(tables, entry);
-        Py_DECREF(entry);
-        if (rc < 0) Py_CLEAR(tables);
+        if (!entry || PyList_Append(tables, entry) < 0) Py_CLEAR(tables);
+        Py_XDECREF(entry);
     }
     if (!tables) return NULL;
     PyObject *keys = bytearray_of(&d->keys);
@@ -231,6 +245,9 @@ static PyObject *result_of(decoder_t *d) {
     return Py_BuildValue("(iNNL)", d->span_index, keys, tables, (long long)bytes);
 }
 
+/* The GIL is released while the decoder reserves its tables, walks the body and exports the rows
+ * (everything but the Python objects of the result): held through all of it but the walk, the call
+ * was 9 % of the samples py-spy took of the thread holding the GIL under load (issue 17). */
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer body;
     PyObject *limit;
@@ -243,17 +260,17 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     decoder_t *d = NULL;
     if (CONFIG.ready && max_len >= 0)  /* taken under the GIL: no other call holds it until it is back */
         d = pooled ? pool[--pooled] : calloc(1, sizeof *d);
-    if (d && decoder_start(d, max_len) == 0) {
+    if (d) {
         view_t whole = {body.buf ? (const uint8_t *)body.buf : EMPTY_TEXT, (size_t)body.len};
-        int rc;
+        void *exported[T_COUNT];
+        int64_t bytes = 0;
+        int started, rc = -1;
         Py_BEGIN_ALLOW_THREADS
-        rc = decode_request(d, whole);
+        started = decoder_start(d, max_len);
+        if (started == 0 && decode_request(d, whole) == 0) rc = export_tables(d, exported, &bytes);
         Py_END_ALLOW_THREADS
-        if (rc == 0) {
-            for (int i = 0; i < T_COUNT; i++) table_remember(&d->tables[i], &d->hints[i]);
-            result = result_of(d);
-        }
-        decoder_end(d);
+        if (rc == 0) result = result_of(d, exported, bytes);
+        if (started == 0) decoder_end(d);
     }
     if (d && pooled < POOL_MAX)
         pool[pooled++] = d;

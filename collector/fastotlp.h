@@ -253,11 +253,16 @@ int elem_i64_all(column_t *c, const int64_t *values, size_t n);
 int elem_f64(column_t *c, double v);
 int row_end(table_t *t, int32_t origin);
 
-/* The table's schema and rows as the Arrow C data interface's PyCapsules ("arrow_schema",
- * "arrow_array"); the rows' buffers move into the array (zero-copy for the consumer), and the bytes
- * pyarrow counts for them (Table.get_total_buffer_size) are added to `*bytes`. */
+/* The table's schema as the Arrow C data interface's PyCapsule ("arrow_schema"). */
 void *table_schema_capsule(const table_t *t);
-void *table_array_capsule(table_t *t, int64_t *bytes);
+/* The table's rows as an Arrow C data interface array (a struct ArrowArray, NULL if out of memory),
+ * without Python: the rows' buffers move into it (zero-copy for the consumer), and the bytes pyarrow
+ * counts for them (Table.get_total_buffer_size) are added to `*bytes`. table_export_free releases an
+ * array no capsule took; array_capsule hands it to a PyCapsule ("arrow_array"; with the GIL), which
+ * releases it when freed, or releases it and returns NULL. */
+void *table_export(table_t *t, int64_t *bytes);
+void table_export_free(void *exported);
+void *array_capsule(void *exported);
 
 /* --- the decoder's state for one request ---------------------------------------------------------- */
 enum table_id {

@@ -456,18 +456,24 @@ void *table_schema_capsule(const table_t *t) {
     return capsule;
 }
 
-void *table_array_capsule(table_t *t, int64_t *bytes) {
+void *table_export(table_t *t, int64_t *bytes) {
     struct ArrowArray *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     if (array_of_table(a, t, bytes) < 0) {
-        if (a->release) a->release(a);
-        free(a);
+        table_export_free(a);
         return NULL;
     }
-    PyObject *capsule = PyCapsule_New(a, "arrow_array", array_capsule_free);
-    if (!capsule) {
-        a->release(a);
-        free(a);
-    }
+    return a;
+}
+
+void table_export_free(void *exported) {
+    struct ArrowArray *a = exported;
+    if (a && a->release) a->release(a);
+    free(a);
+}
+
+void *array_capsule(void *exported) {
+    PyObject *capsule = PyCapsule_New(exported, "arrow_array", array_capsule_free);
+    if (!capsule) table_export_free(exported);
     return capsule;
 }
