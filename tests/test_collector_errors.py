@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 
+import httpx
 import pytest
 from google.protobuf import json_format
 from google.rpc import status_pb2
@@ -134,6 +135,18 @@ def test_bad_input_gets_its_status_and_message(collector, ledger, caption, body,
     assert response.status_code == status, response.text
     assert fragment in _message(response)
     ledger["stored"] += stored
+    _send_good(collector, ledger)
+
+
+def test_other_methods_on_the_receivers_path_get_the_apis_405(collector, ledger):
+    """Only POST goes straight to the receiver (collector/app.py, ReceiverFirst): GET and PUT of
+    /v1/traces still reach the app's route and get its 405 envelope, and store nothing."""
+    _send_good(collector, ledger)
+    for method in ("GET", "PUT"):
+        response = httpx.request(method, collector.url + "/v1/traces", content=make_request(2).SerializeToString(),
+                                 headers={"Content-Type": PB}, timeout=30)
+        assert response.status_code == 405, (method, response.text)
+        assert response.json()["error"]["code"] == "method_not_allowed"
     _send_good(collector, ledger)
 
 
