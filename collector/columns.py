@@ -97,8 +97,8 @@ class Columns:
                 for index, value in enumerate(hashes)]
 
     def counted(self, nbytes: int) -> None:
-        """Take ``nbytes`` as ``nbytes`` of the tables as they are: a count their builder made (the
-        compiled decoder's, collector/fastpath.py)."""
+        """Take ``nbytes`` as the tables' byte count (``nbytes``) while they stay as they are: a
+        count their builder made (the compiled decoder's, collector/fastpath.py)."""
         self._nbytes = (self.tables, nbytes)
 
     @property
