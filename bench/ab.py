@@ -135,7 +135,6 @@ def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settin
             "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak}
 
 
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", type=parse_variant, action="append", required=True,

@@ -50,6 +50,8 @@ from tokentrace.wire import SPOOL_FILE_HEADER, SPOOL_FILE_NAME
 log = logging.getLogger("tokentrace.collector")
 _GRPC_CODE = {400: 3, 401: 16, 404: 5, 413: 8, 415: 3, 503: 14, 500: 13}  # HTTP -> google.rpc.Code
 TOKEN_COOKIE = "tokentrace_token"
+#: The OTLP/HTTP receiver's path (its POST goes to the receiver past FastAPI's routing: ReceiverFirst).
+TRACES_PATH = "/v1/traces"
 #: Seconds a failed write keeps /healthz unavailable by itself (issue 11: tell the truth, and recover).
 RECENT_WRITE_ERROR_S = 10.0
 
@@ -164,7 +166,7 @@ class ReceiverFirst:
         self.receiver = receiver
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/traces":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == TRACES_PATH:
             response = await self.receiver(Request(scope, receive, send))
             await response(scope, receive, send)
         else:
@@ -365,7 +367,7 @@ def create_app(collector: Collector) -> FastAPI:
     app.state.reader = collector.store
     _install_error_handlers(app)
 
-    @app.post("/v1/traces")
+    @app.post(TRACES_PATH)
     async def receive_traces(request: Request) -> Response:
         encoding, hold, limit = None, Hold(collector.budget), collector.config.max_body_bytes
         try:
