@@ -11,7 +11,14 @@ how much of it the COMMIT (DuckDB's checkpoints among them) and the first-new-bl
 collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it,
 and a run must span several checkpoints (one per 256 MB of WAL, ~310k engine spans) to show them.
 
+``--spans`` measures what the ``spans`` rows cost the merge, beside the store as it is (``all``):
+``lean`` gives it every row with ``attributes`` and ``resource`` empty (NULL), ``none`` no rows at
+all (the typed tables as they are). Neither is what the store may keep (what a sender sent is
+stored as sent): they bound what a leaner row for contract spans could save (docs/benchmarks.md,
+Issue 17, seventeenth round). Each variant's rows are prepared before its merges are timed.
+
     python bench/merge.py [--batches 3000] [--groups 60,150] [--rounds 3] [--memory-limit BYTES]
+                          [--spans all,lean,none]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import pyarrow as pa
 from ingest import _parse, make_bodies
 
 from tokentrace.collector import frontier, journal
@@ -70,6 +78,29 @@ class _TimedCommit:
         return getattr(self.cursor, name)
 
 
+#: What a merge gives the ``spans`` table (``--spans``, module docstring).
+SPANS_VARIANTS = ("all", "lean", "none")
+#: The columns ``lean`` leaves empty: a contract span's attribute and resource objects.
+_LEAN_EMPTY = ("attributes", "resource")
+
+
+def spans_as(columns, how: str):
+    """``columns`` with its ``spans`` rows as ``how`` says (``SPANS_VARIANTS``); the rest unchanged."""
+    if how == "all":
+        return columns
+    tables = dict(columns.tables)
+    if how == "none":
+        tables.pop("spans", None)
+    elif "spans" in tables:
+        spans = tables["spans"]
+        for name in _LEAN_EMPTY:
+            at = spans.schema.get_field_index(name)
+            field = spans.schema.field(at)
+            spans = spans.set_column(at, field, pa.nulls(spans.num_rows, field.type))
+        tables["spans"] = spans
+    return dataclasses.replace(columns, tables=tables)
+
+
 def run(columns: list, group: int, folder: Path, memory_limit: int) -> tuple[float, float, float]:
     """(merge CPU, COMMIT CPU, frontier CPU) in microseconds per span, appending ``columns``
     ``group`` at a time."""
@@ -101,23 +132,31 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-limit", type=int, default=COLLECTOR_MEMORY,
                         help="DuckDB's memory_limit in bytes (default: the collector's --store-memory-bytes)")
+    parser.add_argument("--spans", default="all",
+                        help=f"what the spans table gets, comma-separated from {', '.join(SPANS_VARIANTS)}")
     args = parser.parse_args()
     groups = [int(text) for text in args.groups.split(",")]
-    columns = [dataclasses.replace(_parse(body), sources=None) for body, _ in make_bodies(3000, 512)[:args.batches]]
-    spans = sum(part.spans for part in columns)
-    print(f"{len(columns)} batches, {spans:,} engine spans; merges of {', '.join(str(g) for g in groups)} batches "
-          f"({', '.join(f'~{spans * g // len(columns):,}' for g in groups)} spans), {args.rounds} rounds")
-    results: dict[int, list[tuple[float, float, float]]] = {group: [] for group in groups}
-    for _ in range(args.rounds):
-        for group in groups:
+    variants = args.spans.split(",")
+    if unknown := sorted(set(variants) - set(SPANS_VARIANTS)):
+        parser.error(f"--spans takes {', '.join(SPANS_VARIANTS)}, not {', '.join(unknown)}")
+    decoded = [dataclasses.replace(_parse(body), sources=None) for body, _ in make_bodies(3000, 512)[:args.batches]]
+    spans = sum(part.spans for part in decoded)
+    print(f"{len(decoded)} batches, {spans:,} engine spans; merges of {', '.join(str(g) for g in groups)} batches "
+          f"({', '.join(f'~{spans * g // len(decoded):,}' for g in groups)} spans), spans rows: "
+          f"{', '.join(variants)}; {args.rounds} rounds")
+    cases = [(group, how) for group in groups for how in variants]
+    results: dict[tuple[int, str], list[tuple[float, float, float]]] = {case: [] for case in cases}
+    for turn in range(args.rounds):
+        for group, how in cases if turn % 2 == 0 else cases[::-1]:  # drift moves every case alike
+            columns = [spans_as(part, how) for part in decoded]
             with tempfile.TemporaryDirectory() as tmp:
-                results[group].append(run(columns, group, Path(tmp), args.memory_limit))
-    first = statistics.median(cpu for cpu, _, _ in results[groups[0]])
-    for group in groups:
-        cpu, commit, frontiers = (statistics.median(values) for values in zip(*results[group], strict=True))
-        each = ", ".join(f"{value:.2f}" for value, _, _ in results[group])
-        print(f"  {group:4d} batches a merge: {cpu:6.2f} us/span merge CPU (rounds: {each}), COMMIT {commit:5.2f}, "
-              f"frontiers {frontiers:5.2f}; ratio {cpu / first:.2f}")
+                results[group, how].append(run(columns, group, Path(tmp), args.memory_limit))
+    first = statistics.median(cpu for cpu, _, _ in results[cases[0]])
+    for group, how in cases:
+        cpu, commit, frontiers = (statistics.median(values) for values in zip(*results[group, how], strict=True))
+        each = ", ".join(f"{value:.2f}" for value, _, _ in results[group, how])
+        print(f"  {group:4d} batches a merge, spans {how:4s}: {cpu:6.2f} us/span merge CPU (rounds: {each}), "
+              f"COMMIT {commit:5.2f}, frontiers {frontiers:5.2f}; ratio {cpu / first:.2f}")
     return 0
 
 
