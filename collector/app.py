@@ -370,13 +370,16 @@ def create_app(collector: Collector) -> FastAPI:
     @app.post(TRACES_PATH)
     async def receive_traces(request: Request) -> Response:
         encoding, hold, limit = None, Hold(collector.budget), collector.config.max_body_bytes
+        began = time.perf_counter()
         try:
             encoding = encoding_for(request.headers.get("content-type"))
             body = await _read_body(request, limit, hold)
+            read = time.perf_counter()
             spool = _spool_record(request, body)
             payload = await _inflate(body, request.headers.get("content-encoding"), limit, hold)
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(payload, encoding)
+            decoded = time.perf_counter()
             # Once stored, the store releases what it still holds of the batch (collector/budget.py).
             await asyncio.wrap_future(collector.queue.submit(batch, spool, on_stored=hold.release))
         except TokentraceError as exc:
@@ -390,6 +393,7 @@ def create_app(collector: Collector) -> FastAPI:
             hold.release()
             raise
         hold.keep(batch.nbytes)
+        collector.counters.time_request(read - began, decoded - read, time.perf_counter() - decoded)
         return Response(encode_response(encoding, batch.rejected, batch.message()),
                         media_type=encoding.media_type)
 

@@ -28,9 +28,16 @@ from tokentrace.errors import PayloadError, TokentraceError
 log = logging.getLogger("tokentrace.collector")
 
 
+#: Where an acknowledged request's time went in the receiver, in order: its body received
+#: (``read``); inflated, waiting for a decoding thread, decoded and checked (``decode``); with the
+#: writer: exactly-once check, journal and its fdatasync, until acknowledged (``store``).
+RECEIVER_STAGES = ("read", "decode", "store")
+
+
 class Counters:
-    """Thread-safe ingest counters: accepted spans, rejects by reason, refused spans by reason and
-    typed values left out by reason."""
+    """Thread-safe ingest counters: accepted spans, rejects by reason, refused spans by reason,
+    typed values left out by reason, and the seconds acknowledged requests spent in each stage of
+    the receiver (``RECEIVER_STAGES``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -39,6 +46,8 @@ class Counters:
         self.rejected: Counter[str] = Counter()
         self.invalid_spans: Counter[str] = Counter()
         self.values_left_out: Counter[str] = Counter()
+        self.timed_requests = 0
+        self.stage_seconds = dict.fromkeys(RECEIVER_STAGES, 0.0)
 
     def reject(self, reason: str, count: int = 1) -> None:
         """Count ``count`` rejects for ``reason`` (a snake_case name, e.g. ``malformed``)."""
@@ -57,12 +66,21 @@ class Counters:
             self.accepted_spans += spans
             self.duplicate_spans += duplicates
 
+    def time_request(self, *seconds: float) -> None:
+        """Add one acknowledged request's seconds in each stage, in ``RECEIVER_STAGES`` order."""
+        with self._lock:
+            self.timed_requests += 1
+            for stage, spent in zip(RECEIVER_STAGES, seconds, strict=True):
+                self.stage_seconds[stage] += spent
+
     def snapshot(self) -> dict:
         """A JSON-ready copy."""
         with self._lock:
             return {"accepted_spans": self.accepted_spans, "duplicate_spans": self.duplicate_spans,
                     "rejected": dict(self.rejected), "invalid_spans": dict(self.invalid_spans),
-                    "values_left_out": dict(self.values_left_out)}
+                    "values_left_out": dict(self.values_left_out),
+                    "receiver": {"requests": self.timed_requests,
+                                 "seconds": {stage: round(spent, 6) for stage, spent in self.stage_seconds.items()}}}
 
 
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
