@@ -261,6 +261,13 @@ def main() -> int:
           f"({acked / max(1, len(latencies)):,.0f} spans each); {llm_requests / elapsed:,.0f} LLM requests/s "
           "(llm.request spans stored)")
     print(f"visible:   everything acknowledged was in the tables {lag * 1000:.0f} ms after the last acknowledgement")
+    receiver = health.get("receiver") or {}
+    if receiver.get("requests"):
+        # Where a request waited (collector/ingest.py RECEIVER_STAGES): a stage much longer than its CPU
+        # (µs per span above, spread over threads) is a wait for a core.
+        stages = ", ".join(f"{stage} {spent / receiver['requests'] * 1000:.1f} ms"
+                           for stage, spent in receiver["seconds"].items())
+        print(f"stages:    a request, on average in the collector: {stages}")
     print(f"rejected:  {health['rejected']}")
     return 0 if stored >= acked else 1
 
