@@ -95,6 +95,10 @@ SERIES = {
     "tokentrace_ingest_queue_batches": ("gauge", "Batches waiting for the writer."),
     "tokentrace_ingest_queue_capacity": ("gauge", "Batches the write queue holds before senders get 503."),
     "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
+    "tokentrace_receiver_requests": (
+        "counter", "OTLP requests acknowledged; tokentrace_receiver_seconds holds where their time went."),
+    "tokentrace_receiver_seconds": (
+        "counter", "Seconds acknowledged OTLP requests spent being read, decoded and written, by stage."),
 }
 MAX_PENDING_VERDICTS = 50_000
 #: Share of one core the verdict thread takes while the writer is committing batches: verdicts
@@ -492,6 +496,13 @@ class MetricsState:
         for key in ("queue_batches", "queue_capacity", "queue_bytes"):
             if ingest.get(key) is not None:
                 samples[f"tokentrace_ingest_{key}"].append(_sample(f"tokentrace_ingest_{key}", (), ingest[key]))
+        receiver = ingest.get("receiver")
+        if receiver:  # collector/ingest.py RECEIVER_STAGES
+            samples["tokentrace_receiver_requests"].append(
+                _sample("tokentrace_receiver_requests_total", (), receiver["requests"]))
+            for stage, spent in receiver["seconds"].items():
+                samples["tokentrace_receiver_seconds"].append(
+                    _sample("tokentrace_receiver_seconds_total", (("stage", stage),), spent))
         out = []
         for name, (kind, help_text) in SERIES.items():
             if samples.get(name):
