@@ -261,8 +261,8 @@ def main() -> int:
           f"({acked / max(1, len(latencies)):,.0f} spans each); {llm_requests / elapsed:,.0f} LLM requests/s "
           "(llm.request spans stored)")
     print(f"visible:   everything acknowledged was in the tables {lag * 1000:.0f} ms after the last acknowledgement")
-    receiver = health.get("receiver") or {}
-    if receiver.get("requests"):
+    receiver = health["receiver"]
+    if receiver["requests"]:
         # Where a request waited (collector/ingest.py RECEIVER_STAGES): a stage much longer than its CPU
         # (µs per span above, spread over threads) is a wait for a core.
         stages = ", ".join(f"{stage} {spent / receiver['requests'] * 1000:.1f} ms"
