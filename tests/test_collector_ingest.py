@@ -12,7 +12,7 @@ import golden
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from tokentrace.collector.ingest import RECEIVER_STAGES
+from tokentrace.collector.ingest import RECEIVER_BUCKETS, RECEIVER_STAGES
 from tokentrace.collector.normalize import EXPANDED, TABLES
 from tokentrace.collector.otlp import Encoding, decode
 
@@ -152,23 +152,31 @@ def test_payloads_are_decoded_on_threads_niced_by_decode_nice(collector_factory,
 
 
 def test_healthz_says_where_acknowledged_requests_spent_their_time(collector_factory):
-    """/healthz's ``receiver``: how many requests were acknowledged and the seconds they spent
-    being read, decoded and written (ingest.RECEIVER_STAGES; bench/ingest.py reports them); a
-    refused request is not among them, and the stages lie inside each request's round trip."""
+    """/healthz's ``receiver``: how many requests were acknowledged, the seconds they spent being
+    read, decoded and written (ingest.RECEIVER_STAGES; bench/ingest.py reports them) and how many
+    took how long (ingest.RECEIVER_BUCKETS, /metrics' histograms); a refused request is not among
+    them, and the stages lie inside each request's round trip."""
     collector = collector_factory().start()
     fixture = golden.load("golden_engine_trace.json")
     bodies = [golden.encode(fixture, time.time_ns() - 10**10 + i * 10**6)[0] for i in range(5)]
-    round_trips = 0.0
+    round_trips = []
     for body in bodies:
         began = time.perf_counter()
         assert collector.post(body, "application/x-protobuf").status_code == 200
-        round_trips += time.perf_counter() - began
+        round_trips.append(time.perf_counter() - began)
     assert collector.post(b"\xff not protobuf", "application/x-protobuf").status_code == 400
     receiver = collector.health()["receiver"]
     assert receiver["requests"] == len(bodies)
     assert set(receiver["seconds"]) == set(RECEIVER_STAGES)
     assert all(spent > 0 for spent in receiver["seconds"].values()), receiver
-    assert sum(receiver["seconds"].values()) <= round_trips, receiver
+    assert sum(receiver["seconds"].values()) <= sum(round_trips), receiver
+    assert receiver["le"] == list(RECEIVER_BUCKETS) and set(receiver["counts"]) == {"request", *RECEIVER_STAGES}
+    for counts in receiver["counts"].values():
+        assert len(counts) == len(RECEIVER_BUCKETS) + 1 and sum(counts) == len(bodies), receiver
+    # A request took at least as long as each of its stages, and less than its round trip.
+    slowest = {name: max(i for i, n in enumerate(counts) if n) for name, counts in receiver["counts"].items()}
+    assert all(slowest["request"] >= slowest[stage] for stage in RECEIVER_STAGES), receiver
+    assert slowest["request"] == 0 or RECEIVER_BUCKETS[slowest["request"] - 1] < max(round_trips), receiver
 
 
 def test_handwritten_json_and_its_protobuf_twin_store_the_same_rows(collector_factory):
