@@ -95,10 +95,10 @@ SERIES = {
     "tokentrace_ingest_queue_batches": ("gauge", "Batches waiting for the writer."),
     "tokentrace_ingest_queue_capacity": ("gauge", "Batches the write queue holds before senders get 503."),
     "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
-    "tokentrace_receiver_requests": (
-        "counter", "OTLP requests acknowledged; tokentrace_receiver_seconds holds where their time went."),
-    "tokentrace_receiver_seconds": (
-        "counter", "Seconds acknowledged OTLP requests spent being read, decoded and written, by stage."),
+    "tokentrace_receiver_request_seconds": (
+        "histogram", "Seconds from receiving an OTLP request to acknowledging it (acknowledged requests)."),
+    "tokentrace_receiver_stage_seconds": (
+        "histogram", "Seconds acknowledged OTLP requests spent being read, decoded and written, by stage."),
 }
 MAX_PENDING_VERDICTS = 50_000
 #: Share of one core the verdict thread takes while the writer is committing batches: verdicts
@@ -477,12 +477,7 @@ class MetricsState:
         for (name, labels), value in gauges.items():
             samples[name].append(_sample(name, labels, value))
         for (name, labels), (bounds, counts, total) in histograms.items():
-            cumulative = np.cumsum(counts)
-            lines = [_sample(name + "_bucket", (*labels, ("le", _number(b))), cumulative[i])
-                     for i, b in enumerate(bounds)]
-            lines.append(_sample(name + "_bucket", (*labels, ("le", "+Inf")), cumulative[-1]))
-            lines += [_sample(name + "_sum", labels, total), _sample(name + "_count", labels, cumulative[-1])]
-            samples[name].append("\n".join(lines))
+            samples[name].append(_histogram(name, labels, bounds, counts, total))
         for instance, (engine, version, host) in info.items():
             labels = (*self._labels(instance), ("engine_kind", engine), ("engine_version", version),
                       ("host_name", host))
@@ -497,18 +492,29 @@ class MetricsState:
             if ingest.get(key) is not None:
                 samples[f"tokentrace_ingest_{key}"].append(_sample(f"tokentrace_ingest_{key}", (), ingest[key]))
         receiver = ingest.get("receiver")
-        if receiver:  # collector/ingest.py RECEIVER_STAGES
-            samples["tokentrace_receiver_requests"].append(
-                _sample("tokentrace_receiver_requests_total", (), receiver["requests"]))
-            for stage, spent in receiver["seconds"].items():
-                samples["tokentrace_receiver_seconds"].append(
-                    _sample("tokentrace_receiver_seconds_total", (("stage", stage),), spent))
+        if receiver:  # collector/ingest.py: RECEIVER_STAGES, RECEIVER_BUCKETS
+            bounds, counts, seconds = receiver["le"], receiver["counts"], receiver["seconds"]
+            samples["tokentrace_receiver_request_seconds"].append(_histogram(
+                "tokentrace_receiver_request_seconds", (), bounds, counts["request"], sum(seconds.values())))
+            for stage, spent in seconds.items():
+                samples["tokentrace_receiver_stage_seconds"].append(_histogram(
+                    "tokentrace_receiver_stage_seconds", (("stage", stage),), bounds, counts[stage], spent))
         out = []
         for name, (kind, help_text) in SERIES.items():
             if samples.get(name):
                 family = name + "_total" if kind == "counter" else name  # text format 0.0.4 names counters so
                 out += [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}", *sorted(samples[name])]
         return "\n".join(out) + "\n"
+
+
+def _histogram(name: str, labels: tuple, bounds, counts, total: float) -> str:
+    """A histogram's samples: cumulative buckets (``counts`` per bucket, the last past the largest
+    bound), its sum and its count."""
+    cumulative = np.cumsum(counts)
+    lines = [_sample(name + "_bucket", (*labels, ("le", _number(b))), cumulative[i]) for i, b in enumerate(bounds)]
+    lines.append(_sample(name + "_bucket", (*labels, ("le", "+Inf")), cumulative[-1]))
+    lines += [_sample(name + "_sum", labels, total), _sample(name + "_count", labels, cumulative[-1])]
+    return "\n".join(lines)
 
 
 def _counts(frame: pl.DataFrame, column: str) -> list[tuple[tuple, int]]:

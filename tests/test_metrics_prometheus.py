@@ -140,10 +140,23 @@ def test_gauges_series_and_labels(scraped):
     assert set(instances) == {"engine-a", "engine-b"} and all(0 <= v <= 1 for v in instances.values())
     info = prom.query("tokentrace_instance_info")
     assert {row["metric"]["engine_kind"] for row in info} == {"mlx-lm"}
-    # Where the engines' acknowledged exports spent their time in the receiver (two engines exported).
-    assert float(prom.query("tokentrace_receiver_requests_total")[0]["value"][1]) >= 2
-    stages = _by(prom.query("tokentrace_receiver_seconds_total"), "stage")
+    # How long the engines' acknowledged exports took in the receiver, and in which stage (two
+    # engines exported): histograms whose counts agree and whose quantiles Prometheus computes.
+    # Engines keep exporting heartbeats, so each comparison is one expression: one scrape's values.
+    assert float(prom.query("tokentrace_receiver_request_seconds_count")[0]["value"][1]) >= 2
+    stages = _by(prom.query("tokentrace_receiver_stage_seconds_sum"), "stage")
     assert set(stages) == {"read", "decode", "store"} and all(v > 0 for v in stages.values()), stages
+    every_stage_counted = prom.query("tokentrace_receiver_stage_seconds_count - ignoring(stage) group_left "
+                                     "tokentrace_receiver_request_seconds_count")
+    assert _by(every_stage_counted, "stage") == dict.fromkeys(stages, 0.0)
+    [[_, gap]] = [row["value"] for row in prom.query(  # a request's stages follow one another
+        "tokentrace_receiver_request_seconds_sum - scalar(sum(tokentrace_receiver_stage_seconds_sum))")]
+    assert abs(float(gap)) < 1e-4, gap
+    [[_, beyond]] = [row["value"] for row in prom.query('tokentrace_receiver_request_seconds_bucket{le="+Inf"} '
+                                                        "- ignoring(le) tokentrace_receiver_request_seconds_count")]
+    assert float(beyond) == 0
+    p99 = float(prom.query("histogram_quantile(0.99, tokentrace_receiver_request_seconds_bucket)")[0]["value"][1])
+    assert 0 < p99 <= 10, p99  # within the buckets: no acknowledged export here took 10 s
 
 
 def test_slo_attainment_equals_the_report(scraped):
