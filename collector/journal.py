@@ -70,6 +70,8 @@ SETTLE_TIMEOUT_S = 10.0
 ROOM_TIMEOUT_S = 2.0
 #: Size past which the log starts a new file.
 SEGMENT_BYTES = 64 << 20
+#: Pauses between a failed merge and its retries (the last one repeats), unless ``retry_now``
+#: ends one early.
 _RETRY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 _HEADER = struct.Struct("<IQII")  # magic, sequence number, payload length, CRC-32 of the payload
 _MAGIC = 0x544A524E
@@ -208,6 +210,7 @@ class Journal:
         self.merges = 0  #: merges done
         self.merged_spans = 0  #: spans they appended
         self.last_merge_s = 0.0  #: how long the latest merge took
+        self._retry_now = False  #: a failed merge's pause ends early (``retry_now``)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokentrace-merge", daemon=True)
 
@@ -235,6 +238,14 @@ class Journal:
         entry.journaled_at = time.monotonic()
         with self._cond:
             self._hold(entry)
+            self._cond.notify_all()
+
+    def retry_now(self) -> None:
+        """End a failed merge's pause: the store has seen its disk refuse a write for lack of room
+        and then take one, so a merge that failed for room may pass now (its pause is up to 5 s,
+        during which /healthz says the store cannot append). Nothing waits when no merge failed."""
+        with self._cond:
+            self._retry_now = True
             self._cond.notify_all()
 
     def _hold(self, entry: Entry) -> None:
@@ -318,7 +329,8 @@ class Journal:
                     self._cond.notify_all()
                     if self._stopping and failures >= len(_RETRY_S):
                         return  # stopping: they stay in the journal for the next start
-                time.sleep(_RETRY_S[min(failures, len(_RETRY_S) - 1)])
+                    self._retry_now = False  # only what happens after this failure ends its pause
+                    self._cond.wait_for(lambda: self._retry_now, _RETRY_S[min(failures, len(_RETRY_S) - 1)])
                 failures += 1
                 continue
             failures = 0

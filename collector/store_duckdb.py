@@ -280,6 +280,7 @@ class DuckDBStore(NamedQueryReader):
         log_file = journal.Log(Path(self.path + ".journal"))
         merged, recovered = self._recover(log_file)
         self._seq = recovered[-1].seq if recovered else merged
+        self._refused = False  #: the latest write failed (a full disk): the next that passes says so to the merge
         self._keys = once.SpanKeys()
         self._keys.load(self._writer_frame("span_key_minutes"),
                         lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
@@ -359,15 +360,22 @@ class DuckDBStore(NamedQueryReader):
             entry = journal.Entry(self._seq + 1, dataclasses.replace(columns, sources=None), columns.nbytes, spool,
                                   on_stored)
             self._journal.add(entry, payload)
-        except (Overloaded, StoreError):
+        except Overloaded:
+            raise
+        except StoreError:
+            self._refused = True
             raise
         except Exception as exc:  # I/O: a full disk, a journal that cannot be written
+            self._refused = True
             raise write_failure(exc, f"writing {columns.spans} spans to {self.path} failed: {exc}") from exc
         finally:
             if columns is not batch:  # the contract's in-place counts, for a caller's Batch
                 batch.spans, batch.duplicates = columns.spans, columns.duplicates
         self._seq += 1
         self._keys.add_batch(columns)
+        if self._refused:  # the disk takes writes again: a merge that failed meanwhile need not wait
+            self._refused = False
+            self._journal.retry_now()
         return True
 
     def _spool_stored(self, sha256: str) -> bool:

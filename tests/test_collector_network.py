@@ -107,8 +107,8 @@ def test_a_full_disk_is_reported_passes_and_a_failed_checkpoint_exits_non_zero(s
         filler.unlink()
         # A sender's next batch succeeds at once; /healthz recovers once the failure is over 10 s old
         # (or as soon as a write succeeds) and the merge thread has appended what it holds: a merge
-        # that failed while the disk was full is retried after a pause of at most 5 s
-        # (journal._RETRY_S), and /healthz says so meanwhile.
+        # that failed while the disk was full is retried as soon as a write passes again (at the
+        # latest after its pause of at most 5 s, journal._RETRY_S), and /healthz says so meanwhile.
         assert collector.post(make_request(3, name="after").SerializeToString(), PB).status_code == 200
         wait_for(lambda: httpx.get(collector.url + "/healthz", timeout=30).status_code == 200, 30,
                  "/healthz to recover once the disk has room")

@@ -125,6 +125,51 @@ def test_a_merge_that_fails_keeps_the_batch_and_the_store_says_so(tmp_path):
     store.close()
 
 
+def test_a_merge_that_failed_for_room_is_retried_once_the_disk_takes_a_write_again(tmp_path, monkeypatch):
+    """A disk that fills: the merge of what was journaled fails and pauses, a write is refused for
+    lack of room; once the disk takes a write again the failed merge is retried at once instead of
+    after its pause (up to 5 s, here 600 s), so /healthz recovers with the first batch that passes.
+    The disk's two states are injected: filling a real disk (tests/test_collector_network.py) cannot
+    time a merge's failure."""
+    from tokentrace.collector import journal, store_duckdb
+    from tokentrace.errors import StoreError
+
+    monkeypatch.setattr(journal, "_RETRY_S", (600.0,))
+    full = {"merge": False, "write": False}  # what the full disk fails: a merge, a write's check of its room
+    real_free = store_duckdb.disk_free
+    monkeypatch.setattr(store_duckdb, "disk_free", lambda path: 0 if full["write"] else real_free(path))
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    merge = store._merge
+
+    def merge_unless_full(entries):
+        if full["merge"]:
+            raise OSError("No space left on device")
+        merge(entries)
+
+    store._journal._merge = merge_unless_full
+    try:
+        full["merge"] = True  # between the journal's write and the merge's: the disk fills
+        store.write(_golden_batch(0))
+        full["write"] = True
+        deadline = time.monotonic() + 30
+        while store._journal.error is None:  # the merge has failed and begun its pause
+            assert time.monotonic() < deadline, "the merge never ran"
+            store._journal.settle(timeout=1)
+        with pytest.raises(StoreError, match="bytes free"):
+            store.write(_golden_batch(0))  # refused: the disk has no room
+        full["merge"] = full["write"] = False
+        assert store.write(_golden_batch(0)) is True  # the disk has room again
+        deadline = time.monotonic() + 60  # a tenth of the pause
+        while store._journal.error is not None:
+            assert time.monotonic() < deadline, f"the failed merge waits out its pause: {store._journal.error}"
+            store._journal.settle(timeout=1)
+        store.settle()
+        assert store.counts()["spans"] == 2 * len(_golden_batch(0).expanded("spans"))
+        store.probe()
+    finally:
+        store.close()
+
+
 def _migrated_to(path: Path, last: int) -> duckdb.DuckDBPyConnection:
     """A store file as an earlier version created it: the migrations up to ``last`` applied."""
     con = duckdb.connect(str(path))
