@@ -52,7 +52,6 @@ class Counters:
         self.rejected: Counter[str] = Counter()
         self.invalid_spans: Counter[str] = Counter()
         self.values_left_out: Counter[str] = Counter()
-        self.timed_requests = 0
         self.stage_seconds = dict.fromkeys(RECEIVER_STAGES, 0.0)
         #: Requests per bucket (not cumulative; the last is past the largest bound), for the whole
         #: request (``request``) and for each stage.
@@ -79,7 +78,6 @@ class Counters:
         """Add one acknowledged request's seconds in each stage, in ``RECEIVER_STAGES`` order (the
         stages follow one another: the request took their sum)."""
         with self._lock:
-            self.timed_requests += 1
             for stage, spent in zip(RECEIVER_STAGES, seconds, strict=True):
                 self.stage_seconds[stage] += spent
                 self.latency_counts[stage][bisect_left(RECEIVER_BUCKETS, spent)] += 1
@@ -91,7 +89,7 @@ class Counters:
             return {"accepted_spans": self.accepted_spans, "duplicate_spans": self.duplicate_spans,
                     "rejected": dict(self.rejected), "invalid_spans": dict(self.invalid_spans),
                     "values_left_out": dict(self.values_left_out),
-                    "receiver": {"requests": self.timed_requests,
+                    "receiver": {"requests": sum(self.latency_counts["request"]),
                                  "seconds": {stage: round(spent, 6) for stage, spent in self.stage_seconds.items()},
                                  "le": list(RECEIVER_BUCKETS),
                                  "counts": {name: list(counts) for name, counts in self.latency_counts.items()}}}
