@@ -22,6 +22,7 @@ from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, mask_unmeasure
 from tokentrace.analyzers.slo import SloSpec, attainment
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
+from tokentrace.threads import name_os_thread
 
 _COMPONENTS = [name for name, _ in CATEGORIES]
 
@@ -150,7 +151,7 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
     sample = cause_candidates(frame, cause_sample)
     # The store runs each query with the GIL released, and every thread reads through its own
     # cursor (reader contract): two threads use both cores of a small machine.
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-report") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-report", initializer=name_os_thread) as pool:
         for verdict in pool.map(lambda rid: analyze_cache(reader, rid), sample["request_id"].to_list()):
             cause = verdict.cause or NO_CAUSE
             causes[cause] = causes.get(cause, 0) + 1

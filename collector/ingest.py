@@ -25,6 +25,7 @@ from tokentrace.collector.columns import Columns
 from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
 from tokentrace.errors import PayloadError, TokentraceError
+from tokentrace.threads import name_os_thread, os_named
 
 log = logging.getLogger("tokentrace.collector")
 
@@ -133,12 +134,18 @@ def _start_worker(parent_pid: int) -> None:
             time.sleep(1.0)
         os._exit(0)
 
-    threading.Thread(target=exit_with_parent, name="tokentrace-parent-watch", daemon=True).start()
+    threading.Thread(target=os_named(exit_with_parent), name="tokentrace-parent-watch", daemon=True).start()
 
 
 #: Threads that decode the event loop's payloads: the decoder holds no GIL while it walks a body,
 #: so more threads than cores only queue; requests beyond them wait inside the memory bound.
 DECODE_THREADS = min(32, max(4, 2 * (os.cpu_count() or 1)))
+
+
+def _decoding_thread(nice: int) -> None:
+    """A decoding thread's start: named in the system (``tt-decode_N``), its priority lowered by ``nice``."""
+    name_os_thread()
+    lower_priority(nice)
 
 
 def lower_priority(by: int) -> None:
@@ -190,7 +197,7 @@ class Pipeline:
     def start(self) -> None:
         """Start the decoding threads' pool and the worker processes (none when ``workers`` is 0)."""
         self._decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="tokentrace-decode",
-                                            initializer=lower_priority, initargs=(self.decode_nice,))
+                                            initializer=_decoding_thread, initargs=(self.decode_nice,))
         if self.workers > 0:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start_worker, initargs=(os.getpid(),))

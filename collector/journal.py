@@ -48,6 +48,7 @@ from pathlib import Path
 from tokentrace.collector.columns import Columns
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.errors import Overloaded, StoreError
+from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.collector")
 #: Unmerged bytes past which writes wait, then refuse.
@@ -212,7 +213,7 @@ class Journal:
         self.last_merge_s = 0.0  #: how long the latest merge took
         self._retry_now = False  #: a failed merge's pause ends early (``retry_now``)
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tokentrace-merge", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-merge", daemon=True)
 
     def start(self, after: int, pending: list[Entry] | tuple = ()) -> None:
         """Start merging; sequence numbers up to ``after`` are already in the tables, and ``pending``

@@ -52,6 +52,7 @@ from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 from tokentrace.collector.store import SpoolRecord
 from tokentrace.collector.writer import WriteQueue
 from tokentrace.errors import ConfigError, Overloaded, PayloadError, StoreError, UnsupportedMediaType
+from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.collector.spool")
 SUFFIXES = {".pb": Encoding("protobuf", PROTOBUF), ".json": Encoding("json", JSON),
@@ -148,7 +149,7 @@ class SpoolIngester:
         # inotify reports close-after-write; elsewhere "created" is the only signal we get.
         closes = type(self._observer).__name__ == "InotifyObserver"
         self._observer.schedule(_Events(self, react_to_created=not closes), str(self.directory), recursive=False)
-        self._thread = threading.Thread(target=self._run, name="tokentrace-spool", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-spool", daemon=True)
 
     def start(self) -> None:
         """Watch first, then offer what is already there, so nothing falls between the two."""

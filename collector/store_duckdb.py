@@ -37,6 +37,7 @@ from tokentrace.collector import sqlfiles
 from tokentrace.collector.store import NamedQueryReader, SpoolRecord, T, as_columns, write_failure
 from tokentrace.collector.tables import PACKED, PACKED_TYPES, TABLES, TYPES
 from tokentrace.errors import NotFound, Overloaded, StoreError
+from tokentrace.threads import name_os_thread
 
 if TYPE_CHECKING:
     from tokentrace.collector.journal import Entry, Journal, Log
@@ -528,7 +529,8 @@ class DuckDBStore(NamedQueryReader):
         with self._pool_lock:
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
-                self._pool = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="tokentrace-read")
+                self._pool = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="tokentrace-read",
+                                                initializer=name_os_thread)
             futures = [self._pool.submit(helper, read) for read in reads[1:]]
         try:
             first = reads[0]()

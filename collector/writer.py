@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from tokentrace.collector.columns import Columns
 from tokentrace.collector.store import SpoolRecord, TraceWriter
 from tokentrace.errors import Overloaded, RejectedBatch, StoreError
+from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.collector")
 _STOP = object()
@@ -33,7 +34,7 @@ class WriteQueue:
         self.capacity = max_pending
         self.last_error: str | None = None  #: why the latest write failed, until one succeeds
         self.last_error_at = 0.0  #: time.monotonic() of that failure
-        self._thread = threading.Thread(target=self._run, name="tokentrace-writer", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-writer", daemon=True)
         self._thread.start()
 
     def submit(self, batch: Columns, spool: SpoolRecord | None = None,

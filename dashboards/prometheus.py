@@ -34,6 +34,7 @@ from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
 from tokentrace.collector.store import TraceReader, as_columns
 from tokentrace.collector.tables import TABLES
+from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.metrics")
 router = APIRouter()
@@ -189,7 +190,7 @@ class MetricsState:
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self._last_write = -INGEST_BUSY_S  #: time.monotonic() of the latest committed batch
-        self._thread = threading.Thread(target=self._verdict_loop, name="tokentrace-metrics", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._verdict_loop), name="tokentrace-metrics", daemon=True)
         self._thread.start()
 
     # -- writer side ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -149,6 +150,24 @@ def test_payloads_are_decoded_on_threads_niced_by_decode_nice(collector_factory,
     else:
         assert not lowered
     assert collector.health()["accepted_spans"] == 17 * len(bodies)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")
+def test_the_collectors_threads_carry_their_names_in_the_system(collector_factory):
+    """``top -H``, ``perf`` and /proc tell the merge thread from the writer and the decoders
+    (tokentrace/threads.py): each thread carries its role, and the niced threads are the decoders."""
+    collector = collector_factory("--decode-nice", "5").start()
+    fixture = golden.load("golden_engine_trace.json")
+    body = golden.encode(fixture, time.time_ns() - 10**10)[0]
+    assert collector.post(body, "application/x-protobuf").status_code == 200
+    names = {}
+    for task in Path(f"/proc/{collector.proc.pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            names[int(task.name)] = (task / "comm").read_text().strip()
+    assert {"tt-merge", "tt-writer", "tt-decode_0", "tt-metrics"} <= set(names.values()), names
+    own = os.getpriority(os.PRIO_PROCESS, collector.proc.pid)
+    niced = {names.get(tid) for tid, nice in _nice_of_threads(collector.proc.pid).items() if nice == own + 5}
+    assert niced and all(name.startswith("tt-decode_") for name in niced), niced
 
 
 def test_healthz_says_where_acknowledged_requests_spent_their_time(collector_factory):

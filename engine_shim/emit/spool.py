@@ -32,6 +32,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tokentrace.threads import os_named
 from tokentrace.wire import SPOOL_FILE_HEADER
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class SpoolingSpanExporter(SpanExporter):
         self.unauthorized = 0  #: answers 401/403: the token is missing or wrong
         self._thread = None
         if self.url and spool is not None:
-            self._thread = threading.Thread(target=self._resend_loop, name="tokentrace-spool", daemon=True)
+            self._thread = threading.Thread(target=os_named(self._resend_loop), name="tokentrace-spool", daemon=True)
             self._thread.start()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

@@ -45,6 +45,7 @@ from tokentrace.engine_shim.gateway.prompt import (
     fingerprint_local,
 )
 from tokentrace.engine_shim.gateway.records import Clock, Exchange
+from tokentrace.threads import os_named
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Observer:
         self._held: dict[str, collections.OrderedDict[int, None]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._tasks: set[asyncio.Task] = set()
-        self._thread = threading.Thread(target=self._run, name="tokentrace-gateway-observer", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-gateway-observer", daemon=True)
         self._thread.start()
 
     # --- event loop side -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from tokentrace.engine_shim.mlx.records import LifecycleRecord, LoadRecord, Requ
 from tokentrace.engine_shim.mlx.scheduler import LOAD_FAILED, LOAD_READY, Scheduler
 from tokentrace.engine_shim.mlx.settings import EngineSettings
 from tokentrace.engine_shim.mlx.telemetry import Telemetry
+from tokentrace.threads import name_os_thread, os_named
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Chat templates are rendered and prompts tokenized here, off the event loop, two at a time:
         # a 2,000-message chat takes a while, and /health must still answer (issue 12).
-        self._prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-prompt")
+        self._prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokentrace-prompt",
+                                                initializer=name_os_thread)
         self._defaults = SamplingDefaults(settings.temp, settings.top_p, settings.top_k, settings.min_p)
         self._template_kwargs = settings.template_kwargs
         # mlx_lm.server's names for its model: "default_model", --model as given, its resolved path.
@@ -63,7 +65,7 @@ class Engine:
         self._ready = asyncio.Event()
         self.telemetry.start()
         self.telemetry.submit(LifecycleRecord(EVENT_STARTED, time.perf_counter_ns()))
-        self._thread = threading.Thread(target=self.scheduler.run, name="tokentrace-generation", daemon=True)
+        self._thread = threading.Thread(target=os_named(self.scheduler.run), name="tokentrace-generation", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from tokentrace import __version__
 from tokentrace.engine_shim.mlx.records import Clock, HeartbeatRecord
 from tokentrace.engine_shim.mlx.spans import SpanBuilder
+from tokentrace.threads import os_named
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Telemetry:
     def start(self) -> Telemetry:
         """Start the thread (idempotent); returns self."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tokentrace-telemetry", daemon=True)
+            self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-telemetry", daemon=True)
             self._thread.start()
         return self
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokentrace.threads import os_named
+
 log = logging.getLogger("vllm.tokentrace")
 
 #: An attribute value the OTLP exporter accepts.
@@ -124,7 +126,7 @@ class SpanPump:
         self._stop = threading.Event()
         self._exporter: Any = None
         self._resource: Any = None
-        self._thread = threading.Thread(target=self._run, name="tokentrace-vllm-export", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-vllm-export", daemon=True)
 
     def start(self) -> None:
         """Start the export thread (idempotent)."""

@@ -32,6 +32,7 @@ from typing import Any
 
 from tokentrace.contract import DEFAULT_BLOCK_SIZE
 from tokentrace.fingerprint import block_hashes
+from tokentrace.threads import os_named
 
 log = logging.getLogger("vllm.tokentrace")
 
@@ -277,7 +278,7 @@ class KvEventSubscriber:
         self.missed = 0  #: batches lost, from gaps in the sequence numbers
         self.bad = 0  #: payloads that did not decode
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tokentrace-kv-events", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-kv-events", daemon=True)
 
     def start(self) -> None:
         """Start reading."""
