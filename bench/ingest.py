@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import statistics
 import sys
 import tempfile
@@ -108,6 +109,42 @@ def cpu_seconds(pid: int) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return total
+
+
+def thread_times(pid: int) -> dict[str, list[float]] | None:
+    """Per thread of process ``pid`` by its system name (tokentrace/threads.py; a pool's ``_N``
+    dropped, the main thread as ``main``): [threads, CPU seconds, seconds running and seconds
+    runnable but waiting for a core (``/proc/PID/task/TID/schedstat``)]. None where /proc has none."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, list[float]] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            running, waiting = (int(value) / 1e9 for value in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        group = found.setdefault(re.sub(r"_\d+$", "", name), [0, 0.0, 0.0, 0.0])
+        for at, value in enumerate((1, (int(fields[11]) + int(fields[12])) / tick, running, waiting)):
+            group[at] += value
+    return found
+
+
+def thread_report(before: dict[str, list[float]], after: dict[str, list[float]], spans: int, seconds: float) -> str:
+    """The busiest threads between two ``thread_times``: µs of CPU a span, and the share of the
+    run each thread spent runnable but waiting for a core."""
+    rows = []
+    for name, (count, cpu, _, waiting) in after.items():
+        _, cpu_before, _, waiting_before = before.get(name, [0, 0.0, 0.0, 0.0])
+        per_span, waited = (cpu - cpu_before) / spans * 1e6, (waiting - waiting_before) / seconds / count
+        if per_span >= 0.1:
+            label = f"{name} (x{count})" if count > 1 else name
+            rows.append((per_span, f"{label} {per_span:.1f} us ({waited:.0%} waiting)"))
+    return ", ".join(text for _, text in sorted(rows, reverse=True))
 
 
 def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 4) -> tuple[float, float]:
@@ -235,10 +272,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         collector = CollectorProcess(Path(tmp)).start()
         try:
-            cpu_before = cpu_seconds(collector.proc.pid)
+            cpu_before, threads_before = cpu_seconds(collector.proc.pid), thread_times(collector.proc.pid)
             acked, elapsed, latencies, exports, refused, errors = drive(
                 collector.port, bodies, args.senders, args.seconds, args.max_requests)
-            cpu_after = cpu_seconds(collector.proc.pid)
+            cpu_after, threads_after = cpu_seconds(collector.proc.pid), thread_times(collector.proc.pid)
             health = collector.health()
             lag = wait_merged(collector)
         finally:
@@ -259,6 +296,9 @@ def main() -> int:
         # CPU per span is what a loaded machine changes least: compare it across runs and branches.
         print(f"cpu:       {(cpu_after - cpu_before) / acked * 1e6:.0f} us per span in the collector (all its "
               f"processes), {ceiling_cpu * 1e6:.0f} us in the ceiling")
+    if threads_before is not None and threads_after is not None and acked:
+        # Which thread sets the pace (the busiest), and which wait for a core rather than for work.
+        print(f"threads:   per span, by thread: {thread_report(threads_before, threads_after, acked, elapsed)}")
     print(f"requests:  {len(latencies) / elapsed:,.1f} export requests/s acknowledged "
           f"({acked / max(1, len(latencies)):,.0f} spans each); {llm_requests / elapsed:,.0f} LLM requests/s "
           "(llm.request spans stored)")
