@@ -112,9 +112,9 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def thread_times(pid: int) -> dict[str, list[float]] | None:
-    """Per thread of process ``pid`` by its system name (tokentrace/threads.py; a pool's ``_N``
-    dropped, the main thread as ``main``): [threads, CPU seconds, seconds running and seconds
-    runnable but waiting for a core (``/proc/PID/task/TID/schedstat``)]. None where /proc has none."""
+    """Per thread of process ``pid`` by its system name (core/threads.py; a pool's ``_N`` dropped,
+    the main thread as ``main``): [threads, CPU seconds, seconds runnable but waiting for a core
+    (``/proc/PID/task/TID/schedstat``)]. None where /proc has none."""
     tick = os.sysconf("SC_CLK_TCK")
     found: dict[str, list[float]] = {}
     try:
@@ -125,26 +125,31 @@ def thread_times(pid: int) -> dict[str, list[float]] | None:
         try:
             name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            running, waiting = (int(value) / 1e9 for value in (task / "schedstat").read_text().split()[:2])
+            waiting = int((task / "schedstat").read_text().split()[1]) / 1e9
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
-        group = found.setdefault(re.sub(r"_\d+$", "", name), [0, 0.0, 0.0, 0.0])
-        for at, value in enumerate((1, (int(fields[11]) + int(fields[12])) / tick, running, waiting)):
+        group = found.setdefault(re.sub(r"_\d+$", "", name), [0, 0.0, 0.0])
+        for at, value in enumerate((1, (int(fields[11]) + int(fields[12])) / tick, waiting)):
             group[at] += value
     return found
 
 
-def thread_report(before: dict[str, list[float]], after: dict[str, list[float]], spans: int, seconds: float) -> str:
-    """The busiest threads between two ``thread_times``: µs of CPU a span, and the share of the
-    run each thread spent runnable but waiting for a core."""
+def thread_deltas(before: dict[str, list[float]], after: dict[str, list[float]],
+                  seconds: float) -> list[tuple[float, float, str]]:
+    """Between two ``thread_times`` ``seconds`` apart, busiest first: (CPU seconds, the share of
+    the time each thread was runnable but waiting for a core, name with its count of threads)."""
     rows = []
-    for name, (count, cpu, _, waiting) in after.items():
-        _, cpu_before, _, waiting_before = before.get(name, [0, 0.0, 0.0, 0.0])
-        per_span, waited = (cpu - cpu_before) / spans * 1e6, (waiting - waiting_before) / seconds / count
-        if per_span >= 0.1:
-            label = f"{name} (x{count})" if count > 1 else name
-            rows.append((per_span, f"{label} {per_span:.1f} us ({waited:.0%} waiting)"))
-    return ", ".join(text for _, text in sorted(rows, reverse=True))
+    for name, (count, cpu, waiting) in after.items():
+        _, cpu_before, waiting_before = before.get(name, [0, 0.0, 0.0])
+        rows.append((cpu - cpu_before, (waiting - waiting_before) / seconds / count,
+                     f"{name} (x{count})" if count > 1 else name))
+    return sorted(rows, reverse=True)
+
+
+def thread_report(before: dict[str, list[float]], after: dict[str, list[float]], spans: int, seconds: float) -> str:
+    """``thread_deltas`` in one line: µs of CPU a span of each thread that took at least 0.1."""
+    return ", ".join(f"{name} {cpu / spans * 1e6:.1f} us ({waited:.0%} waiting)"
+                     for cpu, waited, name in thread_deltas(before, after, seconds) if cpu / spans * 1e6 >= 0.1)
 
 
 def raw_ceiling(bodies: list[tuple[bytes, int]], seconds: float, group: int = 4) -> tuple[float, float]:
