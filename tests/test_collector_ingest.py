@@ -155,7 +155,7 @@ def test_payloads_are_decoded_on_threads_niced_by_decode_nice(collector_factory,
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")
 def test_the_collectors_threads_carry_their_names_in_the_system(collector_factory):
     """``top -H``, ``perf`` and /proc tell the merge thread from the writer and the decoders
-    (tokentrace/threads.py): each thread carries its role, and the niced threads are the decoders."""
+    (core/threads.py): each thread carries its role, and the niced threads are the decoders."""
     collector = collector_factory("--decode-nice", "5").start()
     fixture = golden.load("golden_engine_trace.json")
     body = golden.encode(fixture, time.time_ns() - 10**10)[0]

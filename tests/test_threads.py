@@ -1,4 +1,4 @@
-"""tokentrace/threads.py: our threads carry their role in the operating system's thread list."""
+"""core/threads.py (tokentrace.threads): our threads carry their role in the operating system's thread list."""
 
 from __future__ import annotations
 
