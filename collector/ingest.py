@@ -127,6 +127,8 @@ def _start_worker(parent_pid: int) -> None:
     """
     import tokentrace.collector.normalize  # noqa: F401
 
+    name_os_thread("tokentrace-parse")  # `ps` and `top` show the worker process as tt-parse
+
     fastpath.unavailable()  # the decoder's one-time configuration, before the first payload
 
     def exit_with_parent() -> None:

@@ -117,6 +117,7 @@ def test_a_killed_parse_worker_costs_no_request(collector_factory, monkeypatch):
     assert collector.post(make_request(3).SerializeToString(), "application/x-protobuf").status_code == 200
     workers = _parse_workers(collector.proc.pid)
     assert workers, "the collector runs its parse worker as a child process"
+    assert {Path(f"/proc/{pid}/comm").read_text().strip() for pid in workers} == {"tt-parse"}  # in `ps`
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     for _ in range(5):

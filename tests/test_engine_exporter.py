@@ -6,6 +6,7 @@ import copy
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from harness_collector import wait_for
@@ -52,6 +53,8 @@ def test_records_become_spans_in_the_exporter_process(tmp_path):
     telemetry.submit(_heartbeat(3))
     assert telemetry.flush(30)
     assert exporter.counters.built == 2
+    if Path("/proc/self/comm").exists():  # the process carries its role in `ps` (core/threads.py)
+        assert Path(f"/proc/{exporter.pid}/comm").read_text().strip() == "tt-exporter"
     telemetry.close()
     assert sorted(_spooled_span_names(tmp_path)) == ["instance.heartbeat", "instance.lifecycle"]
     assert exporter.pid is None  # stopped

@@ -74,7 +74,7 @@ class Observer:
         self._held: dict[str, collections.OrderedDict[int, None]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._tasks: set[asyncio.Task] = set()
-        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-gateway-observer", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-observer", daemon=True)
         self._thread.start()
 
     # --- event loop side -------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from tokentrace import contract as c
 from tokentrace.engine_shim.emit import otlp_wire
 from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
 from tokentrace.hardware import chip_name
+from tokentrace.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,7 @@ def serve(conn: Any, config: ExporterConfig) -> None:
 
     # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_os_thread("tokentrace-exporter")  # `ps` and `top` show the process as tt-exporter
     # When cores are scarce, generation goes first: spans can wait a little, tokens should not.
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
