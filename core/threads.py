@@ -38,9 +38,8 @@ def _setter() -> Callable[[bytes], object] | None:
     """A function that names the calling thread, or None where there is none."""
     try:
         import ctypes
-        import ctypes.util
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library's symbols, without looking for its file
         if sys.platform.startswith("linux"):
             prctl, set_name = libc.prctl, 15  # PR_SET_NAME: the calling thread's name
             return lambda name: prctl(set_name, ctypes.c_char_p(name), 0, 0, 0)
