@@ -28,20 +28,15 @@ def _comm(native_id: int) -> str:
 
 @linux_only
 def test_a_thread_started_through_os_named_carries_its_name():
-    seen, release = [], threading.Event()
+    seen = []
 
     def work(value):
         seen.append((value, _comm(threading.get_native_id())))
-        release.wait(10)
 
     thread = threading.Thread(target=os_named(work), args=(7,), name="tokentrace-merge")
     thread.start()
-    try:
-        assert thread.native_id is not None
-    finally:
-        release.set()
-        thread.join()
-    assert seen == [(7, "tt-merge")]
+    thread.join()
+    assert seen == [(7, "tt-merge")]  # the target ran, with its arguments, under the system name
 
 
 @linux_only
