@@ -94,16 +94,20 @@ def in_time_order(bodies: list) -> list:
     return [chunk[i] for i in range(_CHUNK) for chunk in chunks if i < len(chunk)]
 
 
+def _cpu_of(stat: Path) -> float:
+    """User + system CPU seconds in a /proc ``stat`` file (a process's or a thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) used so far by process ``pid`` and its descendants alive now
     (Linux /proc; None elsewhere): what a run costs, whatever else loads a shared machine."""
-    tick = os.sysconf("SC_CLK_TCK")
     total, pending = 0.0, [pid]
     try:
         while pending:
             current = pending.pop()
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += _cpu_of(Path(f"/proc/{current}/stat"))
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending.extend(int(child) for child in (task / "children").read_text().split())
     except (OSError, ValueError, IndexError):
@@ -115,7 +119,6 @@ def thread_times(pid: int) -> dict[str, list[float]] | None:
     """Per thread of process ``pid`` by its system name (core/threads.py; a pool's ``_N`` dropped,
     the main thread as ``main``): [threads, CPU seconds, seconds runnable but waiting for a core
     (``/proc/PID/task/TID/schedstat``)]. None where /proc has none."""
-    tick = os.sysconf("SC_CLK_TCK")
     found: dict[str, list[float]] = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -124,12 +127,12 @@ def thread_times(pid: int) -> dict[str, list[float]] | None:
     for task in tasks:
         try:
             name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu = _cpu_of(task / "stat")
             waiting = int((task / "schedstat").read_text().split()[1]) / 1e9
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
         group = found.setdefault(re.sub(r"_\d+$", "", name), [0, 0.0, 0.0])
-        for at, value in enumerate((1, (int(fields[11]) + int(fields[12])) / tick, waiting)):
+        for at, value in enumerate((1, cpu, waiting)):
             group[at] += value
     return found
 
