@@ -381,7 +381,7 @@ def create_app(collector: Collector) -> FastAPI:
             batch = await collector.pipeline.batch_async(payload, encoding)
             decoded = time.perf_counter()
             # Once stored, the store releases what it still holds of the batch (collector/budget.py).
-            await asyncio.wrap_future(collector.queue.submit(batch, spool, on_stored=hold.release))
+            await asyncio.wrap_future(collector.queue.submit(batch, spool, on_released=hold.release))
         except TokentraceError as exc:
             hold.release()
             # Status and retryability come from the error's class (core/errors.py): 503 + Retry-After

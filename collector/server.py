@@ -14,6 +14,8 @@ def open_store(config: CollectorConfig):
     store = _open(config.store, config.retention)
     if hasattr(store, "limit_memory"):
         store.limit_memory(config.store_memory_bytes)
+    if hasattr(store, "hold_unmerged"):  # the rest of the budget: requests being read and parsed
+        store.hold_unmerged(config.max_pending_bytes * 3 // 4)
     return store
 
 

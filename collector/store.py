@@ -4,10 +4,11 @@ dashboards a ``TraceReader``. One backend class implements both (``DuckDBStore``
 suite (tests/test_store_conformance.py). Where the backends differ, each item says so.
 
 Writer contract
-    - ``write(batch, spool, on_stored)`` returns only once every row of ``batch`` is stored
+    - ``write(batch, spool, on_released)`` returns only once every row of ``batch`` is stored
       durably: the HTTP request is acknowledged after that, never before. Readers of the store see
-      those rows from then on; ``on_stored`` (when given) is called once they are in the tables,
-      whatever the store holds of the batch in memory until then released (collector/budget.py).
+      those rows from then on; ``on_released`` (when given) is called once the store holds none
+      of the batch in memory: its rows are in the tables, or (DuckDB) spilled to disk to be
+      appended from there; the request's bytes are then released (collector/budget.py).
         DuckDB: committed to the journal (one row, WAL) before it returns, appended to the tables
         by the merge thread in a later transaction that deletes the journal row; a reader waits for
         that merge (collector/journal.py).
@@ -163,7 +164,7 @@ class TraceWriter(Protocol):
     """The ingest side of a store (contract in the module docstring)."""
 
     def write(self, batch: Columns, spool: SpoolRecord | None = None,
-              on_stored: Callable[[], None] | None = None) -> bool:
+              on_released: Callable[[], None] | None = None) -> bool:
         """Store the batch durably; False when ``spool`` was already ingested."""
 
     def close(self) -> None:

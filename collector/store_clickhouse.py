@@ -212,14 +212,14 @@ class ClickHouseStore(NamedQueryReader):
     group_writes = False
 
     def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
-              on_stored: Callable[[], None] | None = None) -> bool:
+              on_released: Callable[[], None] | None = None) -> bool:
         """Insert ``batch`` table by table, ``spans`` last (guarantees in the module docstring);
-        every table is written when this returns, so ``on_stored`` is called before it does."""
+        every table is written when this returns, so ``on_released`` is called before it does."""
         columns = as_columns(batch)
         try:
             if spool is not None and self.spool_seen(spool.sha256):
-                if on_stored is not None:
-                    on_stored()
+                if on_released is not None:
+                    on_released()
                 return False
             in_file = columns.spans
             once.drop_stored(columns, self._keys, self._stored_keys)
@@ -245,8 +245,8 @@ class ClickHouseStore(NamedQueryReader):
         finally:
             if columns is not batch:  # the contract's in-place counts, for a caller's Batch
                 batch.spans, batch.duplicates = columns.spans, columns.duplicates
-        if on_stored is not None:
-            on_stored()
+        if on_released is not None:
+            on_released()
         return True
 
     def _confirm_spans(self, columns: Columns) -> None:

@@ -227,7 +227,7 @@ def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
     found: set[tuple[str, str]] = set()
     wanted = pa.array(traces, pa.string())
     for entry in entries:
-        spans = entry.columns.tables.get("spans")
+        spans = entry.load().tables.get("spans")
         if spans is not None:
             hit = spans.filter(pc.is_in(spans.column("trace_id"), value_set=wanted))
             found.update(zip(hit.column("trace_id").to_pylist(), hit.column("span_id").to_pylist(), strict=True))
@@ -332,23 +332,23 @@ class DuckDBStore(NamedQueryReader):
 
     # --- writer role ------------------------------------------------------------------------------
     def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
-              on_stored: Callable[[], None] | None = None) -> bool:
+              on_released: Callable[[], None] | None = None) -> bool:
         """Store ``batch`` (TraceWriter contract): in the journal when this returns, in the tables
-        for every reader of this store, and ``on_stored`` called once the merge thread appended it
-        (collector/journal.py)."""
+        for every reader of this store, and ``on_released`` called once the merge thread appended it
+        or the journal spilled its columns to disk (collector/journal.py)."""
         columns = as_columns(batch)
         try:
             self._journal.make_room()
             unmerged = self._journal.unmerged()  # before the lookups: what the tables may not hold yet
             if spool is not None and (self._spool_stored(spool.sha256)
                                       or any(e.spool and e.spool.sha256 == spool.sha256 for e in unmerged)):
-                _call(on_stored)
+                _call(on_released)
                 return False
             # Exactly once per span (once.py): rows of spans already stored are left out.
             once.drop_stored(columns, self._keys,
                              lambda starts, traces: self._stored_keys(starts, traces) | _keys_in(unmerged, traces))
             if not columns.tables and spool is None:
-                _call(on_stored)
+                _call(on_released)
                 return True
             payload = _record(columns, spool)
             size = sum(len(piece) for piece in payload)
@@ -359,7 +359,7 @@ class DuckDBStore(NamedQueryReader):
             # A copy: the caller may write the same object again, and a write changes it in place;
             # and once journaled, its sources are not needed in memory.
             entry = journal.Entry(self._seq + 1, dataclasses.replace(columns, sources=None), columns.nbytes, spool,
-                                  on_stored)
+                                  on_released)
             self._journal.add(entry, payload)
         except Overloaded:
             raise
@@ -387,11 +387,11 @@ class DuckDBStore(NamedQueryReader):
         cursor = self._merger
         try:
             cursor.execute("BEGIN")
-            self._append(cursor, Columns.concat([entry.columns for entry in entries]))
+            self._append(cursor, Columns.concat([entry.load() for entry in entries]))
             for entry in entries:
                 if entry.spool is not None:
                     cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
-                                   [entry.spool.sha256, entry.spool.name, entry.columns.spans, time.time_ns()])
+                                   [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
             cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
             cursor.execute("COMMIT")
         except Exception:
@@ -436,6 +436,12 @@ class DuckDBStore(NamedQueryReader):
         past it DuckDB evicts or spills to ``FILE.tmp``). Unbounded, it grows with what is stored
         up to 80 % of the machine's memory: measured 15 MB per 8k engine spans written."""
         self._con.execute(f"SET memory_limit = '{int(limit_bytes)}B'")
+
+    def hold_unmerged(self, limit_bytes: int) -> None:
+        """Hold at most ``limit_bytes`` of acknowledged columns in memory until they are merged; the
+        journal spills what comes past it to disk (collector/journal.py)."""
+        if self._journal is not None:
+            self._journal.max_bytes = limit_bytes
 
     def _writer_frame(self, name: str, **params) -> pl.DataFrame:
         """A named query on the write connection (inside the writer's transaction)."""

@@ -38,13 +38,13 @@ class WriteQueue:
         self._thread.start()
 
     def submit(self, batch: Columns, spool: SpoolRecord | None = None,
-               on_stored: Callable[[], None] | None = None) -> Future:
-        """Queue a batch; the future resolves to the writer's result once committed. ``on_stored``
-        is called once the batch's rows are in the store's tables, if its write succeeds
+               on_released: Callable[[], None] | None = None) -> Future:
+        """Queue a batch; the future resolves to the writer's result once committed. ``on_released``
+        is called once the store holds none of the batch in memory, if its write succeeds
         (TraceWriter contract)."""
         future: Future = Future()
         try:
-            self._queue.put_nowait((batch, spool, future, on_stored))
+            self._queue.put_nowait((batch, spool, future, on_released))
         except queue.Full:
             raise Overloaded(f"the write queue is full ({self.capacity} batches waiting)", retry_after=1) from None
         return future
@@ -92,7 +92,7 @@ class WriteQueue:
         if len(plain) > 1 and getattr(self._writer, "group_writes", True):
             merged = Columns.concat([batch for batch, _, _, _ in plain])
             try:
-                self._writer.write(merged, on_stored=_all_of([stored for _, _, _, stored in plain]))
+                self._writer.write(merged, on_released=_all_of([stored for _, _, _, stored in plain]))
             except Exception as exc:  # the store rolled back; find the batch that failed, alone
                 log.warning("group write failed, retrying batch by batch: %s", exc)
             else:
@@ -105,7 +105,7 @@ class WriteQueue:
     def _write_one(self, item: tuple) -> None:
         batch, spool, future, stored = item
         try:
-            result = self._writer.write(batch, spool, on_stored=stored)
+            result = self._writer.write(batch, spool, on_released=stored)
         except RejectedBatch as exc:  # this batch's values: its sender hears 400, the store is fine
             log.warning("the store refused a batch: %s", exc)
             future.set_exception(exc)
