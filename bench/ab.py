@@ -125,13 +125,15 @@ def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settin
         drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
         cpu = cpu_seconds(collector.proc.pid)
         acked, elapsed, _, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
-        wait_merged(collector)
+        lag = wait_merged(collector)
         cpu = cpu_seconds(collector.proc.pid) - cpu
         journal = collector.health()["journal"]
         peak = proc_status(collector.proc.pid, "VmHWM") / (1 << 20)
     finally:
         collector.stop()
-    return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "refused": refused,
+    # Acknowledged spans a second, and the pace of the tables: the acknowledged spans over the run and
+    # the wait until the last of them was merged (a collector may acknowledge ahead of its merges).
+    return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "tables": acked / (elapsed + lag), "refused": refused,
             "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak}
 
 
@@ -158,6 +160,7 @@ def main() -> int:
                 run = measure(start(workdir, folder, env), folder, tree, settings, env, bodies, args.seconds)
                 results[label].append(run)
                 print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
+                      f"({run['tables']:,.0f} into the tables)  "
                       f"{run['merge']:9,.0f} spans a merge  peak {run['peak']:5.0f} MiB  {run['refused']} refused",
                       flush=True)
     base_label = args.variant[0][0]
@@ -165,7 +168,8 @@ def main() -> int:
     base_us = statistics.median(r["us"] for r in base)
     for label, runs in results.items():
         us = statistics.median(r["us"] for r in runs)
-        line = (f"{label:>10}: median {us:6.2f} us/span, {statistics.median(r['rate'] for r in runs):9,.0f} spans/s, "
+        line = (f"{label:>10}: median {us:6.2f} us/span, {statistics.median(r['rate'] for r in runs):9,.0f} spans/s "
+                f"({statistics.median(r['tables'] for r in runs):,.0f} into the tables), "
                 f"{statistics.median(r['merge'] for r in runs):9,.0f} spans a merge, "
                 f"peak {statistics.median(r['peak'] for r in runs):5.0f} MiB")
         if label != base_label:

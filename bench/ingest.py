@@ -311,6 +311,9 @@ def main() -> int:
           f"({acked / max(1, len(latencies)):,.0f} spans each); {llm_requests / elapsed:,.0f} LLM requests/s "
           "(llm.request spans stored)")
     print(f"visible:   everything acknowledged was in the tables {lag * 1000:.0f} ms after the last acknowledgement")
+    journal = health["journal"]
+    if "spills" in journal:  # the checkpoint's pause spilled to disk instead of refusing (collector/journal.py)
+        print(f"spilled:   {journal['spills']} batches spilled to disk while merges were held up")
     receiver = health["receiver"]
     if receiver["requests"]:
         # Where a request waited (collector/ingest.py RECEIVER_STAGES): a stage much longer than its CPU
