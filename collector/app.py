@@ -380,7 +380,8 @@ def create_app(collector: Collector) -> FastAPI:
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
             batch = await collector.pipeline.batch_async(payload, encoding)
             decoded = time.perf_counter()
-            # Once stored, the store releases what it still holds of the batch (collector/budget.py).
+            # Once the store holds none of the batch in memory (merged, or spilled to disk), it releases
+            # what the request still holds (collector/budget.py).
             await asyncio.wrap_future(collector.queue.submit(batch, spool, on_released=hold.release))
         except TokentraceError as exc:
             hold.release()

@@ -10,8 +10,9 @@ charged again by its decompressed size once that is known.
 A committed request keeps part of its cost until its rows are in the store's tables: the DuckDB
 store acknowledges a batch once it is in its journal and appends it to the tables behind that
 (collector/journal.py), holding its columns in memory meanwhile. At the acknowledgement the hold
-shrinks to the size of those columns and the store releases it once they are appended
-(``Hold.keep``), so batches waiting to be appended count against the same bound.
+shrinks to the size of those columns and the store releases it once they are appended, or spilled
+to disk while a merge is held up (``Hold.keep``; collector/journal.py), so batches waiting to be
+appended in memory count against the same bound.
 
 A refused request gets 503 + Retry-After before its body is read (Content-Length known) or as soon
 as the bytes received pass the budget (chunked). The first request is always admitted, so a budget

@@ -301,8 +301,8 @@ class Journal:
                     raise Overloaded(f"the store has {self._bytes >> 20} MiB of acknowledged batches still to "
                                      f"append to its tables; retry later", retry_after=1)
                 wake = deadline
-                if self._merge_began is not None and not self._spill_failed:  # when it counts as held up
-                    wake = min(deadline, max(now, self._merge_began + PAUSE_S))
+                if self._merge_began is not None and not self._spill_failed and now < self._merge_began + PAUSE_S:
+                    wake = min(deadline, self._merge_began + PAUSE_S)  # when the merge counts as held up
                 self._cond.wait(max(0.001, wake - now))
 
     def add(self, entry: Entry, payload: list[bytes]) -> None:

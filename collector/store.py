@@ -9,9 +9,9 @@ Writer contract
       those rows from then on; ``on_released`` (when given) is called once the store holds none
       of the batch in memory: its rows are in the tables, or (DuckDB) spilled to disk to be
       appended from there; the request's bytes are then released (collector/budget.py).
-        DuckDB: committed to the journal (one row, WAL) before it returns, appended to the tables
-        by the merge thread in a later transaction that deletes the journal row; a reader waits for
-        that merge (collector/journal.py).
+        DuckDB: appended to its journal (a log beside the file, one fdatasync) before it returns,
+        appended to the tables by the merge thread in a later transaction that also records the
+        last journal record merged; a reader waits for that merge (collector/journal.py).
         ClickHouse: one INSERT per table, ``requests`` last, each committed as a part before the
         next; no transaction spans tables (store_clickhouse.py).
     - On failure it raises ``StoreError``.

@@ -438,8 +438,9 @@ class DuckDBStore(NamedQueryReader):
         self._con.execute(f"SET memory_limit = '{int(limit_bytes)}B'")
 
     def hold_unmerged(self, limit_bytes: int) -> None:
-        """Hold at most ``limit_bytes`` of acknowledged columns in memory until they are merged; the
-        journal spills what comes past it to disk (collector/journal.py)."""
+        """Hold at most ``limit_bytes`` of acknowledged columns in memory until they are merged: past
+        it a write waits, then is refused, or while a merge is held up is spilled to disk
+        (collector/journal.py)."""
         if self._journal is not None:
             self._journal.max_bytes = limit_bytes
 

@@ -580,6 +580,38 @@ def test_a_batch_whose_spill_fails_stays_in_memory_and_the_bound_refuses_what_co
         store.close()
 
 
+def test_spilled_bytes_have_a_bound_past_which_writes_are_refused(tmp_path, monkeypatch):
+    """The disk a held-up merge's batches go to is bounded too: past ``max_spilled_bytes`` a write
+    waits for the merge and is refused (Overloaded: 503 + Retry-After); what was acknowledged is
+    appended once the merge goes on."""
+    from tokentrace.collector import journal
+    from tokentrace.collector.store import as_columns
+    from tokentrace.errors import Overloaded
+
+    monkeypatch.setattr(journal, "ROOM_TIMEOUT_S", 0.2)
+    one = _one_batch_counts(tmp_path)
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    go, entered = _held_merge(store, monkeypatch)
+    size = as_columns(_golden_batch()).nbytes
+    store._journal.max_bytes, store._journal.max_spilled_bytes = size // 2, int(1.5 * size)
+    try:
+        assert store.write(_golden_batch()) is True  # in memory: no merge was held up yet
+        assert entered.wait(60)
+        assert store.write(_golden_batch()) is True  # spilled
+        assert store.write(_golden_batch()) is True  # spilled: now past the bound
+        began = time.monotonic()
+        with pytest.raises(Overloaded, match="retry later"):
+            store.write(_golden_batch())
+        assert time.monotonic() - began >= 0.2  # it waited for room first
+        assert store.journal_state()["spills"] == 2
+        go.set()
+        store.settle()
+        assert store.counts() == {name: 3 * count for name, count in one.items()}
+    finally:
+        go.set()
+        store.close()
+
+
 def test_spill_files_a_killed_collector_left_are_deleted_and_their_batches_appended_from_the_journal(tmp_path):
     """A collector killed while batches were spilled: the spill files are only copies of what the
     journal holds. The next open deletes them and appends every batch once, from the journal."""
