@@ -503,6 +503,13 @@ def _held_merge(store: DuckDBStore, monkeypatch):
     return go, entered
 
 
+def _appended_once_let_go(store: DuckDBStore, go, one: dict[str, int], batches: int) -> None:
+    """Let the held merge go on: every acknowledged batch is then in the tables, once."""
+    go.set()
+    store.settle()
+    assert store.counts() == {name: batches * count for name, count in one.items()}
+
+
 def _one_batch_counts(tmp_path: Path) -> dict[str, int]:
     """Rows per table that one golden batch makes."""
     reference = DuckDBStore(tmp_path / "one.duckdb")
@@ -540,10 +547,8 @@ def test_batches_journaled_while_a_merge_is_held_up_are_spilled_to_disk_instead_
         state = store.journal_state()
         assert (state["spills"], state["unmerged_batches"]) == (4, 6)
         assert 0 < state["spilled_bytes"] < state["unmerged_bytes"]
-        go.set()
-        store.settle()
+        _appended_once_let_go(store, go, one, 6)
         assert all(event.wait(60) for event in released)
-        assert store.counts() == {name: 6 * count for name, count in one.items()}
         assert not list(folder.glob("*.spill"))
         assert store.journal_state()["spilled_bytes"] == 0
     finally:
@@ -572,9 +577,7 @@ def test_a_batch_whose_spill_fails_stays_in_memory_and_the_bound_refuses_what_co
         assert store.journal_state()["spills"] == 0
         with pytest.raises(Overloaded, match="retry later"):
             store.write(_golden_batch())
-        go.set()
-        store.settle()
-        assert store.counts() == {name: 2 * count for name, count in one.items()}
+        _appended_once_let_go(store, go, one, 2)
     finally:
         go.set()
         store.close()
@@ -604,9 +607,7 @@ def test_spilled_bytes_have_a_bound_past_which_writes_are_refused(tmp_path, monk
             store.write(_golden_batch())
         assert time.monotonic() - began >= 0.2  # it waited for room first
         assert store.journal_state()["spills"] == 2
-        go.set()
-        store.settle()
-        assert store.counts() == {name: 3 * count for name, count in one.items()}
+        _appended_once_let_go(store, go, one, 3)
     finally:
         go.set()
         store.close()
