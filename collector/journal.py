@@ -133,7 +133,7 @@ class Entry:
         return Columns(tables, spans=self.spans)
 
     def release(self) -> None:
-        """Call ``on_released`` once."""
+        """Call ``on_released`` once (each caller runs while only its thread holds the entry)."""
         call, self.on_released = self.on_released, None
         if call is not None:
             call()
@@ -314,11 +314,11 @@ class Journal:
             spill = self._bytes - self._spilled + entry.nbytes > self.max_bytes and self._held_up()
         if spill:
             self._spill(entry)
+        if entry.spilled is not None:
+            entry.release()  # before the merge thread can see it: its release after the merge finds nothing
         with self._cond:
             self._hold(entry)
             self._cond.notify_all()
-        if entry.spilled is not None:
-            entry.release()
 
     def _spill(self, entry: Entry) -> None:
         """Write the entry's columns beside the log and drop them from memory; a failure (a full
