@@ -42,7 +42,6 @@ endian), then the payload.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -281,10 +280,14 @@ class Journal:
         self._thread.start()
 
     # --- the writer's side ------------------------------------------------------------------------
+    def _held_up_at(self) -> float | None:
+        """When the running merge counts as held up (``PAUSE_S`` after it began: a checkpoint), so
+        that batches may be spilled; None while no merge runs or spills fail."""
+        return None if self._merge_began is None or self._spill_failed else self._merge_began + PAUSE_S
+
     def _held_up(self) -> bool:
-        """A merge has run for ``PAUSE_S`` (a checkpoint) and spills work: batches may be spilled."""
-        return (self._merge_began is not None and not self._spill_failed
-                and time.monotonic() - self._merge_began >= PAUSE_S)
+        at = self._held_up_at()
+        return at is not None and time.monotonic() >= at
 
     def _has_room(self) -> bool:
         return ((self._bytes - self._spilled <= self.max_bytes or self._held_up())
@@ -300,9 +303,8 @@ class Journal:
                 if now >= deadline:
                     raise Overloaded(f"the store has {self._bytes >> 20} MiB of acknowledged batches still to "
                                      f"append to its tables; retry later", retry_after=1)
-                wake = deadline
-                if self._merge_began is not None and not self._spill_failed and now < self._merge_began + PAUSE_S:
-                    wake = min(deadline, self._merge_began + PAUSE_S)  # when the merge counts as held up
+                held_up_at = self._held_up_at()
+                wake = min(deadline, held_up_at) if held_up_at is not None and now < held_up_at else deadline
                 self._cond.wait(max(0.001, wake - now))
 
     def add(self, entry: Entry, payload: list[bytes]) -> None:
@@ -337,8 +339,7 @@ class Journal:
             with self._cond:
                 self._spill_failed = True  # no more spills until a merge passes (the disk may have room then)
             entry._spilled_tables.clear()
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+            _unlink(path)
             log.warning("spilling journaled batch %d to %s failed (%s): it stays in memory", entry.seq, path, exc)
             return
         entry.spilled, entry.columns = path, None
