@@ -25,7 +25,7 @@ from tokentrace.collector.columns import Columns
 from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
 from tokentrace.errors import PayloadError, TokentraceError
-from tokentrace.threads import name_os_thread, os_named
+from tokentrace.threads import lower_priority, name_os_thread, os_named
 
 log = logging.getLogger("tokentrace.collector")
 
@@ -148,18 +148,6 @@ def _decoding_thread(nice: int) -> None:
     """A decoding thread's start: named in the system (``tt-decode_N``), its priority lowered by ``nice``."""
     name_os_thread()
     lower_priority(nice)
-
-
-def lower_priority(by: int) -> None:
-    """Make the calling thread's scheduling priority ``by`` lower (nice higher, at most 19). Linux
-    keeps a nice per thread; elsewhere, or where the system refuses, the thread keeps the process's."""
-    if by <= 0:
-        return
-    try:
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
-    except (OSError, AttributeError):  # macOS takes a thread id for no process; Windows has no setpriority
-        log.debug("could not lower the priority of a decoding thread", exc_info=True)
 
 
 class Pipeline:

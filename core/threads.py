@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -68,3 +69,15 @@ def os_named(target: Callable[..., T]) -> Callable[..., T]:
         return target(*args, **kwargs)
 
     return run
+
+
+def lower_priority(by: int) -> None:
+    """Make the calling thread's scheduling priority ``by`` lower (nice higher, at most 19). Linux
+    keeps a nice per thread; elsewhere, or where the system refuses, the thread keeps the process's."""
+    if by <= 0:
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
+    except (OSError, AttributeError):  # macOS takes a thread id for no process; Windows has no setpriority
+        log.debug("could not lower the priority of %s", threading.current_thread().name, exc_info=True)
