@@ -48,11 +48,11 @@ log = logging.getLogger("tokentrace.collector")
 #: numpy, polars, pyarrow and the writer's modules, bound by ``_libraries()`` for the writer and for
 #: frames: a read-only store answering ``rows()`` (``tokentrace analyze --db``) imports none of them
 #: (issue 17).
-np = pl = pa = pc = once = frontier = journal = Columns = None
+np = pl = pa = pc = once = frontier = journal = span_files = Columns = None
 
 
 def _libraries() -> None:
-    global np, pl, pa, pc, once, frontier, journal, Columns
+    global np, pl, pa, pc, once, frontier, journal, span_files, Columns
     if once is None:
         import duckdb as package  # noqa: F401  (its hooks for Arrow tables and Python objects)
         import numpy
@@ -64,9 +64,10 @@ def _libraries() -> None:
         from tokentrace.collector import frontier as fresh
         from tokentrace.collector import journal as log_ahead
         from tokentrace.collector import once as exactly_once
+        from tokentrace.collector import span_files as parquet_spans
 
         np, pl, pa, pc, frontier, journal = numpy, polars, pyarrow, pyarrow.compute, fresh, log_ahead
-        Columns, once = columns.Columns, exactly_once
+        Columns, once, span_files = columns.Columns, exactly_once, parquet_spans
 
 
 CHECKPOINT_THRESHOLD = "256MB"
@@ -102,16 +103,21 @@ def _attach(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
         con.execute(f"ATTACH '{quoted}' AS {_ALIAS} ({options})")
         con.execute(f"USE {_ALIAS}")
         con.execute(f"SET temp_directory = '{quoted}.tmp'")
+        # Span files (collector/span_files.py) never change once listed: their footers are read once.
+        con.execute("SET GLOBAL parquet_metadata_cache = true")
     except BaseException:
         con.close()
         raise
     return con
 
 
-def _cursor_of(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
-    """A cursor of ``con`` that reads and writes the store's file (``USE`` is per cursor)."""
+def _cursor_of(con: duckdb.DuckDBPyConnection, search_path: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A cursor of ``con`` that reads and writes the store's file (``USE`` and the search path are
+    per cursor)."""
     cursor = con.cursor()
     cursor.execute(f"USE {_ALIAS}")
+    if search_path is not None:
+        cursor.execute(f"SET search_path = '{search_path}'")
     return cursor
 
 
@@ -144,6 +150,9 @@ def _polars_type(duckdb_type: str) -> pl.DataType | None:
 #: Where each packed table's rows are stored (009_packed_lists.sql; the names in TABLES are views
 #: that expand them), and the columns stored beyond the packed form.
 LISTS: dict[str, str] = {"decode_steps": "decode_step_lists", "prefix_blocks": "prefix_block_lists"}
+#: Where the spans of merges too small for a file of their own are stored (013_span_files.sql; the
+#: view ``spans`` reads them and the span files).
+SPAN_ROWS = "span_rows"
 LIST_EXTRA: dict[str, tuple[tuple[str, str], ...]] = {
     "decode_steps": (), "prefix_blocks": (("fresh_from", "INTEGER"), ("fresh_hash", "BIGINT")),
 }
@@ -240,6 +249,7 @@ class DuckDBStore(NamedQueryReader):
     def __init__(self, path: str | Path, read_only: bool = False):
         self.path = str(path)
         self.read_only = read_only
+        self._search_path: str | None = None  #: a read-only store's view of moved span files comes first
         try:
             if read_only and not Path(self.path).exists():
                 raise NotFound(f"no store file at {self.path}")
@@ -268,6 +278,7 @@ class DuckDBStore(NamedQueryReader):
         self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
         self._columns()
         self._journal: Journal | None = None
+        self._span_files = self._open_span_files()
         if read_only:  # no writer state: reading rows needs no numpy, polars or pyarrow
             if any(Path(self.path + ".journal").glob("*.log")):
                 log.warning("%s.journal holds batches a collector acknowledged but had not appended to the tables "
@@ -277,7 +288,9 @@ class DuckDBStore(NamedQueryReader):
         _libraries()
         self._recent = frontier.RecentKeys()
         self._inserts = {name: f"INSERT INTO {LISTS.get(name, name)} SELECT * FROM staged" for name in TABLES}
+        self._inserts["spans"] = f"INSERT INTO {SPAN_ROWS} SELECT * FROM staged"
         self._merger = _cursor_of(self._con)
+        self._compactor = _cursor_of(self._con)
         log_file = journal.Log(Path(self.path + ".journal"))
         merged, recovered = self._recover(log_file)
         self._seq = recovered[-1].seq if recovered else merged
@@ -289,6 +302,7 @@ class DuckDBStore(NamedQueryReader):
             self._keys.add_batch(entry.columns)
         self._journal = journal.Journal(self._merge, log_file)
         self._journal.start(after=merged, pending=recovered)
+        self._span_files.start()
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -323,12 +337,57 @@ class DuckDBStore(NamedQueryReader):
         ).fetchall():
             listed.setdefault(table, []).append((name, kind))
         expected = {table: list(zip(columns, TYPES[table], strict=True)) for table, columns in TABLES.items()}
+        expected[SPAN_ROWS] = expected["spans"]
         for table, stored in LISTS.items():
             expected[stored] = [*zip(PACKED[table], PACKED_TYPES[table], strict=True), *LIST_EXTRA[table]]
         for table, columns in expected.items():
             if listed.get(table, []) != columns:
                 raise StoreError(f"table {table} of {self.path} has columns {listed.get(table, [])}, "
                                  f"expected {columns}: the file comes from another version")
+
+    def _open_span_files(self) -> span_files.SpanFiles:
+        """The span files the store lists (collector/span_files.py), checked present; a writer deletes
+        the ones no transaction listed and points the view ``spans`` at where the files are now (a
+        store moved since); a read-only store whose view names another place reads them through a
+        view of its own in the session's catalog, searched first."""
+        from tokentrace.collector import span_files as parquet_spans  # no pyarrow: a read-only open needs none
+
+        listed = [parquet_spans.SpanFile(*row) for row in self._con.execute(
+            "SELECT name, level, spans, min_start_ns, max_start_ns, bytes, written_ns FROM span_files "
+            "ORDER BY written_ns, name").fetchall()]
+        files = parquet_spans.SpanFiles(Path(self.path + ".spans"), listed, self._swap_span_files)
+        files.check()
+        [(defined,)] = self._con.execute(
+            "SELECT sql FROM duckdb_views() WHERE database_name = current_database() AND view_name = 'spans'"
+        ).fetchall()
+        current = all("'" + path.replace("'", "''") + "'" in defined for path in files.paths())
+        if not self.read_only:
+            files.clean()
+            if not current:
+                log.info("store %s: its span files are now in %s", self.path, files.folder)
+                self._con.execute(f"CREATE OR REPLACE VIEW spans AS {files.view(files.files)}")
+        elif not current:
+            self._con.execute(f"CREATE VIEW memory.main.spans AS {files.view(files.files, f'{_ALIAS}.main.')}")
+            self._search_path = f"memory.main,{_ALIAS}.main"
+            self._con.execute(f"SET search_path = '{self._search_path}'")
+        return files
+
+    def _swap_span_files(self, old: list[span_files.SpanFile], new: span_files.SpanFile,
+                         after: list[span_files.SpanFile]) -> None:
+        """List ``new`` instead of ``old``, ``after`` being every file then (a compaction; the
+        span files' lock held)."""
+        cursor = self._compactor
+        try:
+            cursor.execute("BEGIN")
+            cursor.execute("DELETE FROM span_files WHERE name IN (SELECT unnest($names))",
+                           {"names": [f.name for f in old]})
+            cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", new.row())
+            cursor.execute(f"CREATE OR REPLACE VIEW spans AS {self._span_files.view(after)}")
+            cursor.execute("COMMIT")
+        except Exception:
+            with contextlib.suppress(duckdb.Error):
+                cursor.execute("ROLLBACK")
+            raise
 
     # --- writer role ------------------------------------------------------------------------------
     def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
@@ -383,28 +442,47 @@ class DuckDBStore(NamedQueryReader):
         return bool(self._con.execute("SELECT 1 FROM spool_files WHERE sha256 = ?", [sha256]).fetchall())
 
     def _merge(self, entries: list[Entry]) -> None:
-        """Append journaled batches to the tables and record the last one's number, in one transaction."""
+        """Append journaled batches to the tables and record the last one's number, in one
+        transaction; their spans, when there are enough of them, to a span file that the same
+        transaction lists (collector/span_files.py)."""
         cursor = self._merger
-        try:
-            cursor.execute("BEGIN")
-            self._append(cursor, Columns.concat([entry.load() for entry in entries]))
-            for entry in entries:
-                if entry.spool is not None:
-                    cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
-                                   [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
-            cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
-            cursor.execute("COMMIT")
-        except Exception:
-            with contextlib.suppress(duckdb.Error):
-                cursor.execute("ROLLBACK")
-            with contextlib.suppress(duckdb.Error):
-                cursor.unregister("staged")
-            self._recent = frontier.RecentKeys()  # keys of the rolled-back rows must be recorded again
-            raise
+        columns = Columns.concat([entry.load() for entry in entries])
+        spans = columns.tables.get("spans")
+        files = self._span_files
+        written = None
+        if spans is not None and spans.num_rows >= span_files.MIN_SPANS and files.enabled:
+            written = files.write(spans, f"{entries[-1].seq:0{span_files.SEQ_DIGITS}d}.parquet")
+        with files.lock:  # the view is redefined by one transaction at a time
+            try:
+                cursor.execute("BEGIN")
+                self._append(cursor, columns, spans=written is None)
+                for entry in entries:
+                    if entry.spool is not None:
+                        cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
+                                       [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
+                if written is not None:
+                    cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", written.row())
+                    cursor.execute(f"CREATE OR REPLACE VIEW spans AS {files.view([*files.files, written])}")
+                cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
+                cursor.execute("COMMIT")
+            except Exception:
+                with contextlib.suppress(duckdb.Error):
+                    cursor.execute("ROLLBACK")
+                with contextlib.suppress(duckdb.Error):
+                    cursor.unregister("staged")
+                if written is not None:
+                    files.discard(written)
+                self._recent = frontier.RecentKeys()  # keys of the rolled-back rows must be recorded again
+                raise
+            if written is not None:
+                files.listed(written)
 
-    def _append(self, cursor: duckdb.DuckDBPyConnection, columns: Columns) -> None:
-        """One INSERT per table; packed block lists get their first new block (collector/frontier.py)."""
+    def _append(self, cursor: duckdb.DuckDBPyConnection, columns: Columns, spans: bool = True) -> None:
+        """One INSERT per table (``spans``: the span rows too); packed block lists get their first
+        new block (collector/frontier.py)."""
         for name, rows in columns.tables.items():
+            if name == "spans" and not spans:
+                continue
             # One chunk a column instead of one a batch (~460 spans): DuckDB scans an Arrow table
             # chunk by chunk, paying for each; the copy is dropped after its insert, one table at a
             # time (issue 17, fifteenth round: the merge 12 % less CPU, copy included).
@@ -470,7 +548,9 @@ class DuckDBStore(NamedQueryReader):
 
     def journal_state(self) -> dict | None:
         """Unmerged batches, their bytes and the last merge error (None for a read-only store)."""
-        return None if self._journal is None else self._journal.snapshot()
+        if self._journal is None:
+            return None
+        return {**self._journal.snapshot(), "span_files": self._span_files.snapshot()}
 
     def close(self) -> None:
         """Merge what is journaled, checkpoint (so the file is self-contained) and close."""
@@ -484,6 +564,7 @@ class DuckDBStore(NamedQueryReader):
                 if self._journal.unmerged():
                     log.error("the journal of %s keeps %d batches: they are appended at its next open",
                               self.path, len(self._journal.unmerged()))
+                self._span_files.close()
             if not self.read_only:
                 self._con.execute("CHECKPOINT")
             self._con.close()
@@ -513,7 +594,7 @@ class DuckDBStore(NamedQueryReader):
     def _thread_cursor(self) -> duckdb.DuckDBPyConnection:
         cursor = getattr(self._local, "cursor", None)
         if cursor is None:
-            cursor = self._local.cursor = _cursor_of(self._con)
+            cursor = self._local.cursor = _cursor_of(self._con, self._search_path)
         return cursor
 
     def together(self, *reads: Callable[[], T]) -> list[T]:

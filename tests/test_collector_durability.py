@@ -15,13 +15,14 @@ from test_collector_errors import make_request
 SENDERS = 4
 
 
-def _stream(collector: CollectorProcess, acked: list[str], stop: threading.Event) -> list[threading.Thread]:
-    """Senders that post 20-span batches until stopped or the collector goes away."""
+def _stream(collector: CollectorProcess, acked: list[str], stop: threading.Event,
+            spans: int = 20) -> list[threading.Thread]:
+    """Senders that post batches of ``spans`` spans until stopped or the collector goes away."""
 
     def send() -> None:
         with httpx.Client(timeout=10) as client:
             while not stop.is_set():
-                request = make_request(20, name="stream")
+                request = make_request(spans, name="stream")
                 ids = [span.span_id.hex() for span in request.resource_spans[0].scope_spans[0].spans]
                 try:
                     response = client.post(collector.url + "/v1/traces", content=request.SerializeToString(),
@@ -75,6 +76,30 @@ def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory, monk
     assert restarted.health()["status"] == "ok"
     assert restarted.stop() == 0
     assert _stored(restarted, snapshot) == len(snapshot)
+
+
+def test_kill_9_while_merges_write_span_files_keeps_every_acknowledged_span_once(collector_factory):
+    """Merges large enough to write their spans to Parquet files (collector/span_files.py): killed
+    once some are listed, with more being written, the restarted collector has every acknowledged
+    span once, and its folder holds exactly the files its store lists (one written but not listed
+    when the kill came is deleted, its batches appended again from the journal)."""
+    collector = collector_factory().start()
+    acked: list[str] = []
+    stop = threading.Event()
+    threads = _stream(collector, acked, stop, spans=400)
+    wait_for(lambda: collector.health()["journal"]["span_files"]["files"] >= 2, 120, "two span files")
+    collector.kill()
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    snapshot = list(acked)
+    restarted = collector_factory(db=collector.db).start()
+    assert restarted.stop() == 0
+    assert _stored(restarted, snapshot) == len(snapshot)
+    [(rows, distinct)] = restarted.sql("SELECT count(*), count(DISTINCT span_id) FROM spans")
+    assert rows == distinct >= len(snapshot)
+    listed = sorted(name for (name,) in restarted.sql("SELECT name FROM span_files"))
+    assert listed and listed == sorted(p.name for p in Path(str(collector.db) + ".spans").iterdir())
 
 
 def test_sigterm_mid_stream_exits_0_and_checkpoints_everything_acknowledged(collector_factory):

@@ -1,0 +1,334 @@
+"""The spans of large merges, kept in Parquet files beside the DuckDB store (issue 17).
+
+Why: a ``spans`` row is what every span costs the merge thread, and DuckDB's append of one cost
+4.7-5.4 us of CPU an engine span (its rows converted, analysed, compressed and checkpointed),
+where writing the same Arrow rows to a Parquet file costs 0.7 (zstd, no dictionary; 35 instead of
+68 bytes a span on disk). In the collector under engine-shaped load that was 0.87 x the CPU a span
+and 12 % more spans/s (docs/benchmarks.md, Issue 17, twenty-first round).
+
+How: a merge of at least ``MIN_SPANS`` spans writes them to ``STORE.spans/NAME.parquet`` (synced,
+name included) before its transaction, and the transaction that appends the batches' other rows
+lists the file in ``span_files`` and redefines the view ``spans`` (``span_rows``, the rows of smaller
+merges, and every listed file): a reader sees a file's spans exactly when it sees the rest of its
+batches, and a failed transaction deletes its file. A file no transaction listed (a crash between
+the two) is deleted at the next open; the journal appends its batches again.
+
+Compaction: every merge adds a file, and each file costs a query that reads ``spans`` its footer
+and a little planning (104 files of 100k spans: a trace read 22-45 ms against 4 in DuckDB's own
+table). So a thread of its own, at a lower priority (``NICE``), rewrites ``FANOUT`` files of one
+level into one file of the next (row group by row group: memory stays a row group's), then swaps
+them in one transaction. Rewriting costs ~1.3 us of CPU a span a level, and compacting while ingest
+saturated the machine took back all the files had saved (the same CPU a span as DuckDB's table,
+twenty-first round): so it waits while the machine's load is above ``LOAD_SHARE`` of its cores
+(``spare``; an engine beside the collector counts too), and runs regardless once a level holds
+``MAX_FILES`` files. A burst is stored at the files' cost and compacted after it (the minute's load
+average falls below half the cores a minute or two after a saturating burst); sustained
+saturation past ``MAX_FILES`` merges pays the rewrite as it goes. The replaced files are deleted
+``GRACE_S`` later (a read planned before the swap may still open them) or at close.
+
+pyarrow is imported when a file is written: a read-only store (``tokentrace analyze --db``) reads
+the files through DuckDB alone.
+
+A store whose path holds a glob character (``*?[``) keeps every span in ``span_rows``: DuckDB would
+read such a path as a pattern.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokentrace.errors import StoreError
+from tokentrace.threads import lower_priority, name_os_thread
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+log = logging.getLogger("tokentrace.collector")
+
+#: A merge with at least this many spans writes them to a file; a smaller one appends them to
+#: ``span_rows`` (a collector taking a few requests a second never makes a file).
+MIN_SPANS = 8_192
+#: Files of one level compacted into one of the next.
+FANOUT = 16
+#: Files of this level are not compacted further (16^2 merges: 25M spans at 100k a merge).
+TOP_LEVEL = 2
+#: Compaction waits while the machine's load (the last minute's average of runnable threads, a
+#: share of its cores) is above this, unless a level holds ``MAX_FILES`` files.
+LOAD_SHARE = 0.5
+#: Files of one level past which compaction runs however loaded the machine is (64 merges of
+#: ~100k engine spans: about a minute at 100k spans/s).
+MAX_FILES = 64
+#: Seconds between looks at the machine's load while a compaction waits for it.
+LOOK_S = 1.0
+#: Seconds a compacted file's inputs outlive the swap (reads planned before it may open them).
+GRACE_S = 60.0
+#: How much lower the compaction thread's priority is than the collector's (nice).
+NICE = 10
+#: Rows per Parquet row group: the ``ROW_GROUP_SIZE`` of DuckDB's own tables, for the same pruning.
+ROW_GROUP_ROWS = 16_384
+#: How a file is written: zstd, no dictionaries (a merge's ids and attribute objects seldom
+#: repeat: 35 bytes a span, 0.7 us), and a Bloom filter of the trace ids in each row group, so that
+#: one trace's read opens only the row groups that may hold it (40 files of 27k spans: 9 instead
+#: of 38 ms; DuckDB's table, 7). Compaction writes the same.
+WRITE_OPTIONS = {"compression": "zstd", "use_dictionary": False,
+                 "bloom_filter_options": {"trace_id": {"ndv": ROW_GROUP_ROWS, "fpp": 0.01}}}
+#: A merge's file is named after its last journal sequence number, this many digits
+#: (``000000000042.parquet``); a compacted one after its newest input's, with its level
+#: (``000000000042.L1.parquet``).
+SEQ_DIGITS = 12
+#: What DuckDB reads as a pattern in a file name.
+_GLOB = frozenset("*?[")
+
+
+@dataclass(frozen=True)
+class SpanFile:
+    """One listed file (a ``span_files`` row)."""
+
+    name: str
+    level: int
+    spans: int
+    min_start_ns: int
+    max_start_ns: int
+    bytes: int
+    written_ns: int
+
+    def row(self) -> list:
+        return [self.name, self.level, self.spans, self.min_start_ns, self.max_start_ns, self.bytes, self.written_ns]
+
+
+def spare() -> bool:
+    """Whether the machine has cores to spare: its load average over the last minute is at most
+    ``LOAD_SHARE`` of its cores (True where the system has no load average)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return True
+    return load <= LOAD_SHARE * (os.cpu_count() or 1)
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SpanFiles:
+    """The files of one store, the lock that orders every redefinition of the view, and the
+    compaction thread (module docstring). ``swap(old, new, after)`` is the store's transaction that
+    replaces the files ``old`` by ``new``, ``after`` being every file then; it runs with ``lock`` held."""
+
+    def __init__(self, folder: Path, listed: list[SpanFile],
+                 swap: Callable[[list[SpanFile], SpanFile, list[SpanFile]], None]):
+        self.folder = folder
+        self.files = list(listed)
+        self.enabled = not (_GLOB & set(str(folder)))
+        self.lock = threading.Condition()
+        self.compactions = 0
+        self._swap = swap
+        self._doomed: list[tuple[float, list[Path]]] = []
+        self._stopping = False
+        self._compacting = False  #: ``start`` was called
+        self._thread: threading.Thread | None = None
+
+    # --- opening ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """StoreError when a listed file is missing (the store was copied without its folder)."""
+        missing = [f.name for f in self.files if not (self.folder / f.name).exists()]
+        if missing:
+            raise StoreError(f"{len(missing)} of the {len(self.files)} span files the store lists are missing from "
+                             f"{self.folder} (first: {missing[0]}): a store is its file and the folders beside it")
+
+    def clean(self) -> None:
+        """Delete the files no transaction listed: a crash between writing and listing, or a
+        compaction's inputs past their swap."""
+        if not self.folder.is_dir():
+            return
+        listed = {f.name for f in self.files}
+        for path in self.folder.iterdir():
+            if path.name not in listed:
+                log.info("deleting %s: no transaction listed it (a collector stopped before)", path)
+                path.unlink(missing_ok=True)
+
+    def paths(self, files: list[SpanFile] | None = None) -> list[str]:
+        return [str(self.folder / f.name) for f in (self.files if files is None else files)]
+
+    def view(self, files: list[SpanFile], prefix: str = "") -> str:
+        """The SQL that defines ``spans`` over ``span_rows`` and ``files`` (``prefix``: the catalog)."""
+        rows = f"SELECT * FROM {prefix}span_rows"
+        if not files:
+            return rows
+        quoted = ", ".join("'" + path.replace("'", "''") + "'" for path in self.paths(files))
+        return f"{rows} UNION ALL SELECT * FROM read_parquet([{quoted}])"
+
+    # --- the merge thread -------------------------------------------------------------------------
+    def write(self, rows: pa.Table, name: str) -> SpanFile:
+        """Write a merge's span rows to ``name`` (synced, and its name); not yet listed."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        self.folder.mkdir(exist_ok=True)
+        path = self.folder / name
+        try:
+            pq.write_table(rows, str(path), row_group_size=ROW_GROUP_ROWS, **WRITE_OPTIONS)
+            _sync(path)
+            _sync(self.folder)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        bounds = pc.min_max(rows.column("start_ns"))
+        return SpanFile(name, 0, rows.num_rows, bounds["min"].as_py(), bounds["max"].as_py(),
+                        path.stat().st_size, time.time_ns())
+
+    def discard(self, written: SpanFile) -> None:
+        """A written file whose transaction failed."""
+        with contextlib.suppress(OSError):
+            (self.folder / written.name).unlink(missing_ok=True)
+
+    def listed(self, written: SpanFile) -> None:
+        """``written`` is listed (its transaction committed, ``lock`` held)."""
+        self.files.append(written)
+        self._start_thread()
+        self.lock.notify_all()
+
+    # --- compaction -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Compact from now on: the thread starts with the first file (a collector whose merges
+        make none has no such thread)."""
+        self._compacting = True
+        if self.files:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self._compacting and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokentrace-compact", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop compacting (a compaction under way is given up) and delete the replaced files."""
+        with self.lock:
+            self._stopping, self._compacting = True, False
+            self.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        for _, paths in self._doomed:
+            for path in paths:
+                path.unlink(missing_ok=True)
+        self._doomed.clear()
+
+    def snapshot(self) -> dict:
+        """A JSON-ready view for /healthz."""
+        with self.lock:
+            levels: dict[str, int] = {}
+            for f in self.files:
+                levels[str(f.level)] = levels.get(str(f.level), 0) + 1
+            return {"files": len(self.files), "spans": sum(f.spans for f in self.files),
+                    "bytes": sum(f.bytes for f in self.files), "files_by_level": levels,
+                    "compactions": self.compactions}
+
+    def _group(self) -> tuple[list[SpanFile] | None, bool]:
+        """The oldest ``FANOUT`` files of the lowest level that has that many when the machine has a
+        core to spare or the level is full (else None), and whether such files are
+        waiting for the machine to have a core to spare; ``lock`` held."""
+        waiting = False
+        for level in range(TOP_LEVEL):
+            same = [f for f in self.files if f.level == level]
+            if len(same) >= FANOUT:
+                if len(same) >= MAX_FILES or spare():
+                    return same[:FANOUT], False
+                waiting = True
+        return None, waiting
+
+    def _run(self) -> None:
+        name_os_thread()
+        lower_priority(NICE)
+        while True:
+            with self.lock:
+                while not self._stopping:
+                    group, waiting = self._group()
+                    if group is not None:
+                        break
+                    wake = [self._doomed[0][0] - time.monotonic()] if self._doomed else []
+                    self.lock.wait(min([*wake, LOOK_S]) if waiting else min(wake, default=None))
+                    self._delete_due()
+                if self._stopping:
+                    return
+            try:
+                merged = self._compact(group)
+            except Exception:
+                log.exception("compacting %d span files failed; retrying in %.0f s", len(group), GRACE_S)
+                with self.lock:
+                    self.lock.wait_for(lambda: self._stopping, GRACE_S)
+                continue
+            if merged is None:  # stopping
+                return
+            try:
+                with self.lock:
+                    names = {f.name for f in group}
+                    at = min(i for i, f in enumerate(self.files) if f.name in names)
+                    after = [f for f in self.files if f.name not in names]
+                    after.insert(at, merged)
+                    self._swap(group, merged, after)
+                    self.files = after
+                    self.compactions += 1
+                    self._doomed.append((time.monotonic() + GRACE_S, [self.folder / f.name for f in group]))
+                    self.lock.notify_all()
+            except Exception:
+                log.exception("listing the compacted span file %s failed; its inputs stay", merged.name)
+                (self.folder / merged.name).unlink(missing_ok=True)
+                with self.lock:
+                    self.lock.wait_for(lambda: self._stopping, GRACE_S)
+
+    def _delete_due(self) -> None:
+        now = time.monotonic()
+        while self._doomed and self._doomed[0][0] <= now:
+            for path in self._doomed.pop(0)[1]:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:  # left for the next open's clean
+                    log.exception("deleting the compacted span file %s failed", path)
+
+    def _compact(self, group: list[SpanFile]) -> SpanFile | None:
+        """``group`` rewritten into one file of the next level, row group by row group (None: stopping)."""
+        import pyarrow.parquet as pq
+
+        level = group[0].level + 1
+        name = f"{group[-1].name[:SEQ_DIGITS]}.L{level}.parquet"
+        path = self.folder / name
+        writer = None
+        try:
+            for f in group:
+                source = pq.ParquetFile(self.folder / f.name)
+                for index in range(source.num_row_groups):
+                    if self._stopping:
+                        raise _Stopping
+                    rows = source.read_row_group(index)
+                    if writer is None:
+                        writer = pq.ParquetWriter(str(path), rows.schema, **WRITE_OPTIONS)
+                    writer.write_table(rows, row_group_size=ROW_GROUP_ROWS)
+            writer.close()
+            writer = None
+            _sync(path)
+            _sync(self.folder)
+        except BaseException as exc:
+            if writer is not None:
+                writer.close()
+            path.unlink(missing_ok=True)
+            if isinstance(exc, _Stopping):
+                return None
+            raise
+        return SpanFile(name, level, sum(f.spans for f in group), min(f.min_start_ns for f in group),
+                        max(f.max_start_ns for f in group), path.stat().st_size, time.time_ns())
+
+
+class _Stopping(Exception):
+    """A compaction given up: the store is closing."""
