@@ -5,7 +5,8 @@ Each round starts one collector of each variant in turn (the order rotates every
 drives it as bench/ingest.py does (4 senders over loopback, 512-span engine batches from its cache,
 each distinct batch once), waits until the journal is merged, and reads the collector's CPU seconds
 (user + system, /proc) and its merges (``/healthz``). It prints, per round and variant, collector
-CPU microseconds a span acknowledged, spans/s, spans a merge and peak resident memory; then each
+CPU microseconds a span acknowledged, spans/s, spans a merge, peak resident memory and the span files
+it listed when measured (collector/span_files.py: files, compactions done); then each
 variant's medians, its ratio to the first variant and the rounds in which it used less CPU a span
 than the first.
 
@@ -134,7 +135,8 @@ def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settin
     # Acknowledged spans a second, and the pace of the tables: the acknowledged spans over the run and
     # the wait until the last of them was merged (a collector may acknowledge ahead of its merges).
     return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "tables": acked / (elapsed + lag), "refused": refused,
-            "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak}
+            "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak,
+            "files": journal.get("span_files", {"files": 0, "compactions": 0})}
 
 
 def main() -> int:
@@ -161,8 +163,8 @@ def main() -> int:
                 results[label].append(run)
                 print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
                       f"({run['tables']:,.0f} into the tables)  "
-                      f"{run['merge']:9,.0f} spans a merge  peak {run['peak']:5.0f} MiB  {run['refused']} refused",
-                      flush=True)
+                      f"{run['merge']:9,.0f} spans a merge  peak {run['peak']:5.0f} MiB  {run['refused']} refused  "
+                      f"{run['files']['files']} span files ({run['files']['compactions']} compactions)", flush=True)
     base_label = args.variant[0][0]
     base = results[base_label]
     base_us = statistics.median(r["us"] for r in base)

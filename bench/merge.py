@@ -11,14 +11,17 @@ how much of it the COMMIT (DuckDB's checkpoints among them) and the first-new-bl
 collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it,
 and a run must span several checkpoints (one per 256 MB of WAL, ~310k engine spans) to show them.
 
-``--spans`` measures what the ``spans`` rows cost the merge, beside the store as it is (``all``):
-``lean`` gives it every row with ``attributes`` and ``resource`` empty (NULL), ``none`` no rows at
-all (the typed tables as they are). Neither is what the store may keep (what a sender sent is
-stored as sent): they bound what a leaner row for contract spans could save (docs/benchmarks.md,
-Issue 17, seventeenth round). Each variant's rows are prepared before its merges are timed.
+``--spans`` measures what the ``spans`` rows cost the merge, beside the store as it is (``all``: a
+merge of ``span_files.MIN_SPANS`` or more writes them to a Parquet file, collector/span_files.py):
+``table`` appends every row to DuckDB's table as the store did before the span files, ``lean``
+gives it every row with ``attributes`` and ``resource`` empty (NULL), ``none`` no rows at all (the
+typed tables as they are). ``lean`` and ``none`` are not what the store may keep (what a sender
+sent is stored as sent): they bound what a leaner row for contract spans could save
+(docs/benchmarks.md, Issue 17, seventeenth round). Each variant's rows are prepared before its
+merges are timed; the span files are not compacted (bench/span_files.py measures that).
 
     python bench/merge.py [--batches 3000] [--groups 60,150] [--rounds 3] [--memory-limit BYTES]
-                          [--spans all,lean,none]
+                          [--spans all,table,lean,none]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import pyarrow as pa
 from ingest import _parse, make_bodies
 
-from tokentrace.collector import frontier, journal
+from tokentrace.collector import frontier, journal, span_files
 from tokentrace.collector.settings import SETTINGS
 from tokentrace.collector.store_duckdb import DuckDBStore
 
@@ -79,14 +82,14 @@ class _TimedCommit:
 
 
 #: What a merge gives the ``spans`` table (``--spans``, module docstring).
-SPANS_VARIANTS = ("all", "lean", "none")
+SPANS_VARIANTS = ("all", "table", "lean", "none")
 #: The columns ``lean`` leaves empty: a contract span's attribute and resource objects.
 _LEAN_EMPTY = ("attributes", "resource")
 
 
 def spans_as(columns, how: str):
     """``columns`` with its ``spans`` rows as ``how`` says (``SPANS_VARIANTS``); the rest unchanged."""
-    if how == "all":
+    if how in ("all", "table"):
         return columns
     tables = dict(columns.tables)
     if how == "none":
@@ -101,12 +104,15 @@ def spans_as(columns, how: str):
     return dataclasses.replace(columns, tables=tables)
 
 
-def run(columns: list, group: int, folder: Path, memory_limit: int) -> tuple[float, float, float]:
+def run(columns: list, group: int, folder: Path, memory_limit: int, table: bool = False) -> tuple[float, float, float]:
     """(merge CPU, COMMIT CPU, frontier CPU) in microseconds per span, appending ``columns``
-    ``group`` at a time."""
+    ``group`` at a time (``table``: every span to DuckDB's table, none to a span file)."""
     store = DuckDBStore(folder / f"merge-{group}.duckdb")
     store._journal.close()  # this benchmark merges by itself
+    store._span_files.close()  # and compacts nothing
     store.limit_memory(memory_limit)
+    minimum = span_files.MIN_SPANS
+    span_files.MIN_SPANS = 1 << 62 if table else minimum
     timed = store._merger = _TimedCommit(store._merger)
     spans, cpu, seq = 0, 0.0, 0
     _FRONTIER_S[0] = 0.0
@@ -121,6 +127,7 @@ def run(columns: list, group: int, folder: Path, memory_limit: int) -> tuple[flo
             cpu += time.thread_time() - began
             spans += sum(part.spans for part in columns[at:at + group])
     finally:
+        span_files.MIN_SPANS = minimum
         store._con.close()  # its journal is closed already, and holds nothing
     return cpu / spans * 1e6, timed.commit_s / spans * 1e6, _FRONTIER_S[0] / spans * 1e6
 
@@ -150,7 +157,7 @@ def main() -> int:
         for group, how in cases if turn % 2 == 0 else cases[::-1]:  # drift moves every case alike
             columns = [spans_as(part, how) for part in decoded]
             with tempfile.TemporaryDirectory() as tmp:
-                results[group, how].append(run(columns, group, Path(tmp), args.memory_limit))
+                results[group, how].append(run(columns, group, Path(tmp), args.memory_limit, how == "table"))
     first = statistics.median(cpu for cpu, _, _ in results[cases[0]])
     for group, how in cases:
         cpu, commit, frontiers = (statistics.median(values) for values in zip(*results[group, how], strict=True))
