@@ -19,11 +19,12 @@ table). So a thread of its own, at a lower priority (``NICE``), rewrites ``FANOU
 level into one file of the next (row group by row group: memory stays a row group's), then swaps
 them in one transaction. Rewriting costs ~1.3 us of CPU a span a level, and compacting while ingest
 saturated the machine took back all the files had saved (the same CPU a span as DuckDB's table,
-twenty-first round): so it waits while the machine's load is above ``LOAD_SHARE`` of its cores
+twenty-first round): so it waits until the machine's load leaves ``IDLE_CORES`` of a core idle
 (``spare``; an engine beside the collector counts too), and runs regardless once a level holds
-``MAX_FILES`` files. A burst is stored at the files' cost and compacted after it (the minute's load
-average falls below half the cores a minute or two after a saturating burst); sustained
-saturation past ``MAX_FILES`` merges pays the rewrite as it goes. The replaced files are deleted
+``MAX_FILES`` files. A burst is stored at the files' cost and compacted after it (on 2 cores the
+minute's load average fell from 3-6 under a saturating burst to 1.0-1.3 after it, one core kept
+busy by /metrics' verdicts catching up); sustained saturation past ``MAX_FILES`` merges pays the
+rewrite as it goes. The replaced files are deleted
 ``GRACE_S`` later (a read planned before the swap may still open them) or at close.
 
 pyarrow is imported when a file is written: a read-only store (``tokentrace analyze --db``) reads
@@ -60,9 +61,9 @@ MIN_SPANS = 8_192
 FANOUT = 16
 #: Files of this level are not compacted further (16^2 merges: 25M spans at 100k a merge).
 TOP_LEVEL = 2
-#: Compaction waits while the machine's load (the last minute's average of runnable threads, a
-#: share of its cores) is above this, unless a level holds ``MAX_FILES`` files.
-LOAD_SHARE = 0.5
+#: Compaction waits until the machine's load (the last minute's average of runnable threads)
+#: leaves this much of a core idle, unless a level holds ``MAX_FILES`` files.
+IDLE_CORES = 0.5
 #: Files of one level past which compaction runs however loaded the machine is (64 merges of
 #: ~100k engine spans: about a minute at 100k spans/s).
 MAX_FILES = 64
@@ -105,13 +106,13 @@ class SpanFile:
 
 
 def spare() -> bool:
-    """Whether the machine has cores to spare: its load average over the last minute is at most
-    ``LOAD_SHARE`` of its cores (True where the system has no load average)."""
+    """Whether the machine has a core to spare: its load average over the last minute leaves at
+    least ``IDLE_CORES`` idle (True where the system has no load average)."""
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
         return True
-    return load <= LOAD_SHARE * (os.cpu_count() or 1)
+    return load <= (os.cpu_count() or 1) - IDLE_CORES
 
 
 def _sync(path: Path) -> None:

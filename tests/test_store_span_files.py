@@ -160,12 +160,12 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
 
 def test_compaction_waits_while_the_machine_is_loaded_until_a_level_is_full(tmp_path, monkeypatch,
                                                                            files_for_every_merge):
-    """Compacting while ingest saturates the machine costs what the files saved: with the machine's
-    load over ``LOAD_SHARE`` (here any load is), files that could be compacted wait, until a level
-    holds ``MAX_FILES`` of them."""
+    """Compacting while ingest saturates the machine costs what the files saved: while the machine's
+    load leaves less than ``IDLE_CORES`` idle (here it always does), files that could be compacted
+    wait, until a level holds ``MAX_FILES`` of them."""
     monkeypatch.setattr(span_files, "FANOUT", 2)
     monkeypatch.setattr(span_files, "MAX_FILES", 4)
-    monkeypatch.setattr(span_files, "LOAD_SHARE", -1.0)
+    monkeypatch.setattr(span_files, "IDLE_CORES", 1e9)
     assert not span_files.spare()
     store = DuckDBStore(tmp_path / "s.duckdb")
     files = store._span_files
@@ -179,7 +179,7 @@ def test_compaction_waits_while_the_machine_is_loaded_until_a_level_is_full(tmp_
             assert files.lock.wait_for(lambda: files.compactions >= 1, 120)
     finally:
         store.close()
-    monkeypatch.setattr(span_files, "LOAD_SHARE", 1e9)
+    monkeypatch.setattr(span_files, "IDLE_CORES", -1e9)
     assert span_files.spare()
 
 
