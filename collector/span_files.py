@@ -290,6 +290,7 @@ class SpanFiles:
                     self.lock.wait_for(lambda: self._stopping, GRACE_S)
 
     def _delete_due(self) -> None:
+        """Delete the replaced files whose grace has passed (``lock`` held)."""
         now = time.monotonic()
         while self._doomed and self._doomed[0][0] <= now:
             for path in self._doomed.pop(0)[1]:
@@ -297,6 +298,7 @@ class SpanFiles:
                     path.unlink(missing_ok=True)
                 except OSError:  # left for the next open's clean
                     log.exception("deleting the compacted span file %s failed", path)
+            self.lock.notify_all()
 
     def _compact(self, group: list[SpanFile]) -> SpanFile | None:
         """``group`` rewritten into one file of the next level, row group by row group (None: stopping)."""

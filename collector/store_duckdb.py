@@ -1,4 +1,5 @@
-"""The embedded DuckDB store: one file, numbered migrations, Arrow appends, per-thread readers.
+"""The embedded DuckDB store: one file (its journal and span files in folders beside it), numbered
+migrations, Arrow appends, per-thread readers.
 
 DuckDB lets one process open a file for writing; other processes can open it read-only only while
 no writer holds it. So ``tokentrace analyze --db`` works on a stopped collector's file, and
@@ -553,7 +554,7 @@ class DuckDBStore(NamedQueryReader):
         return {**self._journal.snapshot(), "span_files": self._span_files.snapshot()}
 
     def close(self) -> None:
-        """Merge what is journaled, checkpoint (so the file is self-contained) and close."""
+        """Merge what is journaled, stop compacting, checkpoint (so the file needs no WAL) and close."""
         with self._pool_lock:
             if self._pool is not None:  # reads still running finish first
                 self._pool.shutdown(wait=True)

@@ -116,12 +116,11 @@ def test_spans_in_files_are_recognised_when_sent_again_after_a_restart(tmp_path,
 
 def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_meanwhile(tmp_path, monkeypatch,
                                                                                        files_for_every_merge):
-    """Two files of a level make one of the next, up to the top level; the rows stay the same, the
-    replaced files are deleted once their grace has passed, and a reader running throughout never
-    sees a span twice or misses one."""
+    """Two files of a level make one of the next, up to the top level; the rows stay the same, a
+    reader running throughout never sees a span twice or misses one (the replaced files outlive
+    the swap by their grace: a read planned before it opens them), and closing deletes them."""
     monkeypatch.setattr(span_files, "FANOUT", 2)
     monkeypatch.setattr(span_files, "MAX_FILES", 2)  # however loaded the machine running the tests is
-    monkeypatch.setattr(span_files, "GRACE_S", 0.0)
     store = DuckDBStore(tmp_path / "s.duckdb")
     seen, stop = [], threading.Event()
 
@@ -148,14 +147,29 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
             == 4 * per_batch
         assert all(rows == distinct and rows % per_batch == 0 for rows, distinct in seen)
         assert seen and seen[-1][0] == 4 * per_batch
-        with files.lock:  # the inputs are deleted when the thread next wakes, their grace passed
-            files.lock.notify_all()
         assert _listed(store) == [f.name for f in files.files]
+        assert len(_files(tmp_path / "s.duckdb")) == 7  # the inputs of all three compactions, kept
     finally:
         stop.set()
         store.close()
     assert _files(tmp_path / "s.duckdb") == [files.files[0].name]
     assert _counts(tmp_path / "s.duckdb")["spans"] == 4 * per_batch
+
+
+def test_the_inputs_of_a_compaction_are_deleted_once_their_grace_has_passed(tmp_path, monkeypatch,
+                                                                            files_for_every_merge):
+    monkeypatch.setattr(span_files, "FANOUT", 2)
+    monkeypatch.setattr(span_files, "MAX_FILES", 2)
+    monkeypatch.setattr(span_files, "GRACE_S", 0.0)
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    files = store._span_files
+    try:
+        _write_settled(store, (0, 10))
+        with files.lock:
+            assert files.lock.wait_for(lambda: files.compactions == 1 and not files._doomed, 120)
+        assert _files(tmp_path / "s.duckdb") == _listed(store) == [files.files[0].name]
+    finally:
+        store.close()
 
 
 def test_compaction_waits_while_the_machine_is_loaded_until_a_level_is_full(tmp_path, monkeypatch,
