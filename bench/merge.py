@@ -104,6 +104,22 @@ def spans_as(columns, how: str):
     return dataclasses.replace(columns, tables=tables)
 
 
+def merge_all(store: DuckDBStore, columns: list, group: int) -> tuple[int, float]:
+    """Merge ``columns`` into ``store`` ``group`` at a time as its merge thread does, on this
+    thread: (spans, thread CPU seconds of the merges)."""
+    spans, cpu, seq = 0, 0.0, 0
+    for at in range(0, len(columns), group):
+        entries = []
+        for part in columns[at:at + group]:
+            seq += 1
+            entries.append(journal.Entry(seq, part, part.nbytes))
+        began = time.thread_time()
+        store._merge(entries)
+        cpu += time.thread_time() - began
+        spans += sum(part.spans for part in columns[at:at + group])
+    return spans, cpu
+
+
 def run(columns: list, group: int, folder: Path, memory_limit: int, table: bool = False) -> tuple[float, float, float]:
     """(merge CPU, COMMIT CPU, frontier CPU) in microseconds per span, appending ``columns``
     ``group`` at a time (``table``: every span to DuckDB's table, none to a span file)."""
@@ -114,18 +130,9 @@ def run(columns: list, group: int, folder: Path, memory_limit: int, table: bool 
     minimum = span_files.MIN_SPANS
     span_files.MIN_SPANS = 1 << 62 if table else minimum
     timed = store._merger = _TimedCommit(store._merger)
-    spans, cpu, seq = 0, 0.0, 0
     _FRONTIER_S[0] = 0.0
     try:
-        for at in range(0, len(columns), group):
-            entries = []
-            for part in columns[at:at + group]:
-                seq += 1
-                entries.append(journal.Entry(seq, part, part.nbytes))
-            began = time.thread_time()
-            store._merge(entries)
-            cpu += time.thread_time() - began
-            spans += sum(part.spans for part in columns[at:at + group])
+        spans, cpu = merge_all(store, columns, group)
     finally:
         span_files.MIN_SPANS = minimum
         store._con.close()  # its journal is closed already, and holds nothing

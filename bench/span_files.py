@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from ingest import _parse, make_bodies
+from merge import merge_all
 
-from tokentrace.collector import journal, span_files
+from tokentrace.collector import span_files
 from tokentrace.collector.store_duckdb import DuckDBStore
 
 #: MIN_SPANS of the store that keeps every span in its table.
@@ -57,16 +58,7 @@ def merged(columns: list, group: int, path: Path, files: bool) -> tuple[DuckDBSt
     store = DuckDBStore(path)
     store._journal.close()
     store._span_files.close()
-    spans, cpu, seq = 0, 0.0, 0
-    for at in range(0, len(columns), group):
-        entries = []
-        for part in columns[at:at + group]:
-            seq += 1
-            entries.append(journal.Entry(seq, part, part.nbytes))
-        began = time.thread_time()
-        store._merge(entries)
-        cpu += time.thread_time() - began
-        spans += sum(part.spans for part in columns[at:at + group])
+    spans, cpu = merge_all(store, columns, group)
     began = time.thread_time()
     store._con.execute("CHECKPOINT")  # what DuckDB left to compress and write, counted too
     cpu += time.thread_time() - began

@@ -160,16 +160,17 @@ class SpanFiles:
                 log.info("deleting %s: no transaction listed it (a collector stopped before)", path)
                 path.unlink(missing_ok=True)
 
-    def paths(self, files: list[SpanFile] | None = None) -> list[str]:
-        return [str(self.folder / f.name) for f in (self.files if files is None else files)]
+    def literals(self, files: list[SpanFile] | None = None) -> list[str]:
+        """The full paths of ``files`` (default: every listed one) as SQL string literals."""
+        return ["'" + str(self.folder / f.name).replace("'", "''") + "'"
+                for f in (self.files if files is None else files)]
 
     def view(self, files: list[SpanFile], prefix: str = "") -> str:
         """The SQL that defines ``spans`` over ``span_rows`` and ``files`` (``prefix``: the catalog)."""
         rows = f"SELECT * FROM {prefix}span_rows"
         if not files:
             return rows
-        quoted = ", ".join("'" + path.replace("'", "''") + "'" for path in self.paths(files))
-        return f"{rows} UNION ALL SELECT * FROM read_parquet([{quoted}])"
+        return f"{rows} UNION ALL SELECT * FROM read_parquet([{', '.join(self.literals(files))}])"
 
     # --- the merge thread -------------------------------------------------------------------------
     def write(self, rows: pa.Table, name: str) -> SpanFile:
@@ -177,7 +178,9 @@ class SpanFiles:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        self.folder.mkdir(exist_ok=True)
+        if not self.folder.exists():
+            self.folder.mkdir()
+            _sync(self.folder.parent)  # the folder's own name is durable too
         path = self.folder / name
         try:
             pq.write_table(rows, str(path), row_group_size=ROW_GROUP_ROWS, **WRITE_OPTIONS)

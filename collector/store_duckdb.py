@@ -361,7 +361,7 @@ class DuckDBStore(NamedQueryReader):
         [(defined,)] = self._con.execute(
             "SELECT sql FROM duckdb_views() WHERE database_name = current_database() AND view_name = 'spans'"
         ).fetchall()
-        current = all("'" + path.replace("'", "''") + "'" in defined for path in files.paths())
+        current = all(literal in defined for literal in files.literals())
         if not self.read_only:
             files.clean()
             if not current:
