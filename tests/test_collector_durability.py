@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -44,12 +45,14 @@ def _stored(collector: CollectorProcess, span_ids: list[str]) -> int:
     return count
 
 
-def kill_mid_stream(collector: CollectorProcess, spans: int) -> list[str]:
-    """Stream to ``collector``, kill -9 it once ``spans`` are acknowledged; the acknowledged ids."""
+def kill_mid_stream(collector: CollectorProcess, spans: int, batch: int = 20,
+                    ready: Callable[[], bool] = lambda: True, what: str = "") -> list[str]:
+    """Stream batches of ``batch`` spans to ``collector``, kill -9 it once ``spans`` are acknowledged
+    and ``ready()`` (``what`` it waits for); the acknowledged ids."""
     acked: list[str] = []
     stop = threading.Event()
-    threads = _stream(collector, acked, stop)
-    wait_for(lambda: len(acked) >= spans, 120, f"{spans} acknowledged spans")
+    threads = _stream(collector, acked, stop, batch)
+    wait_for(lambda: len(acked) >= spans and ready(), 120, what or f"{spans} acknowledged spans")
     collector.kill()
     stop.set()
     for thread in threads:
@@ -81,18 +84,11 @@ def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory, monk
 def test_kill_9_while_merges_write_span_files_keeps_every_acknowledged_span_once(collector_factory):
     """Merges large enough to write their spans to Parquet files (collector/span_files.py): killed
     once some are listed, with more being written, the restarted collector has every acknowledged
-    span once, and its folder holds exactly the files its store lists (one written but not listed
+    span once, and its folder holds exactly the files its store lists (a file written but not listed
     when the kill came is deleted, its batches appended again from the journal)."""
     collector = collector_factory().start()
-    acked: list[str] = []
-    stop = threading.Event()
-    threads = _stream(collector, acked, stop, spans=400)
-    wait_for(lambda: collector.health()["journal"]["span_files"]["files"] >= 2, 120, "two span files")
-    collector.kill()
-    stop.set()
-    for thread in threads:
-        thread.join(30)
-    snapshot = list(acked)
+    snapshot = kill_mid_stream(collector, 1, batch=400, what="two span files",
+                               ready=lambda: collector.health()["journal"]["span_files"]["files"] >= 2)
     restarted = collector_factory(db=collector.db).start()
     assert restarted.stop() == 0
     assert _stored(restarted, snapshot) == len(snapshot)

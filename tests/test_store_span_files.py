@@ -11,7 +11,6 @@ import textwrap
 import threading
 from pathlib import Path
 
-import duckdb
 import golden
 import pytest
 from test_store_journal import BASE, _counts, _golden_batch, _migrated_to, _parsed_batch
@@ -52,24 +51,19 @@ def test_a_merge_with_enough_spans_stores_them_in_a_listed_file_as_the_table_wou
     """The same batches into a store that keeps every span in its table and into one that writes a
     file a merge: the view `spans` gives the same rows, types and NULLs included, and the files on
     disk are exactly the ones listed, the table holding none of their rows."""
-    batches = [_golden_batch(offset) for offset in (0, 10, 20)]
+    strip = "SELECT * EXCLUDE (trace_id, span_id, parent_span_id) FROM spans ORDER BY ALL"
     table = DuckDBStore(tmp_path / "table.duckdb")
-    for batch in batches:
-        table.write(batch)
-        table.settle()
+    _write_settled(table, (0, 10, 20))
     expected = _spans(table)
+    expected_stripped = table._cursor().execute(strip).fetchall()
     table.close()
     monkeypatch.setattr(span_files, "MIN_SPANS", 1)
     store = DuckDBStore(tmp_path / "files.duckdb")
-    for batch in [_golden_batch(offset) for offset in (0, 10, 20)]:
-        store.write(batch)
-        store.settle()
+    _write_settled(store, (0, 10, 20))
     try:
         assert len(expected) > 0 and len(_spans(store)) == len(expected)
         # Ids differ between the two stores (each golden batch has fresh ones); everything else is equal.
-        strip = "SELECT * EXCLUDE (trace_id, span_id, parent_span_id) FROM spans ORDER BY ALL"
-        assert store._cursor().execute(strip).fetchall() == duckdb.connect(str(tmp_path / "table.duckdb"),
-                                                                            read_only=True).execute(strip).fetchall()
+        assert store._cursor().execute(strip).fetchall() == expected_stripped
         assert _listed(store) == _files(store.path) and len(_listed(store)) == 3
         [(in_table,)] = store._cursor().execute("SELECT count(*) FROM span_rows").fetchall()
         assert in_table == 0
@@ -125,7 +119,7 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
     seen, stop = [], threading.Event()
 
     def read() -> None:
-        cursor = duckdb_cursor(store)
+        cursor = store._thread_cursor()  # a reader thread's own cursor; no settle: what is committed
         while not stop.is_set():
             [(rows, distinct)] = cursor.execute("SELECT count(*), count(DISTINCT span_id) FROM spans").fetchall()
             seen.append((rows, distinct))
@@ -197,11 +191,6 @@ def test_compaction_waits_while_the_machine_is_loaded_until_a_level_is_full(tmp_
     assert span_files.spare()
 
 
-def duckdb_cursor(store: DuckDBStore):
-    """A reader cursor of the store's own, as a reader thread has (no settle: it reads what is committed)."""
-    return store._thread_cursor()
-
-
 def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
     """A child that writes golden batches into a store making a file a merge, and dies (os._exit)
     right after ``after``: "write" (the file written and synced, its transaction not begun) or
@@ -228,8 +217,7 @@ def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
             store.write(_golden_batch(20))
             store.settle()
         else:
-            files = store._span_files
-            span_files.GRACE_S = 3600.0
+            files = store._span_files  # its inputs' grace (60 s) outlives this child
             with files.lock:
                 assert files.lock.wait_for(lambda: files.compactions == 1, 60)
                 os._exit(0)
