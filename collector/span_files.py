@@ -15,17 +15,14 @@ the two) is deleted at the next open; the journal appends its batches again.
 
 Compaction: every merge adds a file, and each file costs a query that reads ``spans`` its footer
 and a little planning (104 files of 100k spans: a trace read 22-45 ms against 4 in DuckDB's own
-table). So a thread of its own, at a lower priority (``NICE``), rewrites ``FANOUT`` files of one
-level into one file of the next (row group by row group: memory stays a row group's), then swaps
-them in one transaction. Rewriting costs ~1.3 us of CPU a span a level, and compacting while ingest
-saturated the machine took back all the files had saved (the same CPU a span as DuckDB's table,
-twenty-first round): so it waits until the machine's load leaves ``IDLE_CORES`` of a core idle
-(``spare``; an engine beside the collector counts too), and runs regardless once a level holds
-``MAX_FILES`` files. A burst is stored at the files' cost and compacted after it (on 2 cores the
-minute's load average fell from 3-6 under a saturating burst to 1.0-1.3 after it, one core kept
-busy by /metrics' verdicts catching up); sustained saturation past ``MAX_FILES`` merges pays the
-rewrite as it goes. The replaced files are deleted
-``GRACE_S`` later (a read planned before the swap may still open them) or at close.
+table). So a thread of its own, at a lower priority (``NICE``), joins ``FANOUT`` files of one level
+into one file of the next as soon as a level has them, then swaps them in one transaction. Joining
+copies the files' row groups byte for byte under one new footer (collector/parquet_concat.py):
+rewriting them (decoding and encoding every row group) cost 0.8-1.4 us of CPU a span a level, as
+much as the files save the merge thread, and under sustained load it ran beside ingest (twenty-first
+and twenty-second rounds). Files the join refuses (``Unjoinable``: none this module writes) are
+rewritten, row group by row group. The replaced files are deleted ``GRACE_S`` later (a read
+planned before the swap may still open them) or at close.
 
 pyarrow is imported when a file is written: a read-only store (``tokentrace analyze --db``) reads
 the files through DuckDB alone.
@@ -46,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokentrace.collector.parquet_concat import Unjoinable, join
 from tokentrace.errors import StoreError
 from tokentrace.threads import lower_priority, name_os_thread
 
@@ -61,14 +59,6 @@ MIN_SPANS = 8_192
 FANOUT = 16
 #: Files of this level are not compacted further (16^2 merges: 25M spans at 100k a merge).
 TOP_LEVEL = 2
-#: Compaction waits until the machine's load (the last minute's average of runnable threads)
-#: leaves this much of a core idle, unless a level holds ``MAX_FILES`` files.
-IDLE_CORES = 0.5
-#: Files of one level past which compaction runs however loaded the machine is (64 merges of
-#: ~100k engine spans: about a minute at 100k spans/s).
-MAX_FILES = 64
-#: Seconds between looks at the machine's load while a compaction waits for it.
-LOOK_S = 1.0
 #: Seconds a compacted file's inputs outlive the swap (reads planned before it may open them).
 GRACE_S = 60.0
 #: How much lower the compaction thread's priority is than the collector's (nice).
@@ -103,16 +93,6 @@ class SpanFile:
 
     def row(self) -> list:
         return [self.name, self.level, self.spans, self.min_start_ns, self.max_start_ns, self.bytes, self.written_ns]
-
-
-def spare() -> bool:
-    """Whether the machine has a core to spare: its load average over the last minute leaves at
-    least ``IDLE_CORES`` idle (True where the system has no load average)."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return True
-    return load <= (os.cpu_count() or 1) - IDLE_CORES
 
 
 def _sync(path: Path) -> None:
@@ -239,18 +219,13 @@ class SpanFiles:
                     "bytes": sum(f.bytes for f in self.files), "files_by_level": levels,
                     "compactions": self.compactions}
 
-    def _group(self) -> tuple[list[SpanFile] | None, bool]:
-        """The oldest ``FANOUT`` files of the lowest level that has that many when the machine has a
-        core to spare or the level is full (else None), and whether such files are
-        waiting for the machine to have a core to spare; ``lock`` held."""
-        waiting = False
+    def _group(self) -> list[SpanFile] | None:
+        """The oldest ``FANOUT`` files of the lowest level that has that many (else None); ``lock`` held."""
         for level in range(TOP_LEVEL):
             same = [f for f in self.files if f.level == level]
             if len(same) >= FANOUT:
-                if len(same) >= MAX_FILES or spare():
-                    return same[:FANOUT], False
-                waiting = True
-        return None, waiting
+                return same[:FANOUT]
+        return None
 
     def _run(self) -> None:
         name_os_thread()
@@ -258,11 +233,10 @@ class SpanFiles:
         while True:
             with self.lock:
                 while not self._stopping:
-                    group, waiting = self._group()
+                    group = self._group()
                     if group is not None:
                         break
-                    wake = [self._doomed[0][0] - time.monotonic()] if self._doomed else []
-                    self.lock.wait(min([*wake, LOOK_S]) if waiting else min(wake, default=None))
+                    self.lock.wait(self._doomed[0][0] - time.monotonic() if self._doomed else None)
                     self._delete_due()
                 if self._stopping:
                     return
@@ -304,36 +278,53 @@ class SpanFiles:
             self.lock.notify_all()
 
     def _compact(self, group: list[SpanFile]) -> SpanFile | None:
-        """``group`` rewritten into one file of the next level, row group by row group (None: stopping)."""
-        import pyarrow.parquet as pq
-
+        """``group`` joined (else rewritten) into one file of the next level (None: stopping)."""
         level = group[0].level + 1
         name = f"{group[-1].name[:SEQ_DIGITS]}.L{level}.parquet"
         path = self.folder / name
-        writer = None
+        inputs = [self.folder / f.name for f in group]
         try:
-            for f in group:
-                source = pq.ParquetFile(self.folder / f.name)
-                for index in range(source.num_row_groups):
-                    if self._stopping:
-                        raise _Stopping
-                    rows = source.read_row_group(index)
-                    if writer is None:
-                        writer = pq.ParquetWriter(str(path), rows.schema, **WRITE_OPTIONS)
-                    writer.write_table(rows, row_group_size=ROW_GROUP_ROWS)
-            writer.close()
-            writer = None
+            done = join(inputs, path, lambda: self._stopping)
+        except Unjoinable as exc:
+            log.warning("span files %s..%s cannot be joined (%s): rewriting them", group[0].name, group[-1].name, exc)
+            done = rewrite(inputs, path, lambda: self._stopping)
+        if not done:
+            return None
+        try:
             _sync(path)
             _sync(self.folder)
-        except BaseException as exc:
-            if writer is not None:
-                writer.close()
+        except BaseException:
             path.unlink(missing_ok=True)
-            if isinstance(exc, _Stopping):
-                return None
             raise
         return SpanFile(name, level, sum(f.spans for f in group), min(f.min_start_ns for f in group),
                         max(f.max_start_ns for f in group), path.stat().st_size, time.time_ns())
+
+
+def rewrite(inputs: list[Path], output: Path, stopping: Callable[[], bool]) -> bool:
+    """``output``: the rows of ``inputs`` read and written again, row group by row group (memory
+    stays a row group's), as a merge writes them. False (and no output) once ``stopping()``."""
+    import pyarrow.parquet as pq
+
+    writer = None
+    try:
+        for path in inputs:
+            source = pq.ParquetFile(path)
+            for index in range(source.num_row_groups):
+                if stopping():
+                    raise _Stopping
+                rows = source.read_row_group(index)
+                if writer is None:
+                    writer = pq.ParquetWriter(str(output), rows.schema, **WRITE_OPTIONS)
+                writer.write_table(rows, row_group_size=ROW_GROUP_ROWS)
+        writer.close()
+    except BaseException as exc:
+        if writer is not None:
+            writer.close()
+        output.unlink(missing_ok=True)
+        if isinstance(exc, _Stopping):
+            return False
+        raise
+    return True
 
 
 class _Stopping(Exception):

@@ -114,7 +114,6 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
     reader running throughout never sees a span twice or misses one (the replaced files outlive
     the swap by their grace: a read planned before it opens them), and closing deletes them."""
     monkeypatch.setattr(span_files, "FANOUT", 2)
-    monkeypatch.setattr(span_files, "MAX_FILES", 2)  # however loaded the machine running the tests is
     store = DuckDBStore(tmp_path / "s.duckdb")
     seen, stop = [], threading.Event()
 
@@ -153,7 +152,6 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
 def test_the_inputs_of_a_compaction_are_deleted_once_their_grace_has_passed(tmp_path, monkeypatch,
                                                                             files_for_every_merge):
     monkeypatch.setattr(span_files, "FANOUT", 2)
-    monkeypatch.setattr(span_files, "MAX_FILES", 2)
     monkeypatch.setattr(span_files, "GRACE_S", 0.0)
     store = DuckDBStore(tmp_path / "s.duckdb")
     files = store._span_files
@@ -166,29 +164,25 @@ def test_the_inputs_of_a_compaction_are_deleted_once_their_grace_has_passed(tmp_
         store.close()
 
 
-def test_compaction_waits_while_the_machine_is_loaded_until_a_level_is_full(tmp_path, monkeypatch,
-                                                                           files_for_every_merge):
-    """Compacting while ingest saturates the machine costs what the files saved: while the machine's
-    load leaves less than ``IDLE_CORES`` idle (here it always does), files that could be compacted
-    wait, until a level holds ``MAX_FILES`` of them."""
+def test_files_the_join_refuses_are_rewritten(tmp_path, monkeypatch, caplog, files_for_every_merge):
+    """Span files written with a page index (absolute offsets a join by copying cannot move) are
+    compacted by rewriting their rows; the spans stay the same."""
     monkeypatch.setattr(span_files, "FANOUT", 2)
-    monkeypatch.setattr(span_files, "MAX_FILES", 4)
-    monkeypatch.setattr(span_files, "IDLE_CORES", 1e9)
-    assert not span_files.spare()
+    monkeypatch.setattr(span_files, "WRITE_OPTIONS", {**span_files.WRITE_OPTIONS, "write_page_index": True})
     store = DuckDBStore(tmp_path / "s.duckdb")
     files = store._span_files
     try:
-        _write_settled(store, (0, 10, 20))
+        _write_settled(store, (0,))
+        before = _spans(store)
+        _write_settled(store, (10,))
         with files.lock:
-            assert files._group() == (None, True)  # two could be compacted: waiting for the load
-            assert files.compactions == 0 and len(files.files) == 3
-        _write_settled(store, (30,))  # a level full: compacted now
-        with files.lock:
-            assert files.lock.wait_for(lambda: files.compactions >= 1, 120)
+            assert files.lock.wait_for(lambda: files.compactions == 1, 120)
+        assert [f.level for f in files.files] == [1]
+        assert "cannot be joined (a column chunk has a page index" in caplog.text
+        after = _spans(store)
+        assert len(after) == 2 * len(before) and set(before) < set(after)
     finally:
         store.close()
-    monkeypatch.setattr(span_files, "IDLE_CORES", -1e9)
-    assert span_files.spare()
 
 
 def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
@@ -203,7 +197,7 @@ def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
         from tokentrace.collector.store_duckdb import DuckDBStore
         after = {after!r}
         span_files.MIN_SPANS, journal.GATHER_S = 1, 0.0
-        span_files.FANOUT = span_files.MAX_FILES = 2 if after == "swap" else 1000  # "write": no compaction
+        span_files.FANOUT = 2 if after == "swap" else 1000  # "write": no compaction
         store = DuckDBStore({str(path)!r})
         for offset in (0, 10):
             assert store.write(_golden_batch(offset))
