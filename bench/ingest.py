@@ -68,19 +68,23 @@ def _generate(task: tuple[str, int, int, int]) -> list[tuple[bytes, int]]:
 def make_bodies(count: int, spans_per_batch: int, shape: str = "engine") -> list[tuple[bytes, int]]:
     """(serialized request, span count) pairs, generated before any timing starts: in chunks of
     ``_CHUNK`` batches on every core, each chunk a workload of its own seed, and kept in .cache/
-    (generating costs ~0.1 s a batch, longer than a run at 100k spans/s needs batches for).
+    one file a chunk (generating costs ~0.1 s a batch, longer than a run at 100k spans/s needs
+    batches for; a longer run generates only the chunks it adds, and loads no file whole twice).
     Returned in the order of their span times (``in_time_order``)."""
     tasks = [(shape, 11 + k, min(_CHUNK, count - at), spans_per_batch) for k, at in enumerate(range(0, count, _CHUNK))]
     if len(tasks) <= 1:
         return _generate(tasks[0]) if tasks else []
-    path = CACHE / f"ingest-{shape}-{count}x{spans_per_batch}.pickle"
-    if path.exists():
-        return in_time_order(pickle.loads(path.read_bytes()))
-    with multiprocessing.get_context("spawn").Pool() as pool:
-        bodies = [body for chunk in pool.map(_generate, tasks) for body in chunk]
-    CACHE.mkdir(exist_ok=True)
-    path.write_bytes(pickle.dumps(bodies))
-    return in_time_order(bodies)
+    folder = CACHE / f"ingest-{shape}-{spans_per_batch}"
+    paths = [folder / f"seed{seed}x{n}.pickle" for _, seed, n, _ in tasks]
+    missing = [(task, path) for task, path in zip(tasks, paths, strict=True) if not path.exists()]
+    if missing:
+        folder.mkdir(parents=True, exist_ok=True)
+        with multiprocessing.get_context("spawn").Pool() as pool:
+            for (_, path), chunk in zip(missing, pool.imap(_generate, [task for task, _ in missing]), strict=True):
+                partial = path.with_suffix(".partial")
+                partial.write_bytes(pickle.dumps(chunk))
+                partial.rename(path)  # a run stopped while generating leaves no truncated chunk
+    return in_time_order([body for path in paths for body in pickle.loads(path.read_bytes())])
 
 
 def in_time_order(bodies: list) -> list:
@@ -312,6 +316,10 @@ def main() -> int:
           "(llm.request spans stored)")
     print(f"visible:   everything acknowledged was in the tables {lag * 1000:.0f} ms after the last acknowledgement")
     journal = health["journal"]
+    files = journal.get("span_files")
+    if files and files["files"]:  # the spans of large merges in Parquet files (collector/span_files.py)
+        print(f"files:     {files['spans']:,} spans in {files['files']} span files at the end of the run "
+              f"(by level {files['files_by_level']}), {files['compactions']} compactions during it")
     if "spills" in journal:  # the checkpoint's pause spilled to disk instead of refusing (collector/journal.py)
         print(f"spilled:   {journal['spills']} batches spilled to disk while merges were held up")
     receiver = health["receiver"]

@@ -8,12 +8,13 @@ and one that writes a file a merge, its compaction held back. Then, for each sto
 touch ``spans``: one trace (``trace.sql``, the request page), the writer's exact check of a batch of
 late spans (``span_keys.sql``), a count, and the writer's key memory at start
 (``span_key_minutes.sql``), median wall milliseconds of ``--reads`` each. Then the files are
-compacted as the compaction thread does, level by level (``FANOUT`` files into one), timed
+compacted as the compaction thread does, level by level (``FANOUT`` files into one), each group
+both rewritten (the way before) and joined (the way taken, collector/parquet_concat.py), timed
 (thread and process CPU: Arrow reads a file on threads of its own), and read again.
 
 Prints the merge CPU a span of each store (thread CPU, the final ``CHECKPOINT`` included: DuckDB
 runs on the calling thread with ``threads = 1``, the Parquet writer too) and their ratio, the
-bytes a span on disk, each read's milliseconds, and the compaction's CPU a span.
+bytes a span on disk, each read's milliseconds, and each compaction's CPU a span.
 
     python bench/span_files.py [--batches 2400] [--group 60] [--reads 15] [--rounds 1]
 """
@@ -84,24 +85,34 @@ def reads(store: DuckDBStore, late: list, count: int, seed: int) -> dict[str, fl
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-def compact(store: DuckDBStore) -> tuple[int, float, float]:
-    """Compact ``store``'s files as its compaction thread would, to the top level: (compactions,
-    thread CPU us a span compacted, process CPU us a span compacted)."""
+def compact(store: DuckDBStore) -> tuple[int, dict[str, tuple[float, float]]]:
+    """Compact ``store``'s files as its compaction thread would, to the top level: the number of
+    compactions, and for each way of compacting a group (``rewrite``: every row group read and
+    written again, the way before; ``join``: the files' bytes copied under one footer, the way
+    taken, including the syncs) the thread and process CPU us a span compacted. Each group is
+    rewritten into a scratch file first, then joined and swapped in."""
     files = store._span_files
     files._stopping = False
-    done, spans, thread, process = 0, 0, 0.0, 0.0
+    done, spans = 0, 0
+    cpu = {"rewrite": [0.0, 0.0], "join": [0.0, 0.0]}
     while True:
-        group, _ = files._group()
+        group = files._group()
         if group is None:
-            return done, thread / max(spans, 1) * 1e6, process / max(spans, 1) * 1e6
+            return done, {how: (t / max(spans, 1) * 1e6, p / max(spans, 1) * 1e6) for how, (t, p) in cpu.items()}
+        scratch = files.folder / "scratch.parquet"
+        t0, p0 = time.thread_time(), time.process_time()
+        span_files.rewrite([files.folder / f.name for f in group], scratch, lambda: False)
+        cpu["rewrite"][0] += time.thread_time() - t0
+        cpu["rewrite"][1] += time.process_time() - p0
+        scratch.unlink()
         t0, p0 = time.thread_time(), time.process_time()
         new = files._compact(group)
         after = [f for f in files.files if f not in group] + [new]
         with files.lock:
             store._swap_span_files(group, new, after)
             files.files = after
-        thread += time.thread_time() - t0
-        process += time.process_time() - p0
+        cpu["join"][0] += time.thread_time() - t0
+        cpu["join"][1] += time.process_time() - p0
         spans += new.spans
         done += 1
         for f in group:
@@ -136,12 +147,14 @@ def main() -> int:
                 print(f"round {turn + 1} {how:5s}: merge {merge_cpu:5.2f} us/span, {size:5.1f} bytes a span on disk, "
                       f"{listed} files; reads (ms) " + ", ".join(f"{k} {v:.1f}" for k, v in before.items()))
                 if how == "files":
-                    done, thread, process = compact(store)
+                    done, ways = compact(store)
                     after = reads(store, late, args.reads, turn)
                     size = _bytes(Path(store.path)) / spans
                     print(f"        compacted: {done} compactions to {len(store._span_files.files)} files, "
-                          f"{thread:.2f} us/span thread CPU, {process:.2f} process; {size:.1f} bytes a span; "
-                          "reads (ms) " + ", ".join(f"{k} {v:.1f}" for k, v in after.items()))
+                          f"{size:.1f} bytes a span; reads (ms) " + ", ".join(f"{k} {v:.1f}" for k, v in after.items()))
+                    print("        compaction CPU a span compacted, thread/process (us): " + ", ".join(
+                        f"{how} {thread:.3f}/{process:.3f}" for how, (thread, process) in ways.items())
+                        + f"; join/rewrite {ways['join'][1] / ways['rewrite'][1]:.3f}")
                 store._con.close()
     table, files = statistics.median(cpu["table"]), statistics.median(cpu["files"])
     print(f"merge CPU a span, medians: table {table:.2f}, files {files:.2f} us; ratio {files / table:.3f}")
