@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 MAGIC = b"PAR1"
@@ -215,17 +216,46 @@ def footer(path: Path) -> tuple[bytes, int]:
         return file.read(length), size - 8 - length
 
 
-def join(inputs: list[Path], output: Path, stopping=lambda: False) -> bool:
+def join(inputs: list[Path], output: Path, stopping: Callable[[], bool] = lambda: False) -> bool:
     """Write ``output``: the row groups of ``inputs`` in order, their bytes copied. False (and no
     output) when ``stopping()`` turned true between inputs; ``Unjoinable`` (and no output) when they
     cannot be joined this way."""
     footers = [footer(path) for path in inputs]
-    first: dict[int, bytes] = {}
+    try:
+        meta = _joined_footer(inputs, footers)
+    except (IndexError, RecursionError) as exc:  # a value past the footer's end, or nesting without end
+        raise Unjoinable(f"a footer of {', '.join(map(str, inputs))} is not Parquet's ({exc!r})") from exc
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write(out, MAGIC)
+        for path, (_, end_of_data) in zip(inputs, footers, strict=True):
+            if stopping():
+                raise _Stopped
+            source = os.open(path, os.O_RDONLY)
+            try:
+                _copy(source, out, len(MAGIC), end_of_data - len(MAGIC))
+            finally:
+                os.close(source)
+        _write(out, meta + struct.pack("<I", len(meta)) + MAGIC)
+    except BaseException as exc:
+        os.close(out)
+        output.unlink(missing_ok=True)
+        if isinstance(exc, _Stopped):
+            return False
+        raise
+    os.close(out)
+    return True
+
+
+def _joined_footer(inputs: list[Path], footers: list[tuple[bytes, int]]) -> bytes:
+    """The footer of ``inputs`` joined: the first one's fields, the rows of all, and every row group
+    with its offsets moved by where its file's bytes start in the joined file."""
+    first: dict[int, tuple[int, bytes]] = {}
     rows, count, groups, at = 0, 0, bytearray(), len(MAGIC)
     for index, (buf, end_of_data) in enumerate(footers):
         shift = at - len(MAGIC)
         field, pos, kept = 0, 0, {}
-        while True:  # the file's own fields: FileMetaData, one pass
+        while True:  # FileMetaData's own fields, in one pass
             header, pos = buf[pos], pos + 1
             if header == 0:
                 break
@@ -265,26 +295,7 @@ def join(inputs: list[Path], output: Path, stopping=lambda: False) -> bool:
         else:
             meta += first[field][1]
     meta.append(0)
-    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write(out, MAGIC)
-        for path, (_, end_of_data) in zip(inputs, footers, strict=True):
-            if stopping():
-                raise _Stopped
-            source = os.open(path, os.O_RDONLY)
-            try:
-                _copy(source, out, len(MAGIC), end_of_data - len(MAGIC))
-            finally:
-                os.close(source)
-        _write(out, bytes(meta) + struct.pack("<I", len(meta)) + MAGIC)
-    except BaseException as exc:
-        os.close(out)
-        output.unlink(missing_ok=True)
-        if isinstance(exc, _Stopped):
-            return False
-        raise
-    os.close(out)
-    return True
+    return bytes(meta)
 
 
 def _write(target: int, data: bytes) -> None:
@@ -299,11 +310,11 @@ def _copy(source: int, target: int, offset: int, count: int) -> None:
         try:
             done = os.copy_file_range(source, target, count, offset)
         except OSError:  # a filesystem or kernel without it: through user space
-            done = os.pread(source, min(count, 1 << 24), offset)
-            _write(target, done)
-            done = len(done)
+            data = os.pread(source, min(count, 1 << 24), offset)
+            _write(target, data)
+            done = len(data)
         if not done:
-            raise OSError(f"copying span file bytes: {count} bytes short")
+            raise OSError(f"copying a span file: {count} bytes short of its length")
         offset, count = offset + done, count - done
 
 

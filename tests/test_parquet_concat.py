@@ -16,7 +16,6 @@ import pytest
 from tokentrace.collector.parquet_concat import Unjoinable, join
 from tokentrace.collector.span_files import ROW_GROUP_ROWS, WRITE_OPTIONS
 
-
 SCHEMA = pa.schema([("trace_id", pa.binary()), ("name", pa.string()), ("start_ns", pa.int64()),
                     ("attributes", pa.string()), ("offsets", pa.list_(pa.int64())), ("ratio", pa.float64()),
                     ("flag", pa.bool_())])
@@ -103,7 +102,8 @@ def test_a_single_input_joins_to_the_same_rows(tmp_path):
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(paths[0]))
 
 
-@pytest.mark.parametrize("case", ["page index", "other schema", "other metadata", "not parquet", "truncated"])
+@pytest.mark.parametrize("case", ["page index", "other schema", "other metadata", "not parquet", "truncated",
+                                  "garbled footer"])
 def test_what_cannot_be_joined_by_copying_is_refused_and_nothing_is_written(tmp_path, case):
     rng = random.Random(5)
     first = _table(rng, 2_000, 0)
@@ -118,9 +118,13 @@ def test_what_cannot_be_joined_by_copying_is_refused_and_nothing_is_written(tmp_
     else:
         paths = _write(tmp_path, [first, second], **options)
         data = paths[1].read_bytes()
-        paths[1].write_bytes(b"not a parquet file at all" if case == "not parquet" else data[:-100])
+        if case == "garbled footer":  # its length and magic intact, its Thrift cut short inside a value
+            length = int.from_bytes(data[-8:-4], "little")
+            start = len(data) - 8 - length
+            data = data[:start] + b"\x19\xfc" + b"\xff" * (length - 2) + data[-8:]
+        paths[1].write_bytes({"not parquet": b"not a parquet file at all", "truncated": data[:-100]}.get(case, data))
     out = tmp_path / "joined.parquet"
-    with pytest.raises(Unjoinable):
+    with pytest.raises(Unjoinable, match="is not Parquet's" if case == "garbled footer" else None):
         join(paths, out)
     assert not out.exists()
 
