@@ -8,12 +8,15 @@ column chunk starts: the joined file is every input's bytes between its magic an
 by the kernel (``os.copy_file_range``), and one footer that lists every input's row groups, each
 absolute offset moved by where its input's bytes now start.
 
-What moves: a row group's ``file_offset`` (RowGroup field 5) and its ``ordinal`` (7, renumbered);
+What moves: a row group's ``file_offset`` (RowGroup field 5) and its ``ordinal`` (7, renumbered,
+where the writer set one: pyarrow 26 sets none);
 a column chunk's ``file_offset`` (ColumnChunk 2); its data, index and dictionary page offsets and
 its Bloom filter's (ColumnMetaData 9, 10, 11, 14). The Bloom filters lie among the copied bytes.
 Not handled, so refused (``Unjoinable``; the caller rewrites instead): a page index (its offset
 index holds absolute page offsets inside the copied bytes), encryption, column chunks in other
-files, inputs whose schemas or key-value metadata differ (their footers' bytes are compared).
+files, more row groups than an ordinal (i16) numbers, and inputs whose footers differ in anything
+but their rows and row groups (schema, key-value metadata, version, writer, column orders: their
+bytes are compared).
 
 The Thrift compact protocol, as much as a footer needs: a struct is a list of fields ending with a
 zero byte; a field's header byte holds the delta of its id from the previous field's (high nibble;
@@ -42,6 +45,7 @@ _CHUNK_FILE_PATH, _CHUNK_FILE_OFFSET, _CHUNK_META = 1, 2, 3
 _CHUNK_REFUSED = {4: "a page index (offset index)", 6: "a page index (column index)",
                   8: "encryption", 9: "encryption"}
 _COLUMN_OFFSETS = (9, 10, 11, 14)  #: data page, index page, dictionary page, Bloom filter
+_MAX_ORDINAL = 32_767
 
 
 class Unjoinable(ValueError):
@@ -184,6 +188,8 @@ def _copy_struct(buf: bytes, pos: int, out: bytearray, struct_: int, shift: int,
         elif how == _REFUSED:
             raise Unjoinable("a column chunk has " + _CHUNK_REFUSED.get(field, "its data in another file"))
         elif how in (_MOVED, _ORDINAL) and kind in (_I16, _I32, _I64):
+            if how == _ORDINAL and ordinal > _MAX_ORDINAL:
+                raise Unjoinable(f"more than {_MAX_ORDINAL + 1} row groups: a row group's ordinal is an i16")
             raw, pos = _varint(buf, pos)
             _put_int(out, _unzigzag(raw) + shift if how == _MOVED else ordinal)
         elif how == _META and kind == _STRUCT:
