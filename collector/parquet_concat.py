@@ -35,7 +35,7 @@ from pathlib import Path
 MAGIC = b"PAR1"
 
 # Compact protocol types.
-_TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
+_STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(13)
 
 # Field ids (parquet.thrift).
 _META_NUM_ROWS, _META_ROW_GROUPS = 3, 4
@@ -109,12 +109,21 @@ def _list_header(buf: bytes, pos: int) -> tuple[int, int, int]:
 def _skip_struct(buf: bytes, pos: int) -> int:
     """The position after the struct at ``pos`` (after its stop byte)."""
     while True:
-        header, pos = buf[pos], pos + 1
-        if header == 0:
+        _, kind, pos = _field_header(buf, pos, 0)
+        if kind == _STOP:
             return pos
-        if not header >> 4:  # the field id follows
-            pos = _varint(buf, pos)[1]
-        pos = _skip(buf, pos, header & 0x0F)
+        pos = _skip(buf, pos, kind)
+
+
+def _field_header(buf: bytes, pos: int, previous: int) -> tuple[int, int, int]:
+    """A field's id (``previous``: the id of the field before it in its struct), its type
+    (``_STOP`` at the struct's end) and the position of its value."""
+    header, pos = buf[pos], pos + 1
+    delta, kind = header >> 4, header & 0x0F
+    if delta or not header:
+        return previous + delta, kind, pos
+    raw, pos = _varint(buf, pos)
+    return _unzigzag(raw), kind, pos
 
 
 def _int(buf: bytes, start: int) -> int:
@@ -168,17 +177,11 @@ def _copy_struct(buf: bytes, pos: int, out: bytearray, struct_: int, shift: int,
     position after it. Field ids and types do not change, so their headers are copied as they are."""
     field = 0
     while True:
-        begin, header = pos, buf[pos]
-        pos += 1
-        if header == 0:
+        begin = pos
+        field, kind, pos = _field_header(buf, pos, field)
+        if kind == _STOP:
             out.append(0)
             return pos
-        delta, kind = header >> 4, header & 0x0F
-        if delta:
-            field += delta
-        else:
-            raw, pos = _varint(buf, pos)
-            field = _unzigzag(raw)
         out += buf[begin:pos]
         how = _HOW.get((struct_, field))
         if how is None:
@@ -262,15 +265,9 @@ def _joined_footer(inputs: list[Path], footers: list[tuple[bytes, int]]) -> byte
         shift = at - len(MAGIC)
         field, pos, kept = 0, 0, {}
         while True:  # FileMetaData's own fields, in one pass
-            header, pos = buf[pos], pos + 1
-            if header == 0:
+            field, kind, pos = _field_header(buf, pos, field)
+            if kind == _STOP:
                 break
-            delta, kind = header >> 4, header & 0x0F
-            if delta:
-                field += delta
-            else:
-                raw, pos = _varint(buf, pos)
-                field = _unzigzag(raw)
             if field == _META_ROW_GROUPS and kind == _LIST:
                 size, element, pos = _list_header(buf, pos)
                 if element != _STRUCT:
