@@ -17,7 +17,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,6 +110,19 @@ def _attach(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
         con.close()
         raise
     return con
+
+
+@contextlib.contextmanager
+def _transaction(cursor: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN, then COMMIT if the block ends, else ROLLBACK (its own failure not masking the block's)."""
+    try:
+        cursor.execute("BEGIN")
+        yield
+        cursor.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(duckdb.Error):
+            cursor.execute("ROLLBACK")
+        raise
 
 
 def _cursor_of(con: duckdb.DuckDBPyConnection, search_path: str | None = None) -> duckdb.DuckDBPyConnection:
@@ -319,12 +332,10 @@ class DuckDBStore(NamedQueryReader):
             if applied:  # a store written by an earlier version: some migrations rebuild a table (seconds)
                 log.info("store %s: applying %s", self.path, name)
             try:
-                con.execute("BEGIN")
-                con.execute(sql)
-                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, name, time.time_ns()])
-                con.execute("COMMIT")
+                with _transaction(con):
+                    con.execute(sql)
+                    con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, name, time.time_ns()])
             except duckdb.Error as exc:
-                con.execute("ROLLBACK")
                 raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
 
     def _columns(self) -> None:
@@ -378,17 +389,16 @@ class DuckDBStore(NamedQueryReader):
         """List ``new`` instead of ``old``, ``after`` being every file then (a compaction; the
         span files' lock held)."""
         cursor = self._compactor
-        try:
-            cursor.execute("BEGIN")
+        with _transaction(cursor):
             cursor.execute("DELETE FROM span_files WHERE name IN (SELECT unnest($names))",
                            {"names": [f.name for f in old]})
-            cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", new.row())
-            cursor.execute(f"CREATE OR REPLACE VIEW spans AS {self._span_files.view(after)}")
-            cursor.execute("COMMIT")
-        except Exception:
-            with contextlib.suppress(duckdb.Error):
-                cursor.execute("ROLLBACK")
-            raise
+            self._list_span_file(cursor, new, after)
+
+    def _list_span_file(self, cursor: duckdb.DuckDBPyConnection, new: span_files.SpanFile,
+                        every: list[span_files.SpanFile]) -> None:
+        """In ``cursor``'s transaction: list ``new`` and define ``spans`` over ``every`` file."""
+        cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", new.row())
+        cursor.execute(f"CREATE OR REPLACE VIEW spans AS {self._span_files.view(every)}")
 
     # --- writer role ------------------------------------------------------------------------------
     def write(self, batch: Columns | Batch, spool: SpoolRecord | None = None,
@@ -455,20 +465,16 @@ class DuckDBStore(NamedQueryReader):
             written = files.write(spans, f"{entries[-1].seq:0{span_files.SEQ_DIGITS}d}.parquet")
         with files.lock:  # the view is redefined by one transaction at a time
             try:
-                cursor.execute("BEGIN")
-                self._append(cursor, columns, spans=written is None)
-                for entry in entries:
-                    if entry.spool is not None:
-                        cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
-                                       [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
-                if written is not None:
-                    cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", written.row())
-                    cursor.execute(f"CREATE OR REPLACE VIEW spans AS {files.view([*files.files, written])}")
-                cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
-                cursor.execute("COMMIT")
+                with _transaction(cursor):
+                    self._append(cursor, columns, spans=written is None)
+                    for entry in entries:
+                        if entry.spool is not None:
+                            cursor.execute("INSERT INTO spool_files VALUES (?, ?, ?, ?)",
+                                           [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
+                    if written is not None:
+                        self._list_span_file(cursor, written, [*files.files, written])
+                    cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
             except Exception:
-                with contextlib.suppress(duckdb.Error):
-                    cursor.execute("ROLLBACK")
                 with contextlib.suppress(duckdb.Error):
                     cursor.unregister("staged")
                 if written is not None:
