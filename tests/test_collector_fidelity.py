@@ -2,7 +2,8 @@
 the span's trace state, the scope version and the dropped counts, from the real OpenTelemetry SDK;
 mixed arrays and NaN/Infinity from hand-written OTLP JSON; names and status messages cut to the
 attribute length limit; and links with attributes and trace states from the real OpenTelemetry JS
-SDK under Node.js (tests/node), as the trial's Node.js sender sent them."""
+SDK under Node.js (tests/node), as the trial's Node.js sender sent them; and a large export of the
+SDK, whose spans the collector keeps in a Parquet span file (issue 17)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -59,6 +60,47 @@ def test_the_sdk_s_links_trace_state_scope_version_and_dropped_counts_are_kept(c
         {"trace_id": f"{linked[1].trace_id:032x}", "span_id": f"{linked[1].span_id:016x}", "attributes": {"n": 2}},
         {"trace_id": f"{linked[2].trace_id:032x}", "span_id": f"{linked[2].span_id:016x}"},
     ]
+
+
+def test_a_large_export_of_the_sdk_is_stored_in_a_span_file_as_sent(collector_factory):
+    """10,000 spans in one export of the real SDK (BatchSpanProcessor): a merge of that many writes its
+    spans to a Parquet file (collector/span_files.py), and what is read back through `spans` is
+    what the SDK sent: every span once, attributes, events, links with attributes, trace state."""
+    collector = collector_factory().start()
+    provider = TracerProvider(resource=Resource.create({"service.name": "bulk"}))
+    provider.add_span_processor(BatchSpanProcessor(
+        OTLPSpanExporter(endpoint=collector.url + "/v1/traces"), max_queue_size=10_000,
+        max_export_batch_size=10_000, schedule_delay_millis=600_000))  # one export, at shutdown
+    tracer = provider.get_tracer("bulk.scope", "2.0")
+    parent = SpanContext(int.from_bytes(os.urandom(16)), int.from_bytes(os.urandom(8)), is_remote=True,
+                         trace_flags=TraceFlags(1), trace_state=TraceState([("congo", "t61rcWkgMzE")]))
+    linked = SpanContext(int.from_bytes(os.urandom(16)), int.from_bytes(os.urandom(8)), is_remote=True)
+    sent = []
+    for i in range(10_000):
+        span = tracer.start_span(f"op-{i % 7}", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+                                 links=[Link(linked, {"n": i})], attributes={"i": i, "s": "x" * (i % 40),
+                                                                               "f": i / 4, "b": i % 2 == 0})
+        span.add_event("ev", {"k": i})
+        span.end()
+        sent.append(span)
+    provider.shutdown()
+    assert collector.stop() == 0
+    [(files, in_files)] = collector.sql("SELECT count(*), sum(spans) FROM span_files")
+    assert files >= 1 and in_files == 10_000
+    [(rows, distinct, in_rows)] = collector.sql(
+        "SELECT count(*), count(DISTINCT span_id), (SELECT count(*) FROM span_rows) FROM spans")
+    assert (rows, distinct, in_rows) == (10_000, 10_000, 0)  # every span once, all from the file
+    stored = {span_id: row for span_id, *row in collector.sql(
+        "SELECT span_id, name, attributes, events, links, trace_state, scope_version FROM spans")}
+    for span in sent[::997]:
+        name, attributes, events, links, trace_state, scope_version = stored[f"{span.context.span_id:016x}"]
+        i = span.attributes["i"]
+        assert name == f"op-{i % 7}"
+        assert json.loads(attributes) == {"i": i, "s": "x" * (i % 40), "f": i / 4, "b": i % 2 == 0}
+        assert [(e["name"], e["attributes"]) for e in json.loads(events)] == [("ev", {"k": i})]
+        assert json.loads(links) == [{"trace_id": f"{linked.trace_id:032x}", "span_id": f"{linked.span_id:016x}",
+                                      "attributes": {"n": i}}]
+        assert (trace_state, scope_version) == ("congo=t61rcWkgMzE", "2.0")
 
 
 def test_hand_written_json_keeps_mixed_arrays_non_finite_doubles_and_dropped_counts(collector_factory):
