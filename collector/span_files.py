@@ -63,7 +63,8 @@ TOP_LEVEL = 2
 GRACE_S = 60.0
 #: How much lower the compaction thread's priority is than the collector's (nice).
 NICE = 10
-#: Rows per Parquet row group: the ``ROW_GROUP_SIZE`` of DuckDB's own tables, for the same pruning.
+#: Rows per Parquet row group: what DuckDB's own tables had when span files were measured (their
+#: Bloom filters are sized for it); DuckDB's tables now have 8,192 (store_duckdb.ROW_GROUP_SIZE).
 ROW_GROUP_ROWS = 16_384
 #: How a file is written: zstd, no dictionaries (a merge's ids and attribute objects seldom
 #: repeat: 35 bytes a span, 0.7 us), and a Bloom filter of the trace ids in each row group, so that

@@ -72,18 +72,23 @@ def _libraries() -> None:
 
 
 CHECKPOINT_THRESHOLD = "256MB"
-#: Rows per row group of the tables a store writes (DuckDB's default: 122,880). Merge CPU per engine
-#: span over 2.76M spans under the collector's memory bound (issue 17): 9.8-11.1 us at 122,880 rows,
-#: 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384; DuckDB's checkpoints were half of it. A
-#: merge's inserts that fill whole row groups are written (compressed) as they are inserted; a
-#: checkpoint compresses the rest (tables given fewer rows than a row group a merge) and merges the
-#: partial row groups merges leave: about 1.4 us a span over 5.5M spans, not growing with the store
-#: (docs/benchmarks.md, Issue 17, sixth round).
-#: Verdicts read fewer rows (finer min/max pruning): at 200k requests, slow p99 13.7 against 20.2 ms,
-#: cache 21.6 against 28.7, the file 342 against 401 bytes a span (bench/analyze.py).
+#: Rows per row group of the tables a store writes (DuckDB's default: 122,880). DuckDB writes a
+#: transaction's rows of a table straight to the file, compressed, when it gives the table at least
+#: this many rows; fewer go to its WAL, held in memory uncompressed until a checkpoint compresses
+#: them (in the collector at 16,384: a checkpoint of 1.8-2.6 s of the merge thread's CPU every
+#: ~1.8M engine spans; the COMMITs, these included, 2.1 of the thread's 6 us a span). A loaded
+#: collector's merge (70-90k engine spans, their spans in a span file) gives ``requests``,
+#: ``decode_step_lists``, ``cache_lookups`` and ``cache_inserts`` ~10k rows each: under 16,384,
+#: over 8,192. At 8,192 (issue 17, twenty-third round, bench/ab.py, 130-s runs):
+#: 0.916 x the collector's CPU a span, 107k -> 121k spans/s acknowledged, peak memory 2,071 ->
+#: 1,751 MiB; a store of 1.14M requests written by the collector 324 instead of 343 bytes a span
+#: (its verdicts as fast). Earlier, with the spans in DuckDB's table, merge CPU a span over 2.76M
+#: spans: 9.8-11.1 us at 122,880 rows, 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384;
+#: verdicts read fewer rows (finer min/max pruning): at 200k requests, slow p99 13.7 against
+#: 20.2 ms at 122,880, 15.7 at 8,192 (docs/benchmarks.md, Issue 17, sixth round).
 #: DuckDB takes it per attach, not from the file: a store written before keeps its row groups, and
 #: what is added to it gets the new size.
-ROW_GROUP_SIZE = 16_384
+ROW_GROUP_SIZE = 8_192
 #: The alias of the store's file in its DuckDB instance (``_attach``).
 _ALIAS = "store"
 #: Free bytes below which /healthz says the store is not writable: the WAL of one group of writes

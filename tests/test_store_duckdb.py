@@ -12,6 +12,7 @@ import threading
 
 import golden
 import numpy as np
+import pyarrow as pa
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -339,3 +340,36 @@ def test_the_store_writes_row_groups_of_its_own_size_and_spills_beside_its_file(
     assert temp == f"{path}.tmp"
     assert store.counts()["heartbeats"] == rows
     store.close()
+
+
+def test_a_loaded_merge_writes_its_typed_rows_to_the_file_not_the_wal(tmp_path):
+    """A merge of a loaded collector (70-90k engine spans) gives ``requests`` and three other
+    tables ~10k rows each. DuckDB writes a table's rows of one transaction straight to the file,
+    compressed, only when they fill a row group; fewer went to its WAL, held uncompressed until a
+    checkpoint compressed them: 0.92 x the collector's CPU a span with row groups of 8,192 instead of
+    16,384 (issue 17, twenty-third round). 10,000 request rows through the journal and one merge
+    leave the WAL with no more than the merge's bookkeeping."""
+    from tokentrace.collector.columns import SCHEMAS, Columns
+
+    path = tmp_path / "s.duckdb"
+    store = DuckDBStore(path)
+    n = 10_000
+    given = {"request_id": [f"req-{i:08d}" for i in range(n)], "trace_id": [f"{i:032x}" for i in range(n)],
+             "span_id": [f"{i:016x}" for i in range(n)], "instance_id": [f"i{i % 4}" for i in range(n)],
+             "model": ["tiny"] * n, "start_ns": list(range(0, n * 1_000_000, 1_000_000)),
+             "end_ns": list(range(500_000, n * 1_000_000, 1_000_000)), "prompt_tokens": [i % 900 for i in range(n)]}
+    schema = SCHEMAS["requests"]
+    requests = pa.Table.from_arrays([pa.array(given[f.name], f.type) if f.name in given else pa.nulls(n, f.type)
+                                     for f in schema], schema=schema)
+    store.write(Columns(tables={"requests": requests}))
+    store.settle()  # merged: its rows in the tables, in one transaction
+    wal = path.with_name(path.name + ".wal")
+    assert store.counts()["requests"] == n
+    # At 16,384 rows a row group they went to the WAL: 2.4 MB here.
+    assert wal.stat().st_size < 32_768, wal.stat().st_size
+    [(prompt,)] = store._cursor().execute("SELECT sum(prompt_tokens) FROM requests").fetchall()
+    assert prompt == sum(given["prompt_tokens"])
+    store.close()
+    reopened = DuckDBStore(path, read_only=True)
+    assert reopened.counts()["requests"] == n
+    reopened.close()
