@@ -8,8 +8,11 @@ project's VM: up to 2x within an hour) moves every size alike. Prints, per size,
 CPU per span (``time.thread_time``: DuckDB runs its work on the calling thread with ``threads = 1``),
 how much of it the COMMIT (DuckDB's checkpoints among them) and the first-new-block frontiers
 (collector/frontier.py) took, and each size's ratio to the first. DuckDB's memory is bounded as the
-collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it,
-and a run must span several checkpoints (one per 256 MB of WAL, ~310k engine spans) to show them.
+collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it.
+A checkpoint comes once 256 MB of rows went through DuckDB's WAL, which merges of this size seldom
+fill: a table's rows of one merge bypass the WAL when they fill a row group
+(store_duckdb.ROW_GROUP_SIZE); what the checkpoints cost a collector under load, ``bench/ab.py``
+measures (docs/benchmarks.md, Issue 17, twenty-third round).
 
 ``--spans`` measures what the ``spans`` rows cost the merge, beside the store as it is (``all``: a
 merge of ``span_files.MIN_SPANS`` or more writes them to a Parquet file, collector/span_files.py):
