@@ -81,11 +81,12 @@ CHECKPOINT_THRESHOLD = "256MB"
 #: ``decode_step_lists``, ``cache_lookups`` and ``cache_inserts`` ~10k rows each: under 16,384,
 #: over 8,192. At 8,192 (issue 17, twenty-third round, bench/ab.py, 130-s runs):
 #: 0.916 x the collector's CPU a span, 107k -> 121k spans/s acknowledged, peak memory 2,071 ->
-#: 1,751 MiB; a store of 1.14M requests written by the collector 324 instead of 343 bytes a span
-#: (its verdicts as fast). Earlier, with the spans in DuckDB's table, merge CPU a span over 2.76M
-#: spans: 9.8-11.1 us at 122,880 rows, 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384;
-#: verdicts read fewer rows (finer min/max pruning): at 200k requests, slow p99 13.7 against
-#: 20.2 ms at 122,880, 15.7 at 8,192 (docs/benchmarks.md, Issue 17, sixth round).
+#: 1,751 MiB; a store of 1.14M requests written by the collector 324 instead of 343 bytes a span;
+#: bench/analyze.py at 1.25M requests met every verdict target (slow p99 20 ms, cache 31).
+#: Earlier, with the spans in DuckDB's table, merge CPU a span over 2.76M spans: 9.8-11.1 us at
+#: 122,880 rows, 10.7 at 65,536, 7.9-8.7 at 32,768, 6.4-6.8 at 16,384; verdicts read fewer rows
+#: (finer min/max pruning): at 200k requests, slow p99 13.7 against 20.2 ms at 122,880, 15.7 at
+#: 8,192 (docs/benchmarks.md, Issue 17, sixth round).
 #: DuckDB takes it per attach, not from the file: a store written before keeps its row groups, and
 #: what is added to it gets the new size.
 ROW_GROUP_SIZE = 8_192

@@ -366,7 +366,8 @@ def test_a_loaded_merge_writes_its_typed_rows_to_the_file_not_the_wal(tmp_path):
     wal = path.with_name(path.name + ".wal")
     assert store.counts()["requests"] == n
     # At 16,384 rows a row group they went to the WAL: 2.4 MB here.
-    assert wal.stat().st_size < 32_768, wal.stat().st_size
+    logged = wal.stat().st_size if wal.exists() else 0
+    assert logged < 32_768, logged
     [(prompt,)] = store._cursor().execute("SELECT sum(prompt_tokens) FROM requests").fetchall()
     assert prompt == sum(given["prompt_tokens"])
     store.close()
