@@ -17,11 +17,18 @@ appended in memory count against the same bound.
 A refused request gets 503 + Retry-After before its body is read (Content-Length known) or as soon
 as the bytes received pass the budget (chunked). The first request is always admitted, so a budget
 smaller than one body still lets requests through one at a time.
+
+A request holds its cost while its body arrives, so a body must keep arriving (``BodyDeadline``,
+issue 45): three connections that each declared a large Content-Length and sent one byte held the
+whole budget for as long as they stayed open, and every other sender got 503.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
+import time
 
 #: Memory a request holds per byte of body: the body and the rows parsed from it (measured above).
 EXPANSION = 6
@@ -98,3 +105,73 @@ class Hold:
         with self._lock:
             cost, self.bytes = self.bytes, 0
         self.budget.give(cost)
+
+
+#: google.rpc.Code DEADLINE_EXCEEDED, the code of a 408's body.
+_DEADLINE_EXCEEDED = 4
+
+
+class BodyDeadline:
+    """ASGI middleware: a request's body must arrive within ``timeout`` seconds plus one second for
+    every ``min_rate`` bytes received so far (Apache's mod_reqtimeout ``body=T,MinRate=R``), or the
+    request is cut off: the app's next read of the body sees the client gone (starlette's
+    ``ClientDisconnect``), so the receiver gives back what it held of the budget at once, and the
+    sender gets 408 with ``Connection: close``.
+
+    Why 408 and a closed connection: the sender learns why (a slow link can send smaller batches or
+    raise the settings), and the connection, whose rest of a body would never be read, is not kept
+    for a next request. A body that arrives in time is not touched; a request without a body (GET)
+    is not timed.
+    """
+
+    def __init__(self, app, timeout: float, min_rate: int, count=None):
+        self.app = app
+        self.timeout = timeout  #: seconds a body may take beyond what ``min_rate`` allows
+        self.min_rate = min_rate  #: bytes a second of a body that earn it one more second
+        self.count = count  #: called once for each request cut off (``rejected.body_timeout``)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        began, received, expired, complete = time.monotonic(), 0, False, False
+
+        async def timed_receive():
+            nonlocal received, expired, complete
+            if complete or expired:  # past the body: the app waits for a disconnect, untimed
+                return await receive()
+            left = began + self.timeout + received / self.min_rate - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.001))
+            except TimeoutError:
+                expired = True
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+            return message
+
+        async def closing_send(message):
+            if expired and message["type"] == "http.response.start":  # the rest of the body is never read
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        from starlette.requests import ClientDisconnect
+
+        try:
+            await self.app(scope, timed_receive, closing_send)
+        except ClientDisconnect:
+            if not expired:
+                raise
+            await self._answer(received, send)
+        if expired and self.count is not None:
+            self.count()
+
+    async def _answer(self, received: int, send) -> None:
+        """408: the body did not arrive in time."""
+        message = (f"the request body did not arrive in time: {received} bytes in "
+                   f"{self.timeout:g} s + 1 s per {self.min_rate} bytes received (--body-timeout, --body-min-rate)")
+        body = json.dumps({"code": _DEADLINE_EXCEEDED, "message": message}).encode()
+        await send({"type": "http.response.start", "status": 408,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

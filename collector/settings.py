@@ -44,6 +44,16 @@ def _retention(text: str) -> int:
     raise ValueError("a number of days like 30d, or off")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a number of seconds above 0") from None
+    if not 0 < value < 1e6:  # NaN and infinity fail too
+        raise ValueError("a number of seconds above 0")
+    return value
+
+
 def _non_negative(text: str) -> int:
     return _integer(text, "0 or a positive integer", 0)
 
@@ -110,6 +120,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", 256 * 1024 * 1024, "TOKENTRACE_MAX_PENDING_BYTES",
             "bytes that requests being read, parsed or written may hold (6 x each body) before senders "
             "get 503 + Retry-After", _positive),
+    Setting("body_timeout", 10.0, "TOKENTRACE_BODY_TIMEOUT",
+            "seconds a request body may take to arrive, plus 1 s per --body-min-rate bytes received; a slower "
+            "body is cut off with 408 and its share of --max-pending-bytes given back", _seconds),
+    Setting("body_min_rate", 1024 * 1024, "TOKENTRACE_BODY_MIN_RATE",
+            "bytes of a request body that earn it one more second past --body-timeout (its minimum rate, "
+            "bytes/s)", _positive),
     Setting("store_memory_bytes", 256 * 1024 * 1024, "TOKENTRACE_STORE_MEMORY_BYTES",
             "DuckDB stores: memory DuckDB may use for its cache and queries before it evicts or spills to "
             "disk", _positive),
@@ -143,6 +159,8 @@ class CollectorConfig:
     max_body_bytes: int
     max_queue: int
     max_pending_bytes: int
+    body_timeout: float  #: seconds a body may take beyond what body_min_rate allows (budget.BodyDeadline)
+    body_min_rate: int  #: bytes a second a body must keep up
     store_memory_bytes: int
     max_attribute_length: int
     parse_workers: int
