@@ -65,7 +65,8 @@ def render_cache(verdict: dict) -> str:
               else f"{d['segment_role']} segment {d['segment_index']}")
         where = f" (diverges at token {d['token_index']}, {at})"
     lines = [f"request {verdict['request_id']} on {verdict['instance_id']}: {verdict['result']} · cause {cause}{where}",
-             f"  prompt {verdict['prompt_tokens']} · cached {verdict['cached_tokens']} · seen {verdict['seen_tokens']} "
+             f"  prompt {_known(verdict['prompt_tokens'])} · cached {_known(verdict['cached_tokens'])} · seen "
+             f"{_known(verdict['seen_tokens'])} "
              f"tokens (block {verdict['block_size']})", "evidence:"]
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
     return "\n".join(lines)
@@ -120,6 +121,11 @@ def render_slo(slo: dict | None) -> list[str]:
             f"  met every objective: {whole['good']} of {whole['requests']} ({share}) · goodput {goodput}"]
 
 
+def _known(value, unknown: str = "unknown") -> str:
+    """A count for humans: an unmeasured one is named, never printed as ``None``."""
+    return unknown if value is None else str(value)
+
+
 def _gap(value: float | None) -> str:
     return "—" if value is None else fmt_ms(value)
 
@@ -132,10 +138,11 @@ def render_session(verdict: dict) -> str:
     lines.append(f"  {'turn':>4} {'request':<24} {'instance':<14}{'gap':>11}{'ttft':>11}{'prompt':>8}{'cached':>8}"
                  f"  {'slow':<11}{'cache':<28}survived")
     for t in verdict["turns"]:
-        cache = t["cache"]["result"] + (f" ({t['cache']['cause']})" if t["cache"]["cause"] else "")
+        cache = (t["cache"]["result"] or "no lookup") + (f" ({t['cache']['cause']})" if t["cache"]["cause"] else "")
         survived = {None: "—", True: "yes", False: "no"}[t["survived"]]
         lines.append(f"  {t['turn']:>4} {t['request_id']:<24} {t['instance_id']!s:<14}{_gap(t['gap_ms']):>11}"
-                     f"{fmt_ms(t['ttft_ms']):>11}{t['prompt_tokens']!s:>8}{t['cached_tokens']!s:>8}  "
+                     f"{fmt_ms(t['ttft_ms']):>11}{_known(t['prompt_tokens'], '—'):>8}"
+                     f"{_known(t['cached_tokens'], '—'):>8}  "
                      f"{t['slow']['category']:<11}{cache:<28}{survived}")
     if verdict["evidence"]:
         lines.append("evidence:")
@@ -143,6 +150,7 @@ def render_session(verdict: dict) -> str:
     for row in verdict["instances"]:
         after = "unknown" if row["cold_after_ms"] is None else f"{fmt_ms(row['cold_after_ms'])} or more"
         lines.append(f"{row['instance_id']}: follow-ups come back cold after gaps of {after} "
-                     f"({row['warm']} warm, {row['cold']} cold of {row['follow_ups']}; longest warm gap "
+                     f"({row['warm']} warm, {row['cold']} cold (evicted or restarted), {row['changed']} with a "
+                     f"changed prompt, {row['unknown']} unknown, of {row['follow_ups']}; longest warm gap "
                      f"{_gap(row['longest_warm_gap_ms'])})")
     return "\n".join(lines)

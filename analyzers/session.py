@@ -14,9 +14,14 @@ Definitions (the contract; docs/analyzers.md):
 - ``instances``: per instance that served the session, over every session's follow-up turns on it
   in [first turn - ``THRESHOLD_LOOKBACK_NS``, last turn's end] whose previous turn ran on the same
   instance: a follow-up is *warm* when its cached tokens reach the previous turn's prompt (whole
-  blocks, less one) and *cold* otherwise; ``cold_after_ms`` is the shortest gap g such that every
-  follow-up with a gap of g or more came back cold (None when the longest gap came back warm, or
-  there is none), with the longest warm gap and the counts.
+  blocks, less one); one that did not is *cold* only when its cache verdict says the cache lost it
+  with time (``TIMED``: evicted, or the instance restarted), *changed* when the verdict blames the
+  prompt (changed, new, too short: the gap had nothing to do with it), and *unknown* when nothing
+  says (cached tokens not measured, cause unknown, or past ``MAX_COLD_VERDICTS`` verdicts).
+  ``cold_after_ms`` is the shortest gap g such that every warm or cold follow-up with a gap of g or
+  more came back cold (None when the longest such gap came back warm, or there is no cold one):
+  only a cache that went cold with time supports a keep-alive limit. With the longest warm gap and
+  the counts.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ MAX_TURNS = 200
 THRESHOLD_LOOKBACK_NS = 3600 * 1_000_000_000
 #: Cache causes that mean the cache lost what an earlier turn left.
 LOST = ("capacity", "restart", "instance_change")
+#: Of those, the ones a longer gap can bring on a follow-up served where its previous turn was.
+TIMED = ("capacity", "restart")
+#: Cache verdicts computed per instance to tell a follow-up that came back cold with time from one
+#: whose prompt changed (the shortest gaps past the longest warm one first).
+MAX_COLD_VERDICTS = 64
 
 
 @dataclass
@@ -109,19 +119,45 @@ def follow_ups(requests: pl.DataFrame, block: int = c.DEFAULT_BLOCK_SIZE) -> lis
             if row["instance_id"] != prev["instance_id"]:
                 continue
             needed = max(0, (prev["prompt_tokens"] or 0) // block * block - block)
+            cached = row["cached_tokens"]
+            # warm: True / False by the cached tokens; None when they (or the previous prompt) are unknown
+            warm = None if cached is None or prev["prompt_tokens"] is None else cached >= needed and needed > 0
             rows.append({"instance_id": row["instance_id"], "request_id": row["request_id"],
-                         "gap_ms": (row["start_ns"] - prev["end_ns"]) / 1e6,
-                         "warm": (row["cached_tokens"] or 0) >= needed and needed > 0})
+                         "gap_ms": (row["start_ns"] - prev["end_ns"]) / 1e6, "warm": warm})
     return rows
 
 
+def explain_cold(points: list[dict[str, Any]], cause_of) -> list[dict[str, Any]]:
+    """Each point's ``state``: warm, cold (its cache verdict's cause is in TIMED), changed (another
+    cause) or unknown; ``cause_of(request_id)`` gives the cause, asked for at most
+    MAX_COLD_VERDICTS of the follow-ups that did not come back warm, shortest gaps past the longest
+    warm one first (they decide ``cold_after_ms``)."""
+    longest_warm = max((p["gap_ms"] for p in points if p["warm"]), default=None)
+    misses = sorted((p for p in points if p["warm"] is False),
+                    key=lambda p: (longest_warm is not None and p["gap_ms"] <= longest_warm, p["gap_ms"]))
+    causes = {p["request_id"]: cause_of(p["request_id"]) for p in misses[:MAX_COLD_VERDICTS]}
+    out = []
+    for p in points:
+        if p["warm"] is None or p["warm"]:
+            state = "unknown" if p["warm"] is None else "warm"
+        else:
+            cause = causes.get(p["request_id"], "unknown")
+            # None: everything reusable was reused, the prompt just did not extend the previous one
+            state = "cold" if cause in TIMED else "unknown" if cause == "unknown" else "changed"
+        out.append({**p, "state": state})
+    return out
+
+
 def cold_threshold(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """The shortest gap from which every follow-up came back cold (module docstring)."""
-    warm = [p["gap_ms"] for p in points if p["warm"]]
-    cold = [p["gap_ms"] for p in points if not p["warm"]]
+    """The shortest gap from which every follow-up that says anything about keep-alive came back
+    cold with time (module docstring); ``points`` carry ``state`` (explain_cold)."""
+    warm = [p["gap_ms"] for p in points if p["state"] == "warm"]
+    cold = [p["gap_ms"] for p in points if p["state"] == "cold"]
     longest_warm = max(warm) if warm else None
     beyond = [g for g in cold if longest_warm is None or g > longest_warm]
     return {"follow_ups": len(points), "warm": len(warm), "cold": len(cold),
+            "changed": sum(p["state"] == "changed" for p in points),
+            "unknown": sum(p["state"] == "unknown" for p in points),
             "longest_warm_gap_ms": None if longest_warm is None else round(longest_warm, 3),
             "cold_after_ms": round(min(beyond), 3) if beyond else None,
             "cold_at_shorter_gaps": len(cold) - len(beyond)}
@@ -140,7 +176,8 @@ def analyze_session(reader: TraceReader, session_id: str) -> SessionVerdict:
     instances = []
     for instance in sorted({row["instance_id"] for row in rows if row["instance_id"] is not None}):
         window = reader.requests(since_ns=since, until_ns=until, instance_id=instance, limit=100_000)
-        instances.append({"instance_id": instance, **cold_threshold(follow_ups(window))})
+        points = explain_cold(follow_ups(window), lambda rid: _cause(reader, rid, result))
+        instances.append({"instance_id": instance, **cold_threshold(points)})
     verdict = SessionVerdict(session_id, result, cold, instances, truncated)
     for index in cold:
         turn = result[index]
@@ -151,6 +188,12 @@ def analyze_session(reader: TraceReader, session_id: str) -> SessionVerdict:
             {"turn": index, "request_id": turn["request_id"], "gap_ms": turn["gap_ms"],
              **{k: v for k, v in taken.items() if k != "text"}}))
     return verdict
+
+
+def _cause(reader: TraceReader, request_id: str, turns: list[dict[str, Any]]) -> str | None:
+    """A follow-up's cache cause: this session's turns already have theirs."""
+    known = next((t for t in turns if t["request_id"] == request_id), None)
+    return known["cache"]["cause"] if known is not None else analyze_cache(reader, request_id).cause
 
 
 def _what(taken: dict) -> str:

@@ -151,3 +151,54 @@ def test_session_page_and_cli_agree_and_request_pages_link_to_it(session):
     by_db = _cli("--session-id", SESSION, "--db", str(session.db), "--json")
     assert by_db.returncode == 0, by_db.stderr
     assert json.loads(by_db.stdout) == api
+
+
+CHANGED = "agent-edits"
+
+
+@pytest.fixture(scope="module")
+def changed_session(tmp_path_factory, tiny_model):
+    """A session whose one cold follow-up is a changed prompt (its system prompt rewritten), after the
+    longest gap (a filler request runs in it); nothing is evicted (the cache keeps 16 entries)."""
+    workdir = tmp_path_factory.mktemp("changed-session")
+    spool = workdir / "spool"
+    collector = CollectorProcess(workdir, "--spool-dir", str(spool)).start()
+    engine = EngineProcess(workdir, tiny_model, "--cache-max-entries", "16", collector=collector,
+                           spool_dir=spool, instance_id="edit-box")
+    try:
+        engine.start()
+        messages = [{"role": "system", "content": _text(200, 120)}, {"role": "user", "content": _text(201, 30)}]
+        messages.append(reply(chat(engine.url, f"{CHANGED}-turn-0", messages, 8, session=CHANGED)))
+        messages.append({"role": "user", "content": _text(202, 30)})
+        messages.append(reply(chat(engine.url, f"{CHANGED}-turn-1", messages, 8, session=CHANGED)))
+        chat(engine.url, "edit-filler", [{"role": "user", "content": _text(203, 120)}], 24)  # the long gap
+        messages[0] = {"role": "system", "content": _text(204, 120)}  # the application rewrote its prompt
+        messages.append({"role": "user", "content": _text(205, 30)})
+        messages.append(reply(chat(engine.url, f"{CHANGED}-turn-2", messages, 8, session=CHANGED)))
+        messages.append({"role": "user", "content": _text(206, 30)})
+        chat(engine.url, f"{CHANGED}-turn-3", messages, 8, session=CHANGED)
+    finally:
+        assert engine.stop() == 0, engine.log_path.read_text()
+    wait_for(lambda: not list(spool.glob("*.pb*")), 120, "the collector to ingest the engine's spool")
+    yield collector
+    collector.stop()
+
+
+def test_a_changed_prompt_after_the_longest_gap_invents_no_keep_alive_limit(changed_session):
+    verdict = httpx.get(f"{changed_session.url}/api/sessions/{CHANGED}", timeout=120).json()
+    turns = verdict["turns"]
+    assert turns[2]["gap_ms"] > max(turns[1]["gap_ms"], turns[3]["gap_ms"])  # the filler ran in that gap
+    assert turns[2]["cache"]["cause"] == "prefix_change", turns[2]["cache"]
+    assert verdict["cold_turns"] == [] and [t["survived"] for t in turns] == [None, True, True, True]
+    [instance] = verdict["instances"]
+    # Turn 2 did not come back warm, but its prompt changed: it says nothing about how long the
+    # cache keeps a session (the old verdict: "cold after gaps of <turn 2's gap> or more").
+    assert instance["cold_after_ms"] is None, instance
+    assert (instance["warm"], instance["cold"], instance["changed"]) == (2, 0, 1), instance
+    text = _cli("--session-id", CHANGED, "--url", changed_session.url)
+    assert text.returncode == 0, text.stderr
+    assert "0 came back to a cold cache" in text.stdout
+    assert "come back cold after gaps of unknown" in text.stdout and "1 with a changed prompt" in text.stdout
+    assert "None" not in text.stdout
+    page = httpx.get(f"{changed_session.url}/sessions/{CHANGED}", timeout=120).text
+    assert '<td class="n">1</td><td class="n">0</td>' in page and ">unknown</td>" in page  # changed 1, unknown 0
