@@ -11,9 +11,15 @@ Only completed requests get a slowness category, enter latency percentiles and c
 
 Unknown is not zero: a phase a request row does not carry stays missing. Each resource may declare
 the parts its observer measures (``tokentrace.observer.measures``, docs/telemetry.md); a part the
-declaration leaves out is unknown even when a row carries a value for it. A completed request with
-any of load_wait, queue, prefill, decode unknown is ``undecomposed``: its largest part cannot be
-named.
+declaration leaves out is unknown even when a row carries a value for it.
+
+A part that cannot be the largest does not block naming the largest (``largest_part``). The four
+phases are disjoint intervals inside the request, and load_wait, queue and prefill all end by the
+first token, so an unknown part is at most what the known parts leave of the end-to-end time
+(``e2e - sum(known)``) and, for load_wait, queue and prefill, of TTFT (``ttft - sum(known of those
+three)``), never below 0 (``unknown_bounds``). When the largest known part is larger than every
+unknown part's bound it is the largest, whatever the unknown parts were; otherwise a completed
+request is ``undecomposed``: an unknown part could still be the largest.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ CANCEL_REASONS = ("cancelled", "abort", "aborted")
 UNDECOMPOSED = "undecomposed"
 #: The per-request parts an observer can declare (``tokentrace.observer.measures``).
 PARTS = c.OBSERVER_PARTS
+#: The four phases, in the order ties between equal parts are broken.
+PHASES = ("load_wait", "queue", "prefill", "decode")
+#: The phases that end by the first generated token: together they are at most TTFT.
+BEFORE_FIRST_TOKEN = ("load_wait", "queue", "prefill")
 
 
 def outcome_of(row: dict) -> str:
@@ -85,6 +95,42 @@ def known_parts(row: dict, measures: frozenset[str] | None) -> dict[str, float |
     """The row's ``{part}_ms`` values, None where unknown: missing, or not declared measured."""
     return {part: (None if measures is not None and part not in measures else row.get(f"{part}_ms"))
             for part in PARTS}
+
+
+def unknown_bounds(known: dict[str, float | None], e2e_ms: float | None) -> dict[str, float | None]:
+    """The most each unknown phase of ``known`` (``known_parts``) can be: what the known phases leave
+    of ``e2e_ms`` and, for load_wait, queue and prefill, of TTFT (the lesser), never below 0; None
+    when neither total is known. Known phases are left out."""
+    return {part: None if bound is None else round(bound, 3) for part, bound in _bounds(known, e2e_ms).items()}
+
+
+def _bounds(known: dict[str, float | None], e2e_ms: float | None) -> dict[str, float | None]:
+    """``unknown_bounds`` unrounded (what ``largest_part`` and ``report.with_categories`` compare)."""
+    rest_e2e = None if e2e_ms is None else e2e_ms - sum(known[p] or 0.0 for p in PHASES)
+    ttft = known.get("ttft")
+    rest_ttft = None if ttft is None else ttft - sum(known[p] or 0.0 for p in BEFORE_FIRST_TOKEN)
+    bounds: dict[str, float | None] = {}
+    for part in PHASES:
+        if known[part] is not None:
+            continue
+        totals = [rest for rest in (rest_e2e, rest_ttft if part in BEFORE_FIRST_TOKEN else None)
+                  if rest is not None]
+        bounds[part] = max(0.0, min(totals)) if totals else None
+    return bounds
+
+
+def largest_part(known: dict[str, float | None], e2e_ms: float | None,
+                 components: tuple[str, ...] = PHASES) -> str | None:
+    """The largest of ``components`` (ties to the earlier one), or None when an unknown one could be
+    the largest: its bound (``unknown_bounds``) is unknown or not below the largest known part."""
+    values = {part: known[part] for part in components if known[part] is not None}
+    if not values:
+        return None
+    best = max(values, key=lambda part: (values[part], -components.index(part)))
+    bounds = _bounds(known, e2e_ms)
+    if any(bounds[part] is None or bounds[part] >= values[best] for part in components if part in bounds):
+        return None
+    return best
 
 
 def mask_unmeasured(frame: pl.DataFrame, declared: dict[str | None, frozenset[str] | None]) -> pl.DataFrame:

@@ -34,9 +34,12 @@ def render_slow(verdict: dict) -> str:
         lines.append(f"category: {verdict['category']} · ttft category: {verdict['ttft_category']} · "
                      f"{_abnormal(verdict)}")
     total = max(parts["e2e"] or 0.0, 1e-9)
+    # The most an unknown phase can be (docs/analyzers.md: a part that cannot be the largest ...).
+    bounds = next((item["at_most_ms"] for item in verdict["evidence"] if item.get("at_most_ms")), {})
     for name in ("load_wait", "queue", "prefill", "decode", "other"):
         value = parts[name]
-        bar = "unknown" if value is None else "█" * round(_BAR * value / total)
+        bar = "█" * round(_BAR * value / total) if value is not None else (
+            f"unknown, at most {fmt_ms(bounds[name])}" if bounds.get(name) is not None else "unknown")
         lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
     lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
     for missed in verdict.get("slo_missed") or []:

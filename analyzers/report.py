@@ -2,7 +2,8 @@
 
 Outcomes and categories are computed for every request of the window in one vectorized pass (the
 same rules as ``outcome.outcome_of`` and ``slowness.classify_slowness``: the largest component,
-ties in the order load_wait, queue, prefill, decode; ``undecomposed`` when one is unknown). Only
+ties in the order load_wait, queue, prefill, decode; ``undecomposed`` when an unknown component
+could be the largest: its bound, ``outcome.unknown_bounds``, is not below the largest known one). Only
 completed requests enter the categories, latency percentiles, the token hit rate, the slowest list
 and the cache causes; the others are counted per outcome. Cache causes need a full cache verdict per
 request, so they are counted over the most recent ``cause_sample`` completed requests that did not
@@ -59,9 +60,16 @@ def with_categories(frame: pl.DataFrame, declared: dict | None = None) -> pl.Dat
     frame = mask_unmeasured(frame, declared or {})
     parts = [pl.col(f"{name}_ms") for name in _COMPONENTS]
     best = pl.max_horizontal(parts)
+    # outcome.unknown_bounds, vectorized: what the known parts leave of e2e (and of TTFT for the
+    # parts before the first token); the largest bound among the unknown parts, null when none is.
+    rest_e2e = pl.col("e2e_ms") - pl.sum_horizontal([part.fill_null(0.0) for part in parts])
+    rest_ttft = pl.col("ttft_ms") - pl.sum_horizontal([part.fill_null(0.0) for part in parts[:3]])
+    before = pl.max_horizontal(pl.min_horizontal(rest_e2e, rest_ttft), pl.lit(0.0))
+    bound = pl.max_horizontal(pl.when(parts[3].is_null()).then(pl.max_horizontal(rest_e2e, pl.lit(0.0))),
+                              pl.when(pl.any_horizontal([part.is_null() for part in parts[:3]])).then(before))
     # The first component equal to the maximum wins: ties go to the earlier one in CATEGORIES.
     category = pl.when(pl.col("outcome") != COMPLETED).then(None)
-    category = category.when(pl.any_horizontal([part.is_null() for part in parts])).then(pl.lit(UNDECOMPOSED))
+    category = category.when(bound.is_not_null() & (best.is_null() | (bound >= best))).then(pl.lit(UNDECOMPOSED))
     for part, (_, label) in zip(parts, CATEGORIES, strict=True):
         category = category.when(part == best).then(pl.lit(label))
     return (frame.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("e2e_ms"),

@@ -7,8 +7,14 @@ Definitions (the contract; tests check them):
   a part the observer did not measure is None (never 0), and ``other`` is None unless all four are
   known.
 - ``category``: the largest of load_wait -> cold_start, queue -> queueing, prefill -> prefill,
-  decode -> decode; ties go to the earlier one in that order; ``undecomposed`` when any of the four
-  is unknown. ``ttft_category``: the same over load_wait, queue and prefill.
+  decode -> decode; ties go to the earlier one in that order. A part that cannot be the largest
+  does not block naming the largest: an unknown part is at most what the known parts leave of the
+  e2e (and of TTFT, for load_wait, queue and prefill; ``outcome.unknown_bounds``); when the largest
+  known part is larger than every unknown part's bound it is the category, and a ``bounded``
+  evidence item gives the bounds ("load_wait not measured by this observer; at most 16.4 ms").
+  Only when an unknown part could still be the largest is the request ``undecomposed``, and its
+  ``undecomposed`` item names the observer that could have measured it. ``ttft_category``: the
+  same over load_wait, queue and prefill.
 - ``abnormal``: the category's component against the instance's own baseline, the median over
   comparable recent requests (same instance, the 30 minutes before, at most 200, successful, not
   cold): load_wait and queue in ms, prefill as ms per uncached token (comparable: uncached tokens
@@ -30,7 +36,16 @@ from typing import Any
 
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
-from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, known_parts, measures_of, outcome_of
+from tokentrace.analyzers.outcome import (
+    COMPLETED,
+    PHASES,
+    UNDECOMPOSED,
+    known_parts,
+    largest_part,
+    measures_of,
+    outcome_of,
+    unknown_bounds,
+)
 from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.upstream import upstream_evidence
@@ -43,6 +58,16 @@ THRESHOLDS = {"load_wait": (2.0, 25.0), "queue": (2.0, 25.0), "prefill": (2.0, 2
 BASELINE_WINDOW_NS = 30 * 60 * 1_000_000_000
 BASELINE_LIMIT = 200
 MIN_SAMPLES = 3
+#: Which observers measure a phase, for a verdict that lacks it (docs/gateway.md, docs/vllm.md).
+MEASURED_BY = {
+    "load_wait": "an observer inside the engine (the tokentrace engine, vLLM with the tokentrace plugin) or "
+                 "the gateway in front of an engine that reports its loads (Ollama)",
+    "queue": "an observer inside the engine (the tokentrace engine, vLLM with the tokentrace plugin); the "
+             "gateway measures only its own wait",
+    "prefill": "an observer inside the engine (the tokentrace engine, vLLM with the tokentrace plugin) or the "
+               "gateway in front of an engine that reports its prompt time (llama.cpp, Ollama, LM Studio)",
+    "decode": "the gateway on a streamed answer, or an observer inside the engine",
+}
 
 
 @dataclass
@@ -117,18 +142,20 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
 
 
+def e2e_of(request: dict) -> float:
+    """A requests row's end-to-end time in ms (its span's start to end)."""
+    return (request["end_ns"] - request["start_ns"]) / 1e6
+
+
 def category_of(request: dict, measures: frozenset[str] | None = None,
-                components: tuple[str, ...] = tuple(name for name, _ in CATEGORIES)) -> str | None:
+                components: tuple[str, ...] = PHASES) -> str | None:
     """The largest of ``components`` in a requests row, ties to the earlier one, as its category:
-    None unless the request completed, ``undecomposed`` when any component is unknown."""
+    None unless the request completed, ``undecomposed`` when an unknown component could be the
+    largest (``outcome.largest_part``)."""
     if outcome_of(request) != COMPLETED:
         return None
-    known = known_parts(request, measures)
-    parts = [known[name] for name in components]
-    if any(part is None for part in parts):
-        return UNDECOMPOSED
-    best = max(range(len(parts)), key=lambda i: (parts[i], -i))
-    return dict(CATEGORIES)[components[best]]
+    top = largest_part(known_parts(request, measures), e2e_of(request), components)
+    return UNDECOMPOSED if top is None else dict(CATEGORIES)[top]
 
 
 def _named(phases: list[dict], name: str) -> list[dict]:
@@ -151,7 +178,7 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
     r = facts.request
     known = known_parts(r, facts.measures)
     parts = {name: known[name] for name, _ in CATEGORIES}
-    e2e = (r["end_ns"] - r["start_ns"]) / 1e6
+    e2e = e2e_of(r)
     whole = None not in parts.values()
     other = round(max(0.0, e2e - sum(parts.values())), 3) if whole else None
     breakdown = {**{k: None if v is None else round(v, 3) for k, v in parts.items()}, "other": other,
@@ -174,10 +201,11 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
     baseline = _baseline(top, r, facts.baseline)
     verdict = SlowVerdict(
         r["request_id"], r["instance_id"], r.get("engine"), outcome, breakdown, category,
-        category_of(r, facts.measures, tuple(name for name, _ in CATEGORIES[:3])), baseline.pop("abnormal"),
-        baseline, tokens,
+        category_of(r, facts.measures, PHASES[:3]), baseline.pop("abnormal"), baseline, tokens,
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
+    if not whole:
+        _bounded(verdict, facts, known, top)
     verdict.evidence.extend(upstream_evidence(r, "slow"))
     return verdict
 
@@ -198,20 +226,56 @@ def _outcome(verdict: SlowVerdict, facts: SlowFacts) -> None:
     ))
 
 
-def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
-    parts = {name: verdict.breakdown_ms[name] for name, _ in CATEGORIES}
+def _missing(verdict: SlowVerdict, facts: SlowFacts) -> tuple[dict[str, float], list[str], list[str]]:
+    """The known phases {part: ms}, and the unknown ones: unmeasured (the observer declares it
+    cannot measure them), unreported (it can, but this request's row lacks them)."""
+    parts = {name: verdict.breakdown_ms[name] for name in PHASES}
     known = {name: value for name, value in parts.items() if value is not None}
     unmeasured = sorted(name for name in parts if facts.measures is not None and name not in facts.measures)
     unreported = sorted(name for name in parts if parts[name] is None and name not in unmeasured)
-    said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items()) or "none of its phases"
-    missing = ([f"{', '.join(unmeasured)} not measured by this observer"] if unmeasured else []) + (
-        [f"{', '.join(unreported)} not reported for this request"] if unreported else [])
+    return known, unmeasured, unreported
+
+
+def _why_unknown(unmeasured: list[str], unreported: list[str], bounds: dict[str, float | None]) -> list[str]:
+    """'load_wait not measured by this observer (at most 16.4 ms)', per unknown phase."""
+    def at_most(name: str) -> str:
+        return "" if bounds.get(name) is None else f" (at most {fmt_ms(bounds[name])})"
+    return ([f"{name} not measured by this observer{at_most(name)}" for name in unmeasured]
+            + [f"{name} not reported for this request{at_most(name)}" for name in unreported])
+
+
+def _bounded(verdict: SlowVerdict, facts: SlowFacts, known: dict[str, float | None], top: str) -> None:
+    """Why the unknown phases of a named category cannot be the largest: their bounds."""
+    _, unmeasured, unreported = _missing(verdict, facts)
+    bounds = unknown_bounds(known, e2e_of(facts.request))
+    ttft = verdict.breakdown_ms["ttft"]
+    leave = f"the {fmt_ms(verdict.breakdown_ms['e2e'])} end-to-end" + (
+        f" and the {fmt_ms(ttft)} time to first token" if ttft is not None else "")
     verdict.evidence.append(Evidence(
-        "undecomposed", f"Known: {said}; {'; '.join(missing)}. Its largest part cannot be named"
-                        + (f" (TTFT {fmt_ms(verdict.breakdown_ms['ttft'])})." if verdict.breakdown_ms["ttft"]
-                           is not None else "."),
-        {"known_ms": known, "unmeasured": unmeasured, "unreported": unreported,
+        "bounded", f"{'; '.join(_why_unknown(unmeasured, unreported, bounds))}: what the known parts leave of "
+                   f"{leave}, less than {top}'s {fmt_ms(verdict.breakdown_ms[top])}, so {top} is the largest part.",
+        {"at_most_ms": bounds, "unmeasured": unmeasured, "unreported": unreported, "largest": top,
+         "largest_ms": verdict.breakdown_ms[top],
          "measures": None if facts.measures is None else sorted(facts.measures)},
+        basis="inferred",
+    ))
+
+
+def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    known, unmeasured, unreported = _missing(verdict, facts)
+    bounds = unknown_bounds(known_parts(facts.request, facts.measures), e2e_of(facts.request))
+    said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items()) or "none of its phases"
+    could = sorted(name for name in bounds if bounds[name] is None
+                   or not known or bounds[name] >= max(known.values()))
+    who = "; ".join(f"{name} is measured by {MEASURED_BY[name]}" for name in could)
+    verdict.evidence.append(Evidence(
+        "undecomposed", f"Known: {said}; {'; '.join(_why_unknown(unmeasured, unreported, bounds))}. "
+                        f"Its largest part cannot be named: {' or '.join(could)} could be the largest"
+                        + (f" (TTFT {fmt_ms(verdict.breakdown_ms['ttft'])})" if verdict.breakdown_ms["ttft"]
+                           is not None else "") + f". {who[0].upper()}{who[1:]}.",
+        {"known_ms": known, "unmeasured": unmeasured, "unreported": unreported,
+         "measures": None if facts.measures is None else sorted(facts.measures),
+         "at_most_ms": bounds, "could_be_largest": could, "measured_by": {name: MEASURED_BY[name] for name in could}},
     ))
 
 
