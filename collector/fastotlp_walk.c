@@ -173,9 +173,16 @@ static int read_span(decoder_t *d, view_t msg, span_t *s) {
     return 0;
 }
 
+static int all_zero(view_t id) {
+    uint8_t any = 0;
+    for (size_t i = 0; i < id.n; i++) any |= id.p[i];
+    return !any;
+}
+
 /* normalize._invalid: a span the normalizer refuses (and reports) is left to it. */
 static int check_span(const span_t *s) {
     if (s->trace_id.n != 16 || s->span_id.n != 8 || (s->parent.n && s->parent.n != 8)) return FALLBACK;
+    if (all_zero(s->trace_id) || all_zero(s->span_id)) return FALLBACK;  /* invalid ids (trace.proto) */
     if (s->end > (uint64_t)MAX_TIME_NS || s->end < s->start) return FALLBACK;
     return 0;
 }

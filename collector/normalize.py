@@ -213,12 +213,21 @@ def normalize(request: ExportTraceServiceRequest, max_value_length: int = DEFAUL
     return batch
 
 
+_ZERO_TRACE_ID, _ZERO_SPAN_ID = bytes(16), bytes(8)
+
+
 def _invalid(span, end_ns: int, events) -> tuple[str, str] | None:
     """(reason, message) when the span must be refused; None when it can be stored."""
-    if len(span.trace_id) != 16:
-        return "bad_id", f"trace_id must be 16 bytes, received {len(span.trace_id)}"
-    if len(span.span_id) != 8:
-        return "bad_id", f"span_id must be 8 bytes, received {len(span.span_id)}"
+    trace_id, span_id = span.trace_id, span.span_id
+    if len(trace_id) != 16:
+        return "bad_id", f"trace_id must be 16 bytes, received {len(trace_id)}"
+    if len(span_id) != 8:
+        return "bad_id", f"span_id must be 8 bytes, received {len(span_id)}"
+    # trace.proto: a valid id has at least one non-zero byte (the C decoder leaves these to Python).
+    if trace_id == _ZERO_TRACE_ID:
+        return "bad_id", "trace_id must not be all zeros (OTLP calls an all-zero trace id invalid)"
+    if span_id == _ZERO_SPAN_ID:
+        return "bad_id", "span_id must not be all zeros (OTLP calls an all-zero span id invalid)"
     if span.parent_span_id and len(span.parent_span_id) != 8:
         return "bad_id", f"parent_span_id must be empty or 8 bytes, received {len(span.parent_span_id)}"
     if end_ns > MAX_TIME_NS:  # end >= start is checked next, so start fits too

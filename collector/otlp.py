@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -100,7 +101,9 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
     except UnicodeDecodeError as exc:
         raise PayloadError(f"JSON body is not valid UTF-8 at byte {exc.start}") from exc
     try:
-        document = json.loads(text)
+        document = _JSON.decode(text)
+    except _BareConstant:
+        raise PayloadError(f"JSON is not an OTLP ExportTraceServiceRequest: {_unrepresentable(text)}") from None
     except json.JSONDecodeError as exc:
         raise PayloadError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
     except RecursionError:
@@ -115,6 +118,75 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
         raise PayloadError(f"JSON is not an OTLP ExportTraceServiceRequest: {_first_line(exc)}") from exc
     except RecursionError:
         raise PayloadError(f"JSON body is nested deeper than {_MAX_DEPTH} messages") from None
+    except (SystemError, OverflowError, ValueError) as exc:
+        # json_format's own failures on what no protobuf field holds: a lone surrogate as an object key
+        # (SystemError) and a number beyond a double's range in an integer field (OverflowError).
+        found = _unrepresentable(text)
+        if found is None:
+            raise
+        raise PayloadError(f"JSON is not an OTLP ExportTraceServiceRequest: {found}") from exc
+
+
+class _BareConstant(ValueError):
+    """A bare NaN, Infinity or -Infinity: JSON has no such numbers (RFC 8259 section 6), and
+    protobuf's JSON mapping writes non-finite doubles as the strings "NaN", "Infinity", "-Infinity"."""
+
+
+def _refuse_constant(name: str):
+    raise _BareConstant(name)
+
+
+#: The JSON reader of bodies: Python's, less the bare constants (which json_format refuses as doubles,
+#: stores as 0 in an enum, or fails on with an OverflowError).
+_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+class _NonFinite:
+    """A number literal that is not a finite double, as the body wrote it."""
+
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _number(literal: str) -> float | _NonFinite:
+    value = float(literal)
+    return value if math.isfinite(value) else _NonFinite(literal)
+
+
+def _unrepresentable(text: str) -> str | None:
+    """Where a body that parses as JSON holds what no protobuf field can (the first, in document
+    order), and what: a number that is not a finite double, or a lone surrogate escape (a string
+    must be Unicode text to be UTF-8 on the wire). None when there is none. Only on the error path."""
+    stack: list[tuple[object, str]] = [(json.loads(text, parse_float=_number, parse_constant=_NonFinite), "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, _NonFinite):
+            return (f"{where} is {value.literal}, not a finite number (protobuf's JSON writes a double's NaN or "
+                    f"infinity as the string \"NaN\", \"Infinity\" or \"-Infinity\")")
+        if isinstance(value, str) and _lone_surrogate(value):
+            return f"{where} holds a lone surrogate escape ({_shown(value)}): strings must be Unicode text"
+        if isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            for key in value:
+                if _lone_surrogate(key):
+                    return (f"{where or 'the body'} has a key with a lone surrogate escape ({_shown(key)}): "
+                            "strings must be Unicode text")
+            stack.extend((item, f"{where}.{key}" if where else key) for key, item in reversed(value.items()))
+    return None
+
+
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _shown(text: str) -> str:
+    """A string as ASCII, escapes written out, cut to 40 characters: safe in any answer."""
+    return text[:40].encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _hex_ids_to_base64(document: dict) -> None:

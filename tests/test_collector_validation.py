@@ -11,6 +11,8 @@ import time
 
 import httpx
 import pytest
+from google.protobuf import json_format
+from google.rpc import status_pb2
 from harness_collector import CollectorProcess
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -118,6 +120,21 @@ CASES = [
     ("steps offsets of mixed types", contract_request(c.SPAN_ENGINE_STEPS, {c.STEPS_START_OFFSETS: [0, "x"]}), PB,
      200, 0, ("values_left_out", "column_invalid")),
 ]
+# All-zero ids, which OTLP calls invalid (trace.proto: "a 16-byte array with at least one non-zero
+# byte"), are refused span by span like ids of the wrong length (issue 45).
+_ZERO_TRACE, _ZERO_SPAN, _MIXED_ZERO = (contract_request("zero-trace", {}), contract_request("zero-span", {}),
+                                        make_request(3, name="zero-mixed"))
+_ZERO_TRACE.resource_spans[0].scope_spans[0].spans[0].trace_id = bytes(16)
+_ZERO_SPAN.resource_spans[0].scope_spans[0].spans[0].span_id = bytes(8)
+_MIXED_ZERO.resource_spans[0].scope_spans[0].spans[1].trace_id = bytes(16)
+CASES += [
+    ("an all-zero trace id", _ZERO_TRACE, PB, 400, 1, ("invalid_spans", "bad_id")),
+    ("an all-zero span id", _ZERO_SPAN, PB, 400, 1, ("invalid_spans", "bad_id")),
+    ("an all-zero span id (JSON)", json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [
+        {"traceId": os.urandom(16).hex(), "spanId": "0" * 16, "name": "zero-json"}]}]}]}).encode(), JSON, 400, 1,
+     ("invalid_spans", "bad_id")),
+    ("one span of three with an all-zero trace id", _MIXED_ZERO, PB, 200, 1, ("invalid_spans", "bad_id")),
+]
 # The event-time case needs its event time past 2^63: protobuf fixed64 takes it.
 CASES[3][1].resource_spans[0].scope_spans[0].spans[0].events[0].time_unix_nano = 2**64 - 1
 CASES[3] = ("event time 2^64-1", CASES[3][1], PB, 400, 1, ("invalid_spans", "time_out_of_range"))
@@ -164,10 +181,57 @@ def test_a_poison_span_is_refused_or_kept_untyped_and_storage_goes_on(collector,
     assert health[group].get(reason, 0) > before[group].get(reason, 0)
 
 
+def _json_span_text(span: str) -> bytes:
+    return ('{"resourceSpans":[{"scopeSpans":[{"spans":[' + span + "]}]}]}").encode()
+
+
+_SPAN0 = "resourceSpans[0].scopeSpans[0].spans[0]"
+#: (caption, body, message fragment): JSON bodies protobuf's json_format cannot take; each was answered
+#: 500 (an uncaught SystemError or OverflowError), or stored a NaN kind as 0 (issue 45).
+UNREPRESENTABLE = [
+    ("a lone surrogate escape as an object key", rb'{"\ud800": 1}',
+     "the body has a key with a lone surrogate escape (\\ud800)"),
+    ("a lone surrogate in a span's key", _json_span_text(r'{"name": "x", "\udc00y": 1}'),
+     f"{_SPAN0} has a key with a lone surrogate escape (\\udc00y)"),
+    ('"kind": Infinity', _json_span_text('{"name": "x", "kind": Infinity}'), f"{_SPAN0}.kind is Infinity"),
+    ('"kind": 1e999', _json_span_text('{"name": "x", "kind": 1e999}'), f"{_SPAN0}.kind is 1e999"),
+    ('"kind": -Infinity', _json_span_text('{"name": "x", "kind": -Infinity}'), f"{_SPAN0}.kind is -Infinity"),
+    ('"kind": NaN', _json_span_text('{"name": "x", "kind": NaN}'), f"{_SPAN0}.kind is NaN"),
+    ('"code": -1e400 in a status', _json_span_text('{"name": "x", "status": {"code": -1e400}}'),
+     f"{_SPAN0}.status.code is -1e400"),
+    ("a bare NaN as a double value", _json_span_text(
+        '{"name": "x", "attributes": [{"key": "d", "value": {"doubleValue": NaN}}]}'),
+     f"{_SPAN0}.attributes[0].value.doubleValue is NaN"),
+]
+
+
+@pytest.mark.parametrize(("caption", "body", "fragment"), UNREPRESENTABLE, ids=[case[0] for case in UNREPRESENTABLE])
+def test_json_that_protobuf_cannot_hold_gets_a_400_that_says_where(collector, ledger, caption, body, fragment):
+    before = collector.health()
+    response = collector.post(body, JSON)
+    assert response.status_code == 400, response.text
+    message = json_format.Parse(response.text, status_pb2.Status()).message
+    assert fragment in message, message
+    assert "not a finite number" in message or "lone surrogate" in message
+    assert collector.post(make_request(2, name="around").SerializeToString(), PB).status_code == 200
+    ledger["good"] += 2
+    health = collector.health()
+    assert health["status"] == "ok" and health["rejected"]["malformed"] == before["rejected"].get("malformed", 0) + 1
+
+
+def test_an_all_zero_id_is_named_in_the_answer(collector):
+    response = collector.post(_MIXED_ZERO.SerializeToString(), PB)
+    assert response.status_code == 200
+    assert _partial(response) == (1, "scopeSpans[0].spans[1]: trace_id must not be all zeros (OTLP calls an "
+                                     "all-zero trace id invalid)")
+
+
 def test_the_store_holds_the_valid_batches_and_the_untyped_spans(collector, ledger):
     assert collector.stop() == 0
     assert collector.sql("SELECT count(*) FROM spans WHERE name = 'around'") == [(ledger["good"],)]
-    assert collector.sql("SELECT count(*) FROM spans WHERE name IN ('late', 'late-end', 'json-time', 'evt')") == [(0,)]
+    assert collector.sql("SELECT count(*) FROM spans WHERE name IN ('late', 'late-end', 'json-time', 'evt', "
+                         "'zero-trace', 'zero-span', 'zero-json')") == [(0,)]
+    assert collector.sql("SELECT count(*) FROM spans WHERE name = 'zero-mixed'") == [(2,)]  # sent twice, stored once
     # Wrong-typed evict fields: the eviction row is there, the typed value left out, the event as sent.
     evictions = collector.sql("SELECT fingerprint, tokens, bytes, reason FROM cache_evictions")
     assert evictions == [(None, None, None, "max_entries")] * 5

@@ -133,6 +133,8 @@ LEFT_TO_PYTHON = [
      50),
     ("a 5-byte trace id", one_span(trace_id=b"12345").SerializeToString(), MAX),
     ("a 3-byte parent span id", one_span(parent_span_id=b"123").SerializeToString(), MAX),
+    ("an all-zero trace id", one_span(trace_id=bytes(16)).SerializeToString(), MAX),
+    ("an all-zero span id", one_span(span_id=bytes(8)).SerializeToString(), MAX),
     ("an end before the start", one_span(end_time_unix_nano=1).SerializeToString(), MAX),
     ("an end beyond 2^63", one_span(end_time_unix_nano=2**63).SerializeToString(), MAX),
     ("an event beyond 2^63", _edit(lambda r: span_of(r).events.add(name="e", time_unix_nano=2**64 - 1)), MAX),
@@ -222,7 +224,7 @@ def test_the_length_limit_counts_code_points():
     assert check(body, 29) is None
     assert check(body, 0) is None and check(body, -1) is None
     nameless = ExportTraceServiceRequest()
-    nameless.resource_spans.add().scope_spans.add().spans.add(trace_id=bytes(16), span_id=bytes(8))
+    nameless.resource_spans.add().scope_spans.add().spans.add(trace_id=bytes(15) + b"\x01", span_id=b"\x01" + bytes(7))
     nameless = nameless.SerializeToString()
     taken(nameless, 0)
     assert check(nameless, -1) is None  # Python counts even an empty name as cut below 0
