@@ -92,17 +92,24 @@ static inline int keyset_add(KeySet *set, uint64_t key) {
     }
 }
 
-/* A key offered: 1 when it is new (in neither generation). It joins the new generation; a full
- * new generation becomes the old one. */
-static inline int offer(RecentKeys *self, uint64_t key) {
+/* A full new generation becomes the old one (the old one is dropped). Called after every key
+ * added, so that a generation never holds more than `capacity` keys, its table stays at most half
+ * full, and every probe meets an empty slot (issue 45: `fresh` added a whole call's keys first,
+ * and a call of more distinct keys than slots never ended). */
+static inline void rotate_if_full(RecentKeys *self) {
     KeySet *young = &self->generations[0], *old = &self->generations[1];
-    int seen = !keyset_add(young, key) || keyset_has(old, key);  /* one walk of the new generation */
     if (young->size >= self->capacity) {
         KeySet dropped = *old;
         *old = *young;
         *young = dropped;
         keyset_clear(young);
     }
+}
+
+/* A key offered: 1 when it is new (in neither generation). It joins the new generation. */
+static inline int offer(RecentKeys *self, uint64_t key) {
+    int seen = !keyset_add(&self->generations[0], key) || keyset_has(&self->generations[1], key);
+    rotate_if_full(self);  /* after the walk of the new generation above: one walk */
     return !seen;
 }
 
@@ -146,13 +153,9 @@ static PyObject *recent_fresh(RecentKeys *self, PyObject *arg) {
         for (Py_ssize_t i = 0; i < count; i++)
             mask[i] = !(keyset_has(&self->generations[0], values[i]) ||
                         keyset_has(&self->generations[1], values[i]));
-        for (Py_ssize_t i = 0; i < count; i++)
+        for (Py_ssize_t i = 0; i < count; i++) {
             keyset_add(&self->generations[0], values[i]);
-        if (self->generations[0].size >= self->capacity) {
-            KeySet dropped = self->generations[1];
-            self->generations[1] = self->generations[0];
-            self->generations[0] = dropped;
-            keyset_clear(&self->generations[0]);
+            rotate_if_full(self);
         }
     }
     PyBuffer_Release(&keys);
