@@ -9,7 +9,13 @@ The default model, so that anyone can check a figure (docs/whatif.md):
   queue does);
 - token hit ratio = Σ min(hit blocks × block size, input_length) / Σ input_length;
 - ``--cache-model entries`` replaces the block cache with an LRU of whole entries (``EntryCache``),
-  the way the MLX engine and mlx-lm keep their prompt caches;
+  the way the MLX engine and mlx-lm keep their prompt caches, bounded by tokens and by a number of
+  entries; a hit then saves what the MLX engine reuses: its whole blocks, at most the prompt less
+  one token (the last prompt token's logits are always computed);
+- ``own`` (``Capacity(own=True)``; the cache page's "at its own capacity") replays each recorded
+  instance with every limit its latest heartbeat declares: its byte limit (as tokens, / KV bytes
+  per token) and, where one entry holds one sequence (cache unit ``entry`` or ``slot``), its entry
+  limit, with the entries model; other instances (vLLM's blocks) with the blocks model;
 - prefill tokens saved = Σ min(hit blocks × block size, input_length) (against no cache); the TTFT
   they save is each request's saved tokens at the prefill rate measured on its instance.
 
@@ -68,6 +74,7 @@ class InstanceFacts:
     kv_bytes_per_token: int | None = None  #: from its latest heartbeat
     cache_max_bytes: int | None = None  #: its cache's byte limit
     cache_max_entries: int | None = None  #: its cache's entry limit
+    cache_unit: str | None = None  #: what one of its entries is (contract cache units: entry, block, slot)
 
 
 @dataclass
@@ -102,25 +109,56 @@ class Workload:
                    data["kv_bytes_per_token"], data["skipped"])
 
 
+#: Cache units whose entries each hold one sequence (the entries model's entry limit applies).
+SEQUENCE_UNITS = ("entry", "slot")
+
+
 @dataclass(frozen=True)
 class Capacity:
-    """One capacity setting: tokens (None: unlimited) or bytes converted per instance."""
+    """One capacity setting: tokens (None: unlimited) or bytes converted per instance, and an entry
+    limit (entries model only). ``own``: each recorded instance's own limits wherever this setting
+    gives none (its byte limit for tokens, its entry limit for entries; module docstring)."""
 
     tokens: int | None = None
     bytes: int | None = None
+    entries: int | None = None  #: entries an instance's cache holds (entries model; None: unlimited)
+    own: bool = False  #: fill the limits not given from each recorded instance's heartbeat
 
     def blocks(self, workload: Workload, index: int) -> int | None:
         """Blocks simulated instance ``index`` holds (None: unlimited)."""
-        if self.bytes is None:
-            return None if self.tokens is None else self.tokens // workload.block_size
-        per_token = _kv_bytes_per_token(workload, index)
-        return self.bytes // per_token // workload.block_size
+        tokens = self.tokens_of(workload, index)
+        return None if tokens is None else tokens // workload.block_size
 
     def tokens_of(self, workload: Workload, index: int) -> int | None:
         """Tokens simulated instance ``index`` holds (None: unlimited)."""
-        if self.bytes is None:
+        if self.bytes is not None:
+            return self.bytes // _kv_bytes_per_token(workload, index)
+        if self.tokens is not None or not self.own:
             return self.tokens
-        return self.bytes // _kv_bytes_per_token(workload, index)
+        facts = _facts(workload, index)
+        if facts is None or not facts.cache_max_bytes or not facts.kv_bytes_per_token:
+            return None
+        return facts.cache_max_bytes // facts.kv_bytes_per_token
+
+    def entries_of(self, workload: Workload, index: int) -> int | None:
+        """Entries simulated instance ``index`` holds (None: unlimited)."""
+        if self.entries is not None or not self.own:
+            return self.entries
+        facts = _facts(workload, index)
+        return facts.cache_max_entries if facts is not None and facts.cache_unit in SEQUENCE_UNITS else None
+
+    def known(self, workload: Workload, index: int) -> bool:
+        """Whether instance ``index`` has any limit here (an ``own`` capacity of an instance that
+        declared none is not "unlimited", it is unknown)."""
+        return not self.own or self.tokens_of(workload, index) is not None or \
+            self.entries_of(workload, index) is not None
+
+
+def own_model(workload: Workload, index: int) -> str:
+    """The cache model that mirrors recorded instance ``index``: ``entries`` where one entry holds
+    one sequence (the MLX engine, mlx-lm), else ``blocks``."""
+    facts = _facts(workload, index)
+    return "entries" if facts is not None and facts.cache_unit in SEQUENCE_UNITS else "blocks"
 
 
 def _facts(workload: Workload, index: int) -> InstanceFacts | None:
@@ -228,8 +266,9 @@ class EntryCache:
     prefix shared by two entries is counted twice. Chained ids make "entry E holds block b" mean "E
     begins with the prefix b names", so a block's presence is a reference count."""
 
-    def __init__(self, capacity: int | None):
+    def __init__(self, capacity: int | None, max_entries: int | None = None):
         self.capacity = capacity
+        self.max_entries = max_entries
         self.tokens = 0
         self._entries: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()  # key: last block id
         self._refs: dict[int, int] = {}
@@ -253,6 +292,9 @@ class EntryCache:
         for block in blocks:
             self._refs[block] = self._refs.get(block, 0) + 1
             self._owner[block] = key
+        # The MLX engine's order: over the entry limit first, then over the byte (token) limit.
+        while self.max_entries is not None and len(self._entries) > self.max_entries:
+            self._drop(next(iter(self._entries)))
         while self.capacity is not None and self.tokens > self.capacity and self._entries:
             self._drop(next(iter(self._entries)))
         return run
@@ -269,15 +311,23 @@ class EntryCache:
 
 
 def _hits_static(workload: Workload, chosen: list[int], capacities: list[int | None],
-                 model: str = "blocks") -> list[int]:
-    """Hit blocks per request, each instance's cache replayed on its own requests."""
-    if model == "entries":
-        entry_caches = [EntryCache(None if cap is None else cap * workload.block_size) for cap in capacities]
-        return [entry_caches[k].lookup_and_store(r.blocks, r.input_length + r.output_length)
-                for r, k in zip(workload.requests, chosen, strict=True)]
-    caches: list[Any] = [set() if cap is None else OrderedDict() for cap in capacities]
-    return [_lookup_and_touch(caches[k], r.blocks, capacities[k])
+                 models: list[str], entries: list[int | None]) -> list[int]:
+    """Hit blocks per request, each instance's cache (of its model) replayed on its own requests."""
+    caches: list[Any] = [
+        EntryCache(None if cap is None else cap * workload.block_size, limit) if model == "entries"
+        else set() if cap is None else OrderedDict()
+        for cap, model, limit in zip(capacities, models, entries, strict=True)]
+    return [caches[k].lookup_and_store(r.blocks, r.input_length + r.output_length) if models[k] == "entries"
+            else _lookup_and_touch(caches[k], r.blocks, capacities[k])
             for r, k in zip(workload.requests, chosen, strict=True)]
+
+
+def _saved(hit_blocks: int, input_length: int, block: int, model: str) -> int:
+    """Prompt tokens a hit of ``hit_blocks`` saves: the default model's rule, or the MLX engine's
+    (whole blocks, at most the prompt less one token) for the entries model."""
+    if model != "entries":
+        return min(hit_blocks * block, input_length)
+    return max(0, min(min(hit_blocks, input_length // block) * block, input_length - 1)) if hit_blocks else 0
 
 
 def _hits_prefix(workload: Workload, capacities: list[int | None]) -> tuple[list[int], list[int]]:
@@ -303,20 +353,23 @@ def _hits_prefix(workload: Workload, capacities: list[int | None]) -> tuple[list
 def replay(workload: Workload, capacity: Capacity, instances: int, route: str,
            chosen: list[int] | None = None, model: str = "blocks") -> dict[str, Any]:
     """One combination's result (schema in docs/whatif.md). ``chosen``: a static route's assignment;
-    ``model``: ``blocks`` (the default model) or ``entries`` (``EntryCache``)."""
+    ``model``: ``blocks`` (the default model), ``entries`` (``EntryCache``) or ``own`` (per recorded
+    instance, the model that mirrors it: ``own_model``)."""
     capacities = [capacity.blocks(workload, k) for k in range(instances)]
+    models = [own_model(workload, k) if model == "own" else model for k in range(instances)]
     if route == "prefix":
-        if model != "blocks":
+        if set(models) != {"blocks"}:
             raise ConfigError("--route prefix is simulated with the blocks cache model only")
         hits, chosen = _hits_prefix(workload, capacities)
     else:
         chosen = chosen if chosen is not None else assign(workload, instances, route)
-        hits = _hits_static(workload, chosen, capacities, model)
+        hits = _hits_static(workload, chosen, capacities, models,
+                            [capacity.entries_of(workload, k) for k in range(instances)])
     block = workload.block_size
     per = [{"input_tokens": 0, "saved": 0, "requests": 0, "ttft_saved_ms": 0.0} for _ in range(instances)]
     rates = [_prefill_rate(workload, k) for k in range(instances)]
     for r, h, k in zip(workload.requests, hits, chosen, strict=True):
-        saved = min(h * block, r.input_length)
+        saved = _saved(h, r.input_length, block, models[k])
         row = per[k]
         row["input_tokens"] += r.input_length
         row["saved"] += saved
@@ -337,7 +390,9 @@ def replay(workload: Workload, capacity: Capacity, instances: int, route: str,
         "ttft_saved_ms_mean": None if ttft_total is None or not workload.requests
         else round(ttft_total / len(workload.requests), 3),
         "per_instance": [{
-            "instance": names[k], "capacity_tokens": capacity.tokens_of(workload, k), "requests": p["requests"],
+            "instance": names[k], "capacity_tokens": capacity.tokens_of(workload, k),
+            "capacity_entries": capacity.entries_of(workload, k) if models[k] == "entries" else None,
+            "cache_model": models[k], "requests": p["requests"],
             "input_tokens": p["input_tokens"], "prefill_tokens_saved": p["saved"],
             "token_hit_ratio": round(p["saved"] / p["input_tokens"], 6) if p["input_tokens"] else None,
             "prefill_tokens_per_s": rates[k],

@@ -99,7 +99,8 @@ def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | Non
     for name in sorted({r.instance for r in out if r.instance is not None}):
         beat = beats.get(name, {})
         instances[name] = InstanceFacts(rates.get(name), beat.get("kv_bytes_per_token") or None,
-                                        beat.get("cache_max_bytes"), beat.get("cache_max_entries"))
+                                        beat.get("cache_max_bytes"), beat.get("cache_max_entries"),
+                                        beat.get("cache_unit"))
     total = _prefill_rates(requests.with_columns(pl.lit("all").alias("instance_id"))).get("all")
     return Workload(out, block, "store", instances, total, None, skipped)
 

@@ -14,10 +14,14 @@ the instances up: caches are per instance, so one instance's room does not help 
 another (the field report's "position boundary"); entries are totalled per unit, never across units.
 
 Hit rate against capacity, per instance: the window's latest ``CURVE_REQUESTS`` requests replayed where they were served
-(``whatif``'s default block model, docs/whatif.md) at ``CURVE_POINTS`` capacities evenly spaced up
-to a little beyond the largest number of distinct prompt tokens one instance saw (where every
-capacity gives the unlimited ratio), and at each instance's own limit in tokens (byte limit / KV
-bytes per token).
+at ``CURVE_POINTS`` capacities in tokens evenly spaced up to a little beyond the largest number of
+distinct prompt tokens one instance saw, and at the instance's own capacity: every limit its latest
+heartbeat declares, its byte limit (as tokens: / KV bytes per token) and, where one entry holds one
+sequence (the MLX engine's entries), its entry limit. Each instance is replayed with the cache model
+that mirrors it (``whatif``'s ``own`` model, docs/whatif.md: whole entries for the MLX engine,
+blocks for vLLM), its entry limit kept at every point of the curve, so that the replay at its own
+capacity reproduces the hit rate it achieved on the same requests. An instance that declared no
+limit has no figure "at its own capacity" (unknown, not unlimited).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]
         return {"chart": {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
                           "empty": "no requests with a prompt fingerprint in this window"}, "instances": []}
     key = (len(workload.requests), workload.requests[0].request_id, workload.requests[-1].request_id,
-           tuple(sorted((k, v.cache_max_bytes) for k, v in workload.instances.items())))
+           tuple(sorted((k, v.cache_max_bytes, v.cache_max_entries, v.kv_bytes_per_token, v.cache_unit)
+                        for k, v in workload.instances.items())))
     now = time.monotonic()
     cached = _CURVES.get(key)
     if cached is not None and now - cached[0] < CURVE_TTL_S:
@@ -80,18 +85,16 @@ def _replay_curve(workload) -> dict[str, Any]:
     need = max(len(blocks) for blocks in distinct) * workload.block_size
     step = max(workload.block_size, -(-need * 6 // 5 // CURVE_POINTS))
     x = [step * (i + 1) for i in range(CURVE_POINTS)]
-    runs = [replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in x]
-    unlimited = replay(workload, Capacity(), len(ids), "recorded", chosen)
-    own = {}
-    for name in ids:
-        facts = workload.instances[name]
-        if facts.cache_max_bytes and facts.kv_bytes_per_token:
-            own[name] = facts.cache_max_bytes // facts.kv_bytes_per_token
-    at_own = {c: replay(workload, Capacity(tokens=c), len(ids), "recorded", chosen) for c in set(own.values())}
+    runs = [replay(workload, Capacity(tokens=c, own=True), len(ids), "recorded", chosen, "own") for c in x]
+    unlimited = replay(workload, Capacity(), len(ids), "recorded", chosen, "own")
+    own = Capacity(own=True)
+    at_own = replay(workload, own, len(ids), "recorded", chosen, "own")
     rows = []
     for k, name in enumerate(ids):
-        mine = at_own[own[name]]["per_instance"][k] if name in own else None
-        rows.append({"instance_id": name, "capacity_tokens": own.get(name),
+        mine = at_own["per_instance"][k] if own.known(workload, k) else None
+        rows.append({"instance_id": name, "capacity_tokens": mine["capacity_tokens"] if mine else None,
+                     "capacity_entries": mine["capacity_entries"] if mine else None,
+                     "cache_model": at_own["per_instance"][k]["cache_model"],
                      "token_hit_ratio_at_capacity": mine["token_hit_ratio"] if mine else None,
                      "token_hit_ratio_unlimited": unlimited["per_instance"][k]["token_hit_ratio"],
                      "requests": unlimited["per_instance"][k]["requests"]})
