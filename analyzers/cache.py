@@ -122,6 +122,7 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     request = reader.request(request_id)
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
+    request_id = request["request_id"]  # the request's own id, should an alias have been given
     window = request_window(request)
     lookups, blocks, segments = reader.together(
         lambda: reader.rows("cache_lookup", request_id=request_id, **window),

@@ -119,6 +119,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     request = reader.request(request_id)
     if request is None:
         raise NotFound(f"no request with id {request_id!r} in the store")
+    request_id = request["request_id"]  # the request's own id, should an alias have been given
     instance, start = request["instance_id"], request["start_ns"]
     # Reads that do not depend on one another run together (TraceReader.together), in two rounds.
     declared, phases, baseline = reader.together(

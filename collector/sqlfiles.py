@@ -16,6 +16,8 @@ BACKENDS = ("duckdb", "clickhouse")
 _ROOT = resources.files("tokentrace.collector") / "sql"
 _MIGRATION = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
 _NAME = re.compile(r"[a-z0-9_]+")
+#: A line that includes a fragment (``include``).
+INCLUDE = "-- include:"
 
 
 def folder(backend: str):
@@ -60,8 +62,21 @@ class NamedQueries:
             path = self._folder / f"{name}.sql"
             if not path.is_file():
                 raise StoreError(f"no query named {name!r} for {self._label}")
-            sql = self._cache[name] = path.read_text(encoding="utf-8")
+            sql = self._cache[name] = include(self._folder.parent, path.read_text(encoding="utf-8"))
         return sql
+
+
+def include(root, sql: str) -> str:
+    """``sql`` with each line ``-- include: NAME`` replaced by ``<root>/fragments/NAME.sql``: SQL that
+    several named queries share (the merge of a request's observers, fragments/request_rows.sql) is
+    written once."""
+    lines = []
+    for line in sql.splitlines():
+        name = line.strip().removeprefix(INCLUDE)
+        if name != line.strip() and _NAME.fullmatch(name.strip()):
+            line = (root / "fragments" / f"{name.strip()}.sql").read_text(encoding="utf-8").rstrip("\n")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def statements(sql: str) -> list[str]:

@@ -142,8 +142,14 @@ class NamedQueryReader:
         return [read() for read in reads]
 
     def request(self, request_id: str) -> dict | None:
-        """The requests row of one request (the latest, should a sender have resent it)."""
+        """The requests row of one request, its observers' views merged (the latest, should a sender
+        have resent it); ``request_id`` may also be an alias: the upstream's own id of the answer
+        (request_alias.sql). The row's ``request_id`` is the request's own."""
         rows = self.rows("request", request_id=request_id)
+        if not rows:
+            aliased = self.rows("request_alias", request_id=request_id)
+            if aliased:
+                rows = self.rows("request", request_id=aliased[0]["request_id"])
         return rows[0] if rows else None
 
     def requests(self, since_ns: int | None = None, until_ns: int | None = None,

@@ -199,6 +199,9 @@ OBSERVER_ENGINE = "engine"
 OBSERVER_PLUGIN = "plugin"
 OBSERVER_NATIVE = "native"
 OBSERVER_GATEWAY = "gateway"
+#: Key, inside ``UPSTREAM_EVIDENCE``, of the upstream's own id of an answer (the response body's
+#: ``id``: llama.cpp's ``chatcmpl-...``, vLLM's, mlx_lm.server's): an alias of the request id.
+UPSTREAM_RESPONSE_ID = "upstream.response_id"
 POLICY_ROUND_ROBIN = "round_robin"
 POLICY_LEAST_LOADED = "least_loaded"
 POLICY_SESSION = "session"

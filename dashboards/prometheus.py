@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.observers import FirstSighting
 from tokentrace.analyzers.outcome import COMPLETED, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
@@ -184,6 +185,7 @@ class MetricsState:
         self._model_of: dict[str, str] = {}
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
+        self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
         self._history: dict[str, _History] = defaultdict(_History)
         self._verdicts: deque = deque()
         self._max_verdicts = max_pending_verdicts
@@ -275,6 +277,7 @@ class MetricsState:
                 *((k, "" if v is None else str(v)) for k, v in extra.items()))
 
     def _fold_requests(self, frame: pl.DataFrame) -> None:
+        frame = self._sightings.first(frame)  # a request the gateway and its engine both reported: once
         frame = with_categories(frame, self._declared)
         for row in frame.select("instance_id", "model").unique().iter_rows():
             if row[0] and row[1]:

@@ -82,6 +82,7 @@ def inter_token(steps: pl.DataFrame) -> dict[str, Any]:
 def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
     """Everything the request page shows; NotFound for an unknown id."""
     facts = load_slow_facts(reader, request_id)  # NotFound here when the store has no such request
+    request_id = facts.request["request_id"]  # the request's own id, should an alias have been given
     slow = classify_slowness(facts)
     # The slowness facts carry the cache verdict only for prefill-bound requests; the page shows both.
     cache = facts.cache or analyze_cache(reader, request_id)

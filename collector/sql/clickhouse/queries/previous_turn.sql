@@ -1,7 +1,13 @@
--- The latest request of a session that started before a moment (the conversation's previous turn).
+-- The latest request of a session that started before a moment (the conversation's previous turn);
+-- one row per request, the observers' views merged (fragments/request_rows.sql).
+WITH inside AS (
+    SELECT * FROM requests WHERE session_id = {session_id:Nullable(String)} AND (observer IS NULL OR observer != 'gateway')
+), outside AS (
+    SELECT * FROM requests WHERE session_id = {session_id:Nullable(String)} AND observer = 'gateway'
+),
+-- include: request_rows
 SELECT request_id, instance_id, start_ns, end_ns
-FROM requests
-WHERE session_id = {session_id:Nullable(String)} AND start_ns < {before_ns:Nullable(Int64)}
-  AND request_id <> {request_id:Nullable(String)}
+FROM request_rows
+WHERE start_ns < {before_ns:Nullable(Int64)} AND request_id <> {request_id:Nullable(String)}
 ORDER BY start_ns DESC
 LIMIT 1

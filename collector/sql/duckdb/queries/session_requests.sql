@@ -1,5 +1,11 @@
--- The requests of one session, oldest first: the turns of ``analyze session``.
+-- The requests of one session, oldest first: the turns of ``analyze session``; one row per request,
+-- the observers' views merged (fragments/request_rows.sql).
+WITH inside AS MATERIALIZED (
+    SELECT * FROM requests WHERE session_id = $session_id AND observer IS DISTINCT FROM 'gateway'
+), outside AS MATERIALIZED (
+    SELECT * FROM requests WHERE session_id = $session_id AND observer = 'gateway'
+),
+-- include: request_rows
 SELECT *
-FROM requests
-WHERE session_id = $session_id
+FROM request_rows
 ORDER BY start_ns, request_id
