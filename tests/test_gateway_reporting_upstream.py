@@ -1,6 +1,7 @@
 """Item 6 of issue 13: an upstream that reports itself (a tokentrace engine) behind the gateway.
-The engine's row is the request's row; the gateway adds only its hop (gateway.route), joined on the
-request id; nobody counts a request twice; each row says who observed it."""
+The engine's row and the gateway's (the client's view) are one request: the store's queries merge
+them (fragments/request_rows.sql); the gateway adds its hop (gateway.route); each row says who
+observed it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 from harness_collector import CollectorProcess
 from harness_engine import EngineProcess, tiny_model  # noqa: F401 - fixture
 from harness_gateway import GatewayProcess
+
+from tokentrace.collector.store_duckdb import DuckDBStore
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +30,29 @@ def test_a_tokentrace_engine_behind_the_gateway_is_counted_once_and_joined_with_
         gateway.stop()
         engine.stop()
         collector.stop()
-    rows = collector.sql("SELECT request_id, observer, instance_id, engine FROM requests ORDER BY request_id")
-    assert rows == [(f"hop-{i}", "engine", "engine-a", "mlx-lm") for i in range(3)]
-    hops = collector.sql("SELECT r.request_id, r.instance_id, r.policy, q.observer FROM routes r "
-                         "JOIN requests q USING (request_id) ORDER BY r.request_id")
-    assert hops == [(f"hop-{i}", "engine-a", "round_robin", "engine") for i in range(3)]
-    gateway_spans = collector.sql("SELECT count(*) FROM spans WHERE service_name = 'tokentrace-gateway' "
-                                  "AND name <> 'gateway.route'")
-    assert gateway_spans == [(0,)], "the gateway sends only its hop for an upstream that reports itself"
+    rows = collector.sql("SELECT request_id, observer, instance_id, engine FROM requests ORDER BY request_id, observer")
+    # Two views of each request: the engine's (inside) and the gateway's (outside, the client's).
+    assert rows == [row for i in range(3) for row in ((f"hop-{i}", "engine", "engine-a", "mlx-lm"),
+                                                       (f"hop-{i}", "gateway", "engine-a", "mlx-lm"))]
+    hops = collector.sql("SELECT r.request_id, r.instance_id, r.policy FROM routes r ORDER BY r.request_id")
+    assert hops == [(f"hop-{i}", "engine-a", "round_robin") for i in range(3)]
+    gateway_spans = collector.sql("SELECT DISTINCT name FROM spans WHERE service_name = 'tokentrace-gateway' "
+                                  "ORDER BY name")
+    assert gateway_spans == [("gateway.route",), ("llm.request",)], \
+        "the gateway adds its own view and hop, not the phases the engine reports"
+    # One request each on every surface that reads the store: the merged row is the engine's, with the
+    # gateway's bounds.
+    raw = {(rid, observer): (start, end, prefill) for rid, observer, start, end, prefill in collector.sql(
+        "SELECT request_id, observer, start_ns, end_ns, prefill_ms FROM requests")}
+    store = DuckDBStore(collector.db)
+    try:
+        merged = store.requests(limit=10)
+    finally:
+        store.close()
+    assert merged["request_id"].to_list() == ["hop-0", "hop-1", "hop-2"]
+    assert merged["observer"].to_list() == ["engine"] * 3
+    for row in merged.iter_rows(named=True):
+        engine_row, gateway_row = raw[(row["request_id"], "engine")], raw[(row["request_id"], "gateway")]
+        assert (row["start_ns"], row["end_ns"]) == (min(engine_row[0], gateway_row[0]),
+                                                    max(engine_row[1], gateway_row[1]))
+        assert row["prefill_ms"] == engine_row[2] is not None

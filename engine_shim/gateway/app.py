@@ -17,6 +17,7 @@ ends with an SSE ``error`` event. Every accepted request ends with an answer or 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -86,7 +87,10 @@ class Gateway:
         """Open the client, detect every upstream, start polling."""
         timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        keys = {u.base_url: key for u in self.upstreams for name, key in self.settings.upstream_key
+                if u.name == name}
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                                        auth=UpstreamKeys(keys) if keys else None)
         await asyncio.gather(*(self._detect(u) for u in self.upstreams))
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
@@ -182,7 +186,11 @@ class Gateway:
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         key = self.settings.api_key
-        return not key or headers.get("authorization", "") == f"Bearer {key}"
+        if not key:
+            return True
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        # Constant time: how long the comparison takes says nothing about how much of the key matched.
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
     def health(self) -> dict[str, Any]:
         """The gateway's view of its upstreams (also what `/health` answers)."""
@@ -204,9 +212,13 @@ class Gateway:
     async def proxy(self, route: Route, scope: dict, headers: dict[str, str], receive, send) -> None:
         """Forward one request and stream the answer back (module docstring)."""
         arrival = time.perf_counter_ns()
-        raw = await _read_body(receive)
         request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         reply = {"X-Request-Id": request_id}
+        try:
+            raw = await self._read_body(headers, receive)
+        except _BodyRefused as refused:
+            await _json(send, refused.status, _error(str(refused), refused.kind), {**reply, "Connection": "close"})
+            return
         client = headers.get("authorization") or (scope.get("client") or ("?",))[0]
         wait = self.limiter.retry_after(client)
         if wait:
@@ -230,6 +242,37 @@ class Gateway:
                 exchange.end_ns = time.perf_counter_ns()
             upstream = exchange.decision.upstream if exchange.decision else None
             self.observer.submit(exchange, upstream.adapter if upstream else None)
+
+    async def _read_body(self, headers: dict[str, str], receive) -> bytes:
+        """The request body, read as it arrives and never past ``--max-request-bytes`` (413, as the
+        engine answers), within ``--body-timeout`` seconds plus one second per ``--body-min-rate``
+        bytes received (408: as the collector's ``BodyDeadline``), so that neither a huge body nor an
+        idle connection holds the gateway's memory."""
+        limit, timeout, rate = (self.settings.max_request_bytes, self.settings.body_timeout,
+                                self.settings.body_min_rate)
+        too_large = f"this gateway accepts at most {limit} (--max-request-bytes)"
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _BodyRefused(413, "request_too_large", f"Request body is {declared} bytes; {too_large}")
+        chunks, received, began = [], 0, time.monotonic()
+        while True:
+            left = began + timeout + received / rate - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.001))
+            except TimeoutError:
+                raise _BodyRefused(408, "request_timeout", (
+                    f"the request body did not arrive in time: {received} bytes in {timeout:g} s + 1 s per "
+                    f"{rate} bytes received (--body-timeout, --body-min-rate)")) from None
+            if message["type"] != "http.request":
+                break
+            body = message.get("body", b"")
+            received += len(body)
+            if received > limit:
+                raise _BodyRefused(413, "request_too_large", f"Request body is over {limit} bytes; {too_large}")
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        return b"".join(chunks)
 
     async def _forward(self, exchange: Exchange, headers: dict[str, str], reply: dict[str, str], send,
                        receive) -> None:
@@ -356,16 +399,29 @@ def _without_usage(data: bytes) -> tuple[bytes, bytes]:
     return b"\n\n".join(kept), rest
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
+class _BodyRefused(Exception):
+    """A request body the gateway does not read to its end: too large (413) or too slow (408)."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class UpstreamKeys(httpx.Auth):
+    """``Authorization: Bearer KEY`` on every request to an upstream that requires a key
+    (``--upstream-key NAME=KEY``): forwarded requests, detection, polls, ``/tokenize``. The key
+    replaces whatever the client sent."""
+
+    def __init__(self, keys: dict[str, str]):
+        self.keys = keys  #: upstream base URL -> key
+
+    def auth_flow(self, request: httpx.Request):
+        url = str(request.url)
+        for base, key in self.keys.items():
+            if url == base or url.startswith(base + "/"):
+                request.headers["Authorization"] = f"Bearer {key}"
+                break
+        yield request
 
 
 def _error(message: str, kind: str) -> dict[str, Any]:

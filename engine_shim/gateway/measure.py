@@ -38,6 +38,7 @@ class Measured:
     first_content_ns: int | None = None  #: first content event
     token_ns: list[int] = field(default_factory=list)  #: every token event's arrival
     documents: int = 0  #: JSON documents parsed
+    response_id: str | None = None  #: the upstream's own id of the answer (the first document's ``id``)
 
 
 def measure(exchange: Exchange, adapter: Adapter | None) -> Measured:
@@ -49,6 +50,8 @@ def measure(exchange: Exchange, adapter: Adapter | None) -> Measured:
     framing = exchange.route.stream_framing if exchange.streamed else FRAMING_JSON
     for t_ns, payload in documents(exchange.chunks, framing):
         measured.documents += 1
+        if measured.response_id is None and isinstance(payload, dict) and isinstance(payload.get("id"), str):
+            measured.response_id = payload["id"][:256]
         if adapter is not None:
             adapter.facts_from_payload(facts, payload, exchange.route)
         if not exchange.streamed:

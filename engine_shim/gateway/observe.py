@@ -198,18 +198,20 @@ class Observer:
         measured = measure(exchange, adapter)
         avoidable = self._avoidable(exchange, name, printed, measured) if decision is not None else (None, None)
         tracer = self._tracer(name, adapter)
-        reports_itself = adapter is not None and adapter.reports_itself and exchange.status == 200
-        if reports_itself:
-            # The upstream's own request row is the row; the gateway adds its hop, and the prompt's
-            # fingerprint when the upstream sends none (the vLLM plugin).
-            route = self._route_span(tracer, exchange, avoidable, None)
-            if "fingerprint" not in adapter.measures:
-                self._cache_spans(tracer, trace.set_span_in_context(route), exchange, measured, printed)
-            return
         root = self._request_span(tracer, exchange, measured, adapter)
         context = trace.set_span_in_context(root)
         self._route_span(tracer, exchange, avoidable, context)
-        self._children(tracer, context, exchange, measured, printed)
+        if adapter is not None and adapter.reports_itself and exchange.headers_ns is not None:
+            # The upstream answered and sends its own row of this request (same request id): the
+            # gateway's row is the outer view the store merges with it (docs/gateway.md "Upstreams
+            # that report themselves"): arrival, admission wait, the client's end. The phases inside
+            # are the upstream's; the gateway adds the prompt's fingerprint where the upstream sends
+            # none (the vLLM plugin).
+            self._queue_span(tracer, context, exchange)
+            if "fingerprint" not in adapter.measures:
+                self._cache_spans(tracer, context, exchange, measured, printed)
+        else:
+            self._children(tracer, context, exchange, measured, printed)
         root.end(end_time=self._t(exchange.end_ns or exchange.arrival_ns))
 
     def _t(self, perf_ns: int) -> int:
@@ -269,8 +271,13 @@ class Observer:
             attrs[c.DECODE_MS] = facts.decode_ms
             if facts.completion_tokens and facts.completion_tokens > 1:
                 attrs[c.TPOT_MS] = facts.decode_ms / (facts.completion_tokens - 1)
-        if facts.evidence:
-            attrs[c.UPSTREAM_EVIDENCE] = json.dumps(facts.evidence, separators=(",", ":"), sort_keys=True)
+        evidence = dict(facts.evidence)
+        if measured.response_id and measured.response_id != exchange.request_id:
+            # The upstream's own id of this answer (llama.cpp's chatcmpl-..., vLLM's, mlx_lm.server's):
+            # an alias every lookup of the request accepts (request_alias.sql).
+            evidence[c.UPSTREAM_RESPONSE_ID] = measured.response_id
+        if evidence:
+            attrs[c.UPSTREAM_EVIDENCE] = json.dumps(evidence, separators=(",", ":"), sort_keys=True)
         return tracer.start_span(c.SPAN_REQUEST, kind=trace.SpanKind.SERVER, attributes=attrs,
                                  start_time=self._t(exchange.arrival_ns))
 
@@ -298,12 +305,17 @@ class Observer:
         span.end(end_time=self._t(exchange.sent_ns or exchange.end_ns or exchange.arrival_ns))
         return span
 
-    def _children(self, tracer, context, exchange: Exchange, measured: Measured, printed: PromptPrint | None) -> None:
-        rid = exchange.request_id
+    def _queue_span(self, tracer, context, exchange: Exchange) -> None:
+        """The wait for a slot at the gateway (``llm.queue``): its depth, and the requests in flight on
+        the upstream (the slowness verdict's blockers)."""
         if exchange.wait_ns and exchange.admitted_ns is not None:
             self._span(tracer, context, c.SPAN_QUEUE, exchange.admitted_ns - exchange.wait_ns, exchange.admitted_ns,
-                       {c.REQUEST_ID: rid, c.QUEUE_DEPTH: exchange.queue_depth,
+                       {c.REQUEST_ID: exchange.request_id, c.QUEUE_DEPTH: exchange.queue_depth,
                         c.QUEUE_RUNNING: exchange.queue_running, c.MAX_BATCH: exchange.decision.upstream.limit})
+
+    def _children(self, tracer, context, exchange: Exchange, measured: Measured, printed: PromptPrint | None) -> None:
+        rid = exchange.request_id
+        self._queue_span(tracer, context, exchange)
         self._cache_spans(tracer, context, exchange, measured, printed)
         if measured.token_ns:
             offsets = [t - measured.token_ns[0] for t in measured.token_ns]

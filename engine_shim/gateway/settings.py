@@ -1,8 +1,8 @@
 """The gateway's settings: one table (option, type, default, environment variable, help), turned
 into CLI options and validated at startup in one clear line each (STYLE §15).
 
-``--upstream NAME=URL`` and ``--adapter NAME=KIND`` repeat; their environment variables hold
-comma-separated lists.
+``--upstream NAME=URL``, ``--adapter NAME=KIND`` and ``--upstream-key NAME=KEY`` repeat; their
+environment variables hold comma-separated lists.
 """
 
 from __future__ import annotations
@@ -30,11 +30,19 @@ _row = partial(Setting, prefix="TOKENTRACE_GATEWAY_")
 SETTINGS: tuple[Setting, ...] = (
     _row("upstream", list, (), "an upstream engine as NAME=URL (repeat); NAME becomes its instance id"),
     _row("adapter", list, (), "skip detection: NAME=KIND for an upstream (kinds: see docs/gateway.md)"),
+    _row("upstream-key", list, (), "NAME=KEY: the key an upstream requires (its --api-key), sent to it as "
+            "Authorization: Bearer KEY (repeat)"),
     _row("route", str, c.POLICY_ROUND_ROBIN, "routing policy", choices=POLICIES),
     _row("host", str, "127.0.0.1", "address to bind"),
     _row("port", int, 8080, "port to bind", minimum=1),
     _row("api-key", str, None, "clients must send Authorization: Bearer KEY (required off loopback)"),
     _row("insecure-no-api-key", bool, False, "allow binding off loopback without --api-key"),
+    _row("max-request-bytes", int, 8 << 20, "largest request body accepted (413 beyond), as the engine's",
+            minimum=1),
+    _row("body-timeout", float, 10.0, "seconds a request body may take to arrive, plus 1 s per --body-min-rate "
+            "bytes received; a slower body is cut off with 408", minimum=0.01),
+    _row("body-min-rate", int, 1 << 20, "bytes of a request body that earn it one more second past --body-timeout "
+            "(its minimum rate, bytes/s)", minimum=1),
     _row("otlp-endpoint", str, "http://127.0.0.1:4318",
             "collector base URL; spans go to ENDPOINT/v1/traces ('' disables export)"),
     _row("otlp-token", str, None, "bearer token the collector requires, if any"),
@@ -70,11 +78,15 @@ class GatewaySettings:
 
     upstream: tuple[tuple[str, str], ...] = ()  #: (name, base URL) per upstream, in order
     adapter: tuple[tuple[str, str], ...] = ()  #: (name, adapter kind) that skip detection
+    upstream_key: tuple[tuple[str, str], ...] = ()  #: (name, key) of upstreams that require a key
     route: str = c.POLICY_ROUND_ROBIN  #: routing policy
     host: str = "127.0.0.1"  #: bind address
     port: int = 8080  #: bind port
     api_key: str | None = None  #: bearer key clients must send
     insecure_no_api_key: bool = False  #: allow non-loopback bind without a key
+    max_request_bytes: int = 8 << 20  #: request body limit
+    body_timeout: float = 10.0  #: seconds a body may take beyond what body_min_rate allows
+    body_min_rate: int = 1 << 20  #: bytes a second a body must keep up
     otlp_endpoint: str = "http://127.0.0.1:4318"  #: collector base URL ('' disables export)
     otlp_token: str | None = None  #: collector bearer token
     otlp_timeout: float = 10.0  #: seconds per export before spooling
@@ -117,6 +129,11 @@ def _check(settings: GatewaySettings) -> None:
 
         if kind not in kinds():
             raise ConfigError(f"--adapter {name}={kind}: unknown kind; known: {', '.join(kinds())}")
+    for name, _ in settings.upstream_key:
+        if name not in names:
+            raise ConfigError(f"--upstream-key {name}=...: no --upstream named {name!r}")
+    if len({name for name, _ in settings.upstream_key}) != len(settings.upstream_key):
+        raise ConfigError("--upstream-key: one key per upstream")
     if not settings.api_key and not settings.insecure_no_api_key and not is_loopback(settings.host):
         raise ConfigError(f"--host {settings.host} is not a loopback address: set --api-key (or, knowingly, "
                           "--insecure-no-api-key)")
@@ -130,7 +147,8 @@ def _convert(setting: Setting, raw: Any, source: str) -> Any:
 def _pair(setting: Setting, item: str, source: str) -> tuple[str, str]:
     name, sep, value = item.strip().partition("=")
     if not sep or not name or not value:
-        raise ConfigError(f"{source} must be NAME=VALUE, received {item!r}")
+        shown = name if setting.option == "upstream-key" else item  # a key is never echoed
+        raise ConfigError(f"{source} must be NAME=VALUE, received {shown!r}")
     if setting.option == "upstream":
         url = urlparse(value)
         if url.scheme not in ("http", "https") or not url.netloc:
