@@ -41,13 +41,27 @@ def render_slow(verdict: dict) -> str:
         bar = "█" * round(_BAR * value / total) if value is not None else (
             f"unknown, at most {fmt_ms(bounds[name])}" if bounds.get(name) is not None else "unknown")
         lines.append(f"  {name:<10}{fmt_ms(value):>11}  {bar}")
-    lines.append(f"  ttft {fmt_ms(parts['ttft'])} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
+    lines.append(f"  time to first token (engine) {fmt_ms(parts['ttft'])} · time to first content (client) "
+                 f"{fmt_ms(parts.get('first_content'))} · tpot {fmt_ms(parts['tpot'])} · e2e {fmt_ms(parts['e2e'])}")
     for missed in verdict.get("slo_missed") or []:
-        lines.append(f"  missed SLO {missed['slo']}: {fmt_ms(missed['observed_ms'])} over the objective of "
-                     f"{fmt_ms(missed['objective_ms'])}")
+        lines.append(f"  missed SLO {missed['slo']}{_measured(missed)}: {fmt_ms(missed['observed_ms'])} over the "
+                     f"objective of {fmt_ms(missed['objective_ms'])}")
     lines.append("evidence:")
     lines.extend(f"  - {item['text']}" for item in verdict["evidence"])
     return "\n".join(lines)
+
+
+#: What an objective's measure is, in words (analyzers/slo.py OBJECTIVES; issue 44: two TTFTs, named).
+_MEASURES = {"first_content_ms": "time to first content", "ttft_ms": "time to first token",
+             "tpot_ms": "time per output token", "e2e_ms": "end to end"}
+
+
+def _measured(missed: dict) -> str:
+    """' (time to first content)': which figure an SLO miss was judged on."""
+    measure = missed.get("measure")
+    if missed["slo"] == "ttft" and measure == "ttft_ms":
+        return " (time to first content unknown; time to first token, which precedes it)"
+    return f" ({_MEASURES[measure]})" if measure in _MEASURES else ""
 
 
 def render_cache(verdict: dict) -> str:
@@ -89,18 +103,22 @@ def render_report(report: dict) -> str:
     lines.append(f"cache: {'n/a' if rate is None else f'{rate:.1%}'} of prompt tokens reused; "
                  f"{report['cache']['requests_with_reuse']} requests reused something, "
                  f"{report['cache']['requests_without_reuse']} nothing")
-    lines.append(f"{'instance':<16}{'requests':>9}{'ttft p50':>11}{'p95':>10}{'p99':>10}{'tpot p50':>11}"
-                 f"{'p95':>10}{'p99':>10}{'tok/s':>9}")
+    lines.append("latency: time to first token (the engine's first generated token) and time to first content "
+                 "(the first chunk with answer text: the TTFT a client measures)")
+    lines.append(f"{'instance':<16}{'requests':>9}{'1st token p50':>14}{'p95':>10}{'p99':>10}"
+                 f"{'1st content p50':>16}{'p95':>10}{'p99':>10}{'tpot p50':>11}{'p95':>10}{'p99':>10}{'tok/s':>9}")
     for row in report["instances"]:
-        t, p = row["ttft_ms"], row["tpot_ms"]
-        lines.append(f"{row['instance_id']!s:<16}{row['requests']:>9}{fmt_ms(t['p50']):>11}{fmt_ms(t['p95']):>10}"
-                     f"{fmt_ms(t['p99']):>10}{fmt_ms(p['p50']):>11}{fmt_ms(p['p95']):>10}{fmt_ms(p['p99']):>10}"
+        t, c, p = row["ttft_ms"], row.get("first_content_ms") or {}, row["tpot_ms"]
+        lines.append(f"{row['instance_id']!s:<16}{row['requests']:>9}{fmt_ms(t['p50']):>14}{fmt_ms(t['p95']):>10}"
+                     f"{fmt_ms(t['p99']):>10}{fmt_ms(c.get('p50')):>16}{fmt_ms(c.get('p95')):>10}"
+                     f"{fmt_ms(c.get('p99')):>10}{fmt_ms(p['p50']):>11}{fmt_ms(p['p95']):>10}{fmt_ms(p['p99']):>10}"
                      f"{row['output_tokens_per_s']:>9.1f}")
     lines.extend(render_slo(report.get("slo")))
     lines.append("slowest:")
     for row in report["slowest"]:
         lines.append(f"  {row['request_id']:<28} {row['instance_id']!s:<14} {row['category']:<11} "
-                     f"e2e {fmt_ms(row['e2e_ms'])} · ttft {fmt_ms(row['ttft_ms'])}")
+                     f"e2e {fmt_ms(row['e2e_ms'])} · first token {fmt_ms(row['ttft_ms'])} · first content "
+                     f"{fmt_ms(row.get('first_content_ms'))}")
     for row in report.get("routing") or ():
         lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
                      f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
@@ -116,7 +134,8 @@ def render_slo(slo: dict | None) -> list[str]:
     parts = []
     for name, row in slo["objectives"].items():
         share = "n/a" if row["attainment"] is None else f"{row['attainment']:.1%}"
-        parts.append(f"{name} {share} ({row['met']} met, {row['missed']} missed, {row['unknown']} unknown)")
+        what = f" [{row['what']}]" if row.get("what") else ""
+        parts.append(f"{name}{what} {share} ({row['met']} met, {row['missed']} missed, {row['unknown']} unknown)")
     whole = slo["all"]
     share = "n/a" if whole["attainment"] is None else f"{whole['attainment']:.1%}"
     goodput = "n/a" if whole["goodput_rps"] is None else f"{whole['goodput_rps']:.3g} requests/s"

@@ -40,7 +40,10 @@ class Report:
     causes: dict[str, int]  #: cache causes over the sampled requests (no cause counted as "none")
     cause_sample: int  #: how many requests the causes were computed over
     cache: dict[str, Any]  #: token hit rate, requests with any reuse / none
-    instances: list[dict[str, Any]]  #: per instance: count, ttft/tpot/e2e p50 p95 p99, tokens/s
+    #: per instance: count; p50 p95 p99 of ttft_ms (time to first token: the engine's first generated
+    #: token), first_content_ms (time to first content: the first chunk with answer text, the client's
+    #: TTFT), tpot_ms and e2e_ms; output tokens/s
+    instances: list[dict[str, Any]]
     slowest: list[dict[str, Any]] = field(default_factory=list)  #: top requests by e2e
     slo: dict[str, Any] | None = None  #: attainment and goodput (analyzers.slo), when objectives are set
     routing: list[dict[str, Any]] = field(default_factory=list)
@@ -90,6 +93,13 @@ def percentiles(column: pl.Series) -> dict[str, float | None]:
     return {f"p{q}": round(float(clean.quantile(q / 100, "nearest")), 3) for q in (50, 95, 99)}
 
 
+def with_first_content(frame: pl.DataFrame) -> pl.DataFrame:
+    """A requests frame with a ``first_content_ms`` column: null where it had none (unknown, not 0)."""
+    if "first_content_ms" in frame.columns:
+        return frame
+    return frame.with_columns(pl.lit(None, dtype=pl.Float64).alias("first_content_ms"))
+
+
 def reuse_known(frame: pl.DataFrame) -> pl.DataFrame:
     """The rows of a requests frame whose prompt and cached token counts are both known: a count
     an engine did not report is unknown, not 0, and stays out of hit rates."""
@@ -128,6 +138,7 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
         return Report(since_ns, until_ns, 0, {}, {}, {}, 0, {"token_hit_rate": None}, [], [],
                       attainment(frame, slo, None) if slo else None)
     outcomes = dict(sorted(frame.group_by("outcome").len().iter_rows()))
+    frame = with_first_content(frame)
     whole = frame
     frame = frame.filter(pl.col("outcome") == COMPLETED)
     categories = dict(frame.group_by("category").len().iter_rows())
@@ -146,15 +157,17 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
     for (instance,), group in frame.group_by(["instance_id"], maintain_order=True):
         instances.append({
             "instance_id": instance, "requests": group.height,
-            "ttft_ms": percentiles(group["ttft_ms"]), "tpot_ms": percentiles(group["tpot_ms"]),
+            "ttft_ms": percentiles(group["ttft_ms"]), "first_content_ms": percentiles(group["first_content_ms"]),
+            "tpot_ms": percentiles(group["tpot_ms"]),
             "e2e_ms": percentiles(group["e2e_ms"]),
             "output_tokens_per_s": round(group["completion_tokens"].fill_null(0).sum() / span_s, 2),
         })
     # Equal durations: the earlier request first (as the stable sort of the whole window gave).
     top = (frame.top_k(slowest, by=["e2e_ms", "start_ns"], reverse=[False, True])
            .sort(["e2e_ms", "start_ns"], descending=[True, False], maintain_order=True))
-    slow_rows = top.select("request_id", "instance_id", "category", "e2e_ms", "ttft_ms", "tpot_ms",
-                           "prompt_tokens", "cached_tokens", "completion_tokens").to_dicts()
+    slow_rows = top.select(
+        "request_id", "instance_id", "category", "e2e_ms", "ttft_ms", "first_content_ms", "tpot_ms", "prompt_tokens",
+        "cached_tokens", "completion_tokens").to_dicts()
     causes: dict[str, int] = {}
     sample = cause_candidates(frame, cause_sample)
     # The store runs each query with the GIL released, and every thread reads through its own

@@ -2,13 +2,24 @@
 
 Syntax (``--slo``): groups separated by ``;``, each ``[SCOPE=NAME:]OBJECTIVE=DURATION,...``::
 
-    ttft=2s,tpot=50ms,e2e=30s                      every request
+    ttft=2s,tpot=50ms,e2e=30s                      every request (ttft: the client's time to first content)
     ttft=2s,tpot=50ms;model=qwen-7b:ttft=1s        qwen-7b's TTFT objective is 1 s, the rest as above
     tpot=50ms;instance=mini-3:tpot=80ms            one slower machine gets its own TPOT objective
 
-Objectives are ``ttft``, ``tpot`` (mean time per output token) and ``e2e``; durations take ``ms``,
-``s`` or ``m``. For each objective the most specific group that names it wins: instance, then
-model, then the unscoped group.
+Objectives are ``ttft``, ``first_token``, ``tpot`` (mean time per output token) and ``e2e``;
+durations take ``ms``, ``s`` or ``m``. For each objective the most specific group that names it
+wins: instance, then model, then the unscoped group.
+
+Two TTFTs, named (issue 44): ``ttft`` is the **client's** time to first content
+(``first_content_ms``: arrival to the first response chunk carrying answer text), the TTFT a client
+or a benchmark (aiperf) measures and compares with an objective; ``first_token`` is the
+**engine's** time to first token (``ttft_ms``: arrival to the first token generated, what vLLM's
+``time_to_first_token`` series measures). Before issue 44 ``ttft`` was judged on the engine's
+figure, up to seconds earlier than what the client saw; the name is kept, and ``first_token`` is
+the old meaning. Time to first content is never earlier than time to first token, so a request
+whose observer did not measure its first content but whose first token already came after the
+objective missed ``ttft`` (``measure`` says the verdict read ``ttft_ms``); one whose first token
+came in time is unknown for ``ttft``.
 
 Definitions (the contract; tests check them):
 - A request *meets* an objective when its value is at most the objective; *misses* it when above.
@@ -32,7 +43,14 @@ if TYPE_CHECKING:  # polars only where frames are judged: ``analyze --url --slo`
     import polars as pl
 
 #: Objective name -> the requests-frame column (milliseconds) it is judged on.
-OBJECTIVES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
+OBJECTIVES = {"ttft": "first_content_ms", "first_token": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
+#: Objective name -> what it measures, in words (reports and pages say which TTFT an objective uses).
+MEASURES = {"ttft": "time to first content (the client's TTFT)",
+            "first_token": "time to first token (the engine's)",
+            "tpot": "time per output token", "e2e": "end to end"}
+#: An objective judged on a column that may be unknown, and the column that bounds it from below:
+#: time to first content is never earlier than time to first token.
+LOWER_BOUNDS = {"ttft": "ttft_ms"}
 SCOPES = ("model", "instance")
 _UNITS_MS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
@@ -82,7 +100,7 @@ def parse_slo(text: str | None) -> SloSpec | None:
         for item in filter(None, (part.strip() for part in group.split(","))):
             name, eq, value = item.partition("=")
             if name.strip() not in OBJECTIVES or not eq:
-                raise ConfigError(f"--slo: objectives are ttft=, tpot= and e2e=, received {item!r}")
+                raise ConfigError(f"--slo: objectives are ttft=, first_token=, tpot= and e2e=, received {item!r}")
             target[name.strip()] = _duration_ms(value, name.strip())
     if not spec.names():
         raise ConfigError(f"--slo names no objective, received {text!r}")
@@ -113,11 +131,17 @@ def judge(frame: pl.DataFrame, spec: SloSpec) -> pl.DataFrame:
     ``slo_good`` to a requests frame that has ``e2e_ms`` (``report.with_categories``)."""
     import polars as pl
 
+    # A frame read without the client's TTFT (an older store's query) knows none: unknown, not 0.
+    frame = frame.with_columns([pl.lit(None, dtype=pl.Float64).alias(column) for column in
+                                {*OBJECTIVES.values(), *LOWER_BOUNDS.values()} - set(frame.columns)])
     columns = []
     for name in spec.names():
         value, limit = pl.col(OBJECTIVES[name]), _threshold(spec, name)
-        columns.append(pl.when(value.is_null() | limit.is_null()).then(None).otherwise(value <= limit)
-                       .alias(f"slo_{name}"))
+        judged = pl.when(limit.is_null()).then(None).when(value.is_not_null()).then(value <= limit)
+        if name in LOWER_BOUNDS:  # unknown, but already past the objective at its lower bound: missed
+            bound = pl.col(LOWER_BOUNDS[name])
+            judged = judged.when(bound.is_not_null() & (bound > limit)).then(pl.lit(False))
+        columns.append(judged.otherwise(None).alias(f"slo_{name}"))
     frame = frame.with_columns(columns)
     missed = pl.any_horizontal([pl.col(f"slo_{name}").not_().fill_null(False) for name in spec.names()])
     return frame.with_columns((succeeded() & missed.not_()).alias("slo_good"))
@@ -131,6 +155,7 @@ def attainment(frame: pl.DataFrame, spec: SloSpec, active_s: float | None) -> di
         column = judged[f"slo_{name}"]
         met, missed = int(column.sum() or 0), int((~column.drop_nulls()).sum())
         result["objectives"][name] = {
+            "measure": OBJECTIVES[name], "what": MEASURES[name],
             "met": met, "missed": missed, "unknown": judged.height - met - missed,
             "attainment": round(met / (met + missed), 4) if met + missed else None,
         }
@@ -144,13 +169,17 @@ def attainment(frame: pl.DataFrame, spec: SloSpec, active_s: float | None) -> di
 
 
 def missed_objectives(row: dict, spec: SloSpec | None) -> list[dict[str, Any]]:
-    """The objectives one requests row missed: [{slo, objective_ms, observed_ms}]."""
+    """The objectives one requests row missed: [{slo, objective_ms, observed_ms, measure}], where
+    ``measure`` is the column observed (``ttft_ms`` for a ``ttft`` missed at its lower bound)."""
     if spec is None:
         return []
     row = {**row, "e2e_ms": (row["end_ns"] - row["start_ns"]) / 1e6}
     missed = []
     for name, limit in spec.objectives_for(row.get("model"), row.get("instance_id")).items():
-        observed = row.get(OBJECTIVES[name])
+        measure = OBJECTIVES[name]
+        if row.get(measure) is None and name in LOWER_BOUNDS:
+            measure = LOWER_BOUNDS[name]
+        observed = row.get(measure)
         if observed is not None and observed > limit:
-            missed.append({"slo": name, "objective_ms": limit, "observed_ms": round(observed, 3)})
+            missed.append({"slo": name, "objective_ms": limit, "observed_ms": round(observed, 3), "measure": measure})
     return missed

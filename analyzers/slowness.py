@@ -3,9 +3,12 @@
 Definitions (the contract; tests check them):
 - ``outcome``: completed | rejected | failed | cancelled (``outcome.outcome_of``). Only a completed
   request gets a category; the others get ``category`` None and an ``outcome`` evidence item.
-- ``breakdown_ms``: load_wait, queue, prefill, decode, other (= e2e - the four), ttft, tpot, e2e;
-  a part the observer did not measure is None (never 0), and ``other`` is None unless all four are
-  known.
+- ``breakdown_ms``: load_wait, queue, prefill, decode, other (= e2e - the four), ttft, first_content,
+  tpot, e2e; a part the observer did not measure is None (never 0), and ``other`` is None unless all
+  four are known. Two TTFTs, both named: ``ttft`` is the time to first *token* (the engine's: arrival
+  to the first token generated; the phases add up to it), ``first_content`` the time to first
+  *content* (the client's: arrival to the first response chunk carrying answer text, what aiperf or
+  a browser measures as TTFT).
 - ``category``: the largest of load_wait -> cold_start, queue -> queueing, prefill -> prefill,
   decode -> decode; ties go to the earlier one in that order. A part that cannot be the largest
   does not block naming the largest: an unknown part is at most what the known parts leave of the
@@ -159,6 +162,10 @@ def category_of(request: dict, measures: frozenset[str] | None = None,
     return UNDECOMPOSED if top is None else dict(CATEGORIES)[top]
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _named(phases: list[dict], name: str) -> list[dict]:
     """The phase rows of one span name, in their order."""
     return [row for row in phases if row["name"] == name]
@@ -183,7 +190,8 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
     whole = None not in parts.values()
     other = round(max(0.0, e2e - sum(parts.values())), 3) if whole else None
     breakdown = {**{k: None if v is None else round(v, 3) for k, v in parts.items()}, "other": other,
-                 "ttft": known["ttft"], "tpot": known["tpot"], "e2e": round(e2e, 3)}
+                 "ttft": known["ttft"], "first_content": _round(r.get("first_content_ms")), "tpot": known["tpot"],
+                 "e2e": round(e2e, 3)}
     outcome = outcome_of(r)
     category = category_of(r, facts.measures)
     tokens = {"prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"),

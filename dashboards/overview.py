@@ -1,4 +1,5 @@
-"""``/``: the window at a glance. Latency percentiles over every instance, output tokens/s,
+"""``/``: the window at a glance. Latency percentiles over every instance (both TTFTs, named: time
+to first token, the engine's, and time to first content, the client's), output tokens/s,
 requests per slowness category, cache reuse and miss causes (from the analyzers' window report),
 attainment of the collector's service-level objectives (``--slo``) and goodput,
 queue depth over time from heartbeats, and each instance's health.
@@ -13,7 +14,13 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
-from tokentrace.analyzers.report import declared_parts, percentiles, summarize_frame, with_categories
+from tokentrace.analyzers.report import (
+    declared_parts,
+    percentiles,
+    summarize_frame,
+    with_categories,
+    with_first_content,
+)
 from tokentrace.analyzers.slo import SloSpec
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
@@ -28,6 +35,14 @@ CAUSE_SAMPLE = 30
 #: Heartbeats kept per instance on the queue chart; older points are thinned evenly beyond this.
 MAX_POINTS = 600
 LIMIT = 1_000_000
+#: The latency percentiles shown: (column, label, what it measures). Both TTFTs, each named.
+LATENCY = (
+    ("ttft_ms", "time to first token (engine)", "arrival to the first token the engine generated"),
+    ("first_content_ms", "time to first content (client)",
+     "arrival to the first response chunk carrying answer text: the TTFT a client (aiperf, a browser) measures"),
+    ("tpot_ms", "time per output token", "mean time between output tokens"),
+    ("e2e_ms", "end to end", "arrival to the last byte"),
+)
 
 
 def thin(rows: pl.DataFrame, max_points: int = MAX_POINTS) -> pl.DataFrame:
@@ -54,12 +69,12 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
     frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT), declared_parts(reader))
     report = summarize_frame(reader, frame, window_ns, cause_sample=0, slo=slo).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
-    latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None}
-                               for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
+    latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None} for name, _, _ in LATENCY}
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
     errors = 0
     if frame.height:
-        completed = frame.filter(pl.col("outcome") == COMPLETED)  # the report's rule: latency of completed only
+        # the report's rule: latency of completed only
+        completed = with_first_content(frame.filter(pl.col("outcome") == COMPLETED))
         latency = {name: percentiles(completed[name]) for name in latency}
         active_s = max(1e-9, (frame["end_ns"].max() - frame["start_ns"].min()) / 1e9)
         output = int(frame["completion_tokens"].fill_null(0).sum())
@@ -83,6 +98,7 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
     return {
         "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
         "requests": report["requests"], "errors": errors, "outcomes": outcomes, "latency": latency,
+        "latency_labels": LATENCY,
         "throughput": throughput,
         "categories": categories,
         "category_share": {k: round(v / outcomes[COMPLETED], 4) if outcomes[COMPLETED] else 0.0

@@ -33,7 +33,7 @@ def test_scoped_groups_override_per_objective():
 
 @pytest.mark.parametrize(("text", "fragment"), [
     ("ttft=2", "must be a duration such as 500ms"),
-    ("latency=2s", "objectives are ttft=, tpot= and e2e="),
+    ("latency=2s", "objectives are ttft=, first_token=, tpot= and e2e="),
     ("gpu=a:ttft=1s", "starts with model=NAME: or instance=NAME:"),
     (";", "names no objective"),
 ])
@@ -59,20 +59,32 @@ def _frame(rows: list[dict]) -> pl.DataFrame:
 
 
 def test_met_missed_unknown_and_good():
-    spec = parse_slo("ttft=100ms,tpot=10ms")
+    # Issue 44: ``ttft`` is the client's time to first content; ``first_token`` the engine's time to
+    # first token (what ``ttft`` judged before, up to seconds earlier than what the client saw).
+    spec = parse_slo("ttft=100ms,first_token=60ms,tpot=10ms")
     frame = _frame([
-        {"ttft_ms": 50.0, "tpot_ms": 5.0},            # meets both: good
-        {"ttft_ms": 150.0, "tpot_ms": 5.0},           # misses ttft
-        {"ttft_ms": 50.0, "tpot_ms": None},           # tpot unknown (one token): still good
-        {"ttft_ms": 50.0, "tpot_ms": 5.0, "http_status": 500},  # failed: never good
+        {"ttft_ms": 50.0, "first_content_ms": 60.0, "tpot_ms": 5.0},   # meets all: good
+        {"ttft_ms": 50.0, "first_content_ms": 150.0, "tpot_ms": 5.0},  # the client waited 150 ms: misses ttft
+        {"ttft_ms": 50.0, "first_content_ms": 70.0, "tpot_ms": None},  # tpot unknown (one token): still good
+        {"ttft_ms": 50.0, "first_content_ms": 60.0, "tpot_ms": 5.0, "http_status": 500},  # failed: never good
+        {"ttft_ms": 120.0, "first_content_ms": None, "tpot_ms": 5.0},  # first content unmeasured, first token late
+        {"ttft_ms": 50.0, "first_content_ms": None, "tpot_ms": 5.0},   # first content unmeasured: ttft unknown
     ])
     result = attainment(frame, spec, active_s=2.0)
-    assert result["objectives"]["ttft"] == {"met": 3, "missed": 1, "unknown": 0, "attainment": 0.75}
-    assert result["objectives"]["tpot"] == {"met": 3, "missed": 0, "unknown": 1, "attainment": 1.0}
-    assert result["all"] == {"requests": 4, "good": 2, "attainment": 0.5, "goodput_rps": 1.0}
-    row = frame.row(1, named=True)
-    assert missed_objectives(row, spec) == [{"slo": "ttft", "objective_ms": 100.0, "observed_ms": 150.0}]
-    assert missed_objectives(row, None) == []
+    assert result["objectives"]["ttft"] == {"measure": "first_content_ms", "what": "time to first content (the "
+                                            "client's TTFT)", "met": 3, "missed": 2, "unknown": 1, "attainment": 0.6}
+    assert result["objectives"]["first_token"] == {"measure": "ttft_ms", "what": "time to first token (the engine's)",
+                                                   "met": 5, "missed": 1, "unknown": 0, "attainment": 0.8333}
+    assert result["objectives"]["tpot"]["met"] == 5 and result["objectives"]["tpot"]["unknown"] == 1
+    assert result["all"] == {"requests": 6, "good": 3, "attainment": 0.5, "goodput_rps": 1.5}
+    assert missed_objectives(frame.row(1, named=True), spec) == [
+        {"slo": "ttft", "objective_ms": 100.0, "observed_ms": 150.0, "measure": "first_content_ms"}]
+    # Time to first content is never earlier than time to first token: a late first token is a miss.
+    assert missed_objectives(frame.row(4, named=True), spec) == [
+        {"slo": "ttft", "objective_ms": 100.0, "observed_ms": 120.0, "measure": "ttft_ms"},
+        {"slo": "first_token", "objective_ms": 60.0, "observed_ms": 120.0, "measure": "ttft_ms"}]
+    assert missed_objectives(frame.row(5, named=True), spec) == []
+    assert missed_objectives(frame.row(1, named=True), None) == []
 
 
 def _request_row(rid: str, instance: str, ttft_ms: float, start_ns: int = 0) -> tuple:
@@ -86,7 +98,7 @@ def _request_row(rid: str, instance: str, ttft_ms: float, start_ns: int = 0) -> 
 
 def test_histograms_and_inter_token_gaps(tmp_path):
     store = DuckDBStore(tmp_path / "m.duckdb")
-    state = MetricsState(store, parse_slo("ttft=100ms"))
+    state = MetricsState(store, parse_slo("first_token=100ms"))
     try:
         batch = Batch()
         # 1 ms and 100 ms fall on bucket bounds (le is inclusive); 3 s lands in the 5 s bucket.
@@ -117,8 +129,8 @@ def test_histograms_and_inter_token_gaps(tmp_path):
     assert f"{ITL}_count{{{labels}}} 3" in lines
     assert f"{ITL}_bucket{{{labels},le=\"0.01\"}} 1" in lines and f"{ITL}_bucket{{{labels},le=\"0.025\"}} 2" in lines
     assert not any(line.startswith(f"{ITL}_count{{{i2}") for line in lines)  # one token: no gap known
-    assert f'tokentrace_slo_requests_total{{{labels},slo="ttft",met="true"}} 2' in lines
-    assert f'tokentrace_slo_requests_total{{{i2},slo="ttft",met="false"}} 1' in lines
+    assert f'tokentrace_slo_requests_total{{{labels},slo="first_token",met="true"}} 2' in lines
+    assert f'tokentrace_slo_requests_total{{{i2},slo="first_token",met="false"}} 1' in lines
     assert f'vllm:prefix_cache_hits_total{{{labels}}} 18' in lines
     assert f'tokentrace_cache_evictions_total{{{labels},reason="max_bytes"}} 2' in lines
 
