@@ -378,7 +378,7 @@ def create_app(collector: Collector) -> FastAPI:
             spool = _spool_record(request, body)
             payload = await _inflate(body, request.headers.get("content-encoding"), limit, hold)
             # Decoding and normalizing count their own rejects (tokentrace.collector.ingest).
-            batch = await collector.pipeline.batch_async(payload, encoding)
+            batch = await collector.pipeline.batch_async(payload, encoding, hold=hold)
             decoded = time.perf_counter()
             # Once the store holds none of the batch in memory (merged, or spilled to disk), it releases
             # what the request still holds (collector/budget.py).

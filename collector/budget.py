@@ -86,6 +86,12 @@ class Hold:
             self.bytes += cost
         return True
 
+    def add(self, cost: int) -> None:
+        """Hold ``cost`` more bytes whatever the budget says (memory already in use)."""
+        self.budget.add(cost)
+        with self._lock:
+            self.bytes += cost
+
     def give(self, cost: int) -> None:
         """Give back part of what is held."""
         with self._lock:

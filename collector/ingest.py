@@ -3,7 +3,14 @@ counters by named reason. Validation and normalization happen here, before anyth
 the writer, so a bad payload never reaches the store.
 
 A protobuf payload goes through the compiled decoder (collector/fastpath.py) when it reproduces the
-normalizer exactly, and through ``normalize`` otherwise; either way ``parse`` gives ``Columns``."""
+normalizer exactly, and through ``normalize`` otherwise; either way ``parse`` gives ``Columns``.
+
+What a body becomes is bounded (issue 45): every span row carries a copy of its resource's
+attributes and its scope's name and version, so a 0.96 MiB body of 0.9 MiB of resource attributes
+and a thousand small spans became 917 MiB of columns, and two of them wedged the store's merge.
+``copied_bytes`` counts those copies before anything is decoded (a skeleton of the message parsed
+by protobuf's C parser: 0.04 us a span), and ``parse`` refuses a body whose columns would pass
+``max_columns`` (413), before decoding from the copies and after it from the columns' size."""
 
 from __future__ import annotations
 
@@ -21,10 +28,11 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
 from tokentrace.collector import fastpath
+from tokentrace.collector.budget import EXPANSION, Hold
 from tokentrace.collector.columns import Columns
 from tokentrace.collector.normalize import normalize
 from tokentrace.collector.otlp import Encoding, decode, decompress
-from tokentrace.errors import PayloadError, TokentraceError
+from tokentrace.errors import Overloaded, PayloadError, PayloadTooLarge, TokentraceError
 from tokentrace.threads import lower_priority, name_os_thread, os_named
 
 log = logging.getLogger("tokentrace.collector")
@@ -96,16 +104,100 @@ class Counters:
                                  "counts": {name: list(counts) for name, counts in self.latency_counts.items()}}}
 
 
+def max_columns_of(max_body_bytes: int) -> int:
+    """The most bytes of columns a body may become: what the largest body allowed becomes at the
+    budget's ``EXPANSION`` (6 x --max-body-bytes: 96 MiB by default)."""
+    return EXPANSION * max_body_bytes
+
+
+_SKELETON = None
+
+
+def _skeleton():
+    """A message class that reads an ExportTraceServiceRequest down to its spans, each span,
+    resource and scope left as bytes: parsing it walks the body in C and builds no span."""
+    global _SKELETON
+    if _SKELETON is None:
+        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+        proto = descriptor_pb2.FileDescriptorProto(name="tokentrace_skeleton.proto", package="tokentrace.skeleton",
+                                                   syntax="proto3")
+        field = descriptor_pb2.FieldDescriptorProto
+        for name, fields in (("Request", (("resource_spans", 1, "ResourceSpans"),)),
+                             ("ResourceSpans", (("resource", 1, None), ("scope_spans", 2, "ScopeSpans"))),
+                             ("ScopeSpans", (("scope", 1, None), ("spans", 2, None)))):
+            message = proto.message_type.add(name=name)
+            for field_name, number, kind in fields:
+                label = field.LABEL_REPEATED if field_name.endswith("s") else field.LABEL_OPTIONAL
+                added = message.field.add(name=field_name, number=number, label=label,
+                                          type=field.TYPE_BYTES if kind is None else field.TYPE_MESSAGE)
+                if kind is not None:
+                    added.type_name = f".tokentrace.skeleton.{kind}"
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(proto)
+        _SKELETON = message_factory.GetMessageClass(pool.FindMessageTypeByName("tokentrace.skeleton.Request"))
+    return _SKELETON
+
+
+def copied_bytes(payload: bytes, encoding: Encoding) -> int:
+    """Bytes of the copies of their resource and scope the span rows of a protobuf payload would
+    carry: (resource + scope) x spans, summed over its scopes (0 for JSON, and for a body that does
+    not parse: the decoder refuses it)."""
+    if encoding.name != "protobuf":
+        return 0
+    from google.protobuf.message import DecodeError
+
+    try:
+        request = _skeleton().FromString(payload)
+    except DecodeError:
+        return 0
+    return _copies(request)
+
+
+def _copies(request) -> int:
+    """``copied_bytes`` of a parsed request (a skeleton's: sizes of bytes; a real one's: ByteSize)."""
+    total = 0
+    for resource_spans in request.resource_spans:
+        resource = _size(resource_spans.resource)
+        for scope_spans in resource_spans.scope_spans:
+            total += (resource + _size(scope_spans.scope)) * len(scope_spans.spans)
+    return total
+
+
+def _size(part) -> int:
+    return len(part) if isinstance(part, bytes) else part.ByteSize()
+
+
+def _refuse_amplified(copies: int, payload: bytes, max_columns: int | None, done: bool = False) -> None:
+    """PayloadTooLarge when the columns of ``payload`` (``copies``: estimated by its copies of its
+    resource and scope, or, once ``done``, its columns' size) pass ``max_columns``."""
+    if max_columns is None or copies <= max_columns:
+        return
+    what = "became" if done else "would become"
+    raise PayloadTooLarge(
+        f"a body of {len(payload)} bytes {what} {copies} bytes of columns (each span row carries a copy of its "
+        f"resource's attributes and its scope), over the limit of {max_columns} bytes (6 x --max-body-bytes, "
+        f"at most --max-pending-bytes): "
+        f"send fewer spans per resource, or smaller resource attributes")
+
+
 def parse(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
-          max_value_length: int, fast: bool = True) -> Columns:
+          max_value_length: int, fast: bool = True, max_columns: int | None = None) -> Columns:
     """Decompress, decode and normalize one payload into Arrow columns (through the compiled decoder
-    unless ``fast`` is False). Pure, so it runs in a worker process as well."""
+    unless ``fast`` is False); PayloadTooLarge when its columns would pass ``max_columns`` (module
+    docstring). Pure, so it runs in a worker process as well."""
     payload = decompress(body, content_encoding, max_body_bytes)
     if fast:
+        _refuse_amplified(copied_bytes(payload, encoding), payload, max_columns)
         columns = _decoded(payload, encoding, max_value_length)
-        if columns is not None:
-            return columns
-    return normalize(decode(payload, encoding), max_value_length).columns()
+    else:
+        columns = None
+    if columns is None:
+        request = decode(payload, encoding)
+        _refuse_amplified(_copies(request), payload, max_columns)
+        columns = normalize(request, max_value_length).columns()
+    _refuse_amplified(columns.nbytes, payload, max_columns, done=True)
+    return columns
 
 
 def _decoded(payload: bytes, encoding: Encoding, max_value_length: int) -> Columns | None:
@@ -116,7 +208,7 @@ def _decoded(payload: bytes, encoding: Encoding, max_value_length: int) -> Colum
 def _parse_in_worker(*args) -> bytes:
     """What the compiled decoder left to the normalizer, in a worker process: the columns go back as
     bytes (Columns.to_bytes), read in the collector's process without copying."""
-    return parse(*args, fast=False).to_bytes()
+    return parse(*args, fast=False, max_columns=max_columns_of(args[3])).to_bytes()
 
 
 def _start_worker(parent_pid: int) -> None:
@@ -206,46 +298,65 @@ class Pipeline:
         """``function(*args)`` on a decoding thread (the event loop's default executor before ``start``)."""
         return await asyncio.get_running_loop().run_in_executor(self._decoders, function, *args)
 
-    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
-        """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used."""
+    def batch(self, body: bytes, encoding: Encoding, content_encoding: str | None = None,
+              hold: Hold | None = None) -> Columns:
+        """Parse one payload (blocking); PayloadError, counted, when nothing in it can be used.
+        ``hold`` (the request's share of the byte budget) is charged for what the body becomes
+        beyond ``EXPANSION`` x its size (module docstring); Overloaded when that does not fit."""
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         with self._counting_refusals():
-            batch = self._fast(*args)
+            batch = self._fast(*args, hold)
             pool = self._pool
             try:
                 if batch is None:
                     batch = Columns.from_bytes(pool.submit(_parse_in_worker, *args).result()) if pool is not None \
-                        else parse(*args, fast=False)
+                        else self._slow(*args)
             except BrokenProcessPool:
                 self._rebuild(pool)
-                batch = parse(*args, fast=False)
-        return self._checked(batch)
+                batch = self._slow(*args)
+        return self._checked(batch, hold)
 
-    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None) -> Columns:
+    async def batch_async(self, body: bytes, encoding: Encoding, content_encoding: str | None = None,
+                          hold: Hold | None = None) -> Columns:
         """``batch`` for the event loop: the compiled decoder on a thread (it holds no GIL while it
         decodes), and what it leaves to the normalizer on a worker, or a thread without workers."""
         if self._pool is None:
-            return await self._decoding(self.batch, body, encoding, content_encoding)
+            return await self._decoding(self.batch, body, encoding, content_encoding, hold)
         args = (body, encoding, content_encoding, self.max_body_bytes, self.max_value_length)
         pool = self._pool
         with self._counting_refusals():
-            batch = await self._decoding(self._fast, *args) if encoding.name == "protobuf" else None
+            batch = await self._decoding(self._fast, *args, hold) if encoding.name == "protobuf" else None
             try:
                 if batch is None:
                     batch = Columns.from_bytes(await asyncio.wrap_future(pool.submit(_parse_in_worker, *args)))
             except BrokenProcessPool:
                 self._rebuild(pool)
-                batch = await self._decoding(parse, *args, False)
-        return self._checked(batch)
+                batch = await self._decoding(self._slow, *args)
+        return self._checked(batch, hold)
 
-    @staticmethod
-    def _fast(body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
-              max_value_length: int) -> Columns | None:
+    def _slow(self, *args) -> Columns:
+        """``parse`` by the normalizer, in this process."""
+        return parse(*args, fast=False, max_columns=max_columns_of(self.max_body_bytes))
+
+    def _fast(self, body: bytes, encoding: Encoding, content_encoding: str | None, max_body_bytes: int,
+              max_value_length: int, hold: Hold | None = None) -> Columns | None:
         if encoding.name != "protobuf":
             return None
         payload = decompress(body, content_encoding, max_body_bytes)
+        copies = copied_bytes(payload, encoding)
+        bound = max_columns_of(max_body_bytes)
+        if hold is not None:  # more than the whole budget could never be held (the first request alone
+            bound = min(bound, hold.budget.limit)  # is admitted past it: budget.py)
+        _refuse_amplified(copies, payload, bound)
+        # Copies up to the body's own size are inside the EXPANSION measured (resources of a few
+        # hundred bytes on spans of as many); what they add beyond it is held before they exist.
+        if hold is not None and copies > len(payload) and not hold.take(copies - len(payload)):
+            raise Overloaded(f"the collector holds as many request bytes as --max-pending-bytes allows "
+                             f"({hold.budget.limit}), and this body becomes {copies} bytes of copies of its "
+                             f"resource; retry later", retry_after=1)
         columns = _decoded(payload, encoding, max_value_length)
         if columns is not None:  # what the store journals: the payload parses to these columns again
+            _refuse_amplified(columns.nbytes, payload, max_columns_of(max_body_bytes), done=True)
             columns.sources = [(encoding.name, max_value_length, payload, columns.spans)]
         # Their bytes (which the receiver holds against the budget from its event loop) come counted
         # by the decoder (fastpath.imported): counting them on the loop took 17 % of its busy time.
@@ -269,7 +380,9 @@ class Pipeline:
                 self.start()
         broken.shutdown(wait=False, cancel_futures=True)
 
-    def _checked(self, batch: Columns) -> Columns:
+    def _checked(self, batch: Columns, hold: Hold | None = None) -> Columns:
+        if hold is not None and batch.nbytes > hold.bytes:  # they exist: held, whatever the budget says
+            hold.add(batch.nbytes - hold.bytes)
         if batch.rejected:
             self.counters.reject("invalid_span", batch.rejected)
         if batch.truncated:

@@ -97,6 +97,9 @@ SEGMENT_BYTES = 64 << 20
 #: Pauses between a failed merge and its retries (the last one repeats), unless ``retry_now``
 #: ends one early.
 _RETRY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+#: Failures in a row of a merge of one batch alone after which the store may set it aside
+#: (``quarantine``): a batch its tables refuse must not stop every batch after it (issue 45).
+QUARANTINE_AFTER = 5
 _HEADER = struct.Struct("<IQII")  # magic, sequence number, payload length, CRC-32 of the payload
 _MAGIC = 0x544A524E
 
@@ -157,23 +160,60 @@ class Log:
                 found.append((int(path.stem), path))
         return sorted(found)
 
-    def records_after(self, seq: int) -> Iterator[tuple[int, memoryview]]:
-        """The records with a sequence number above ``seq``, in order; a torn or corrupt record
-        ends the log (it was never acknowledged: the fdatasync that would have made it so did not
-        return), and the file is cut there."""
-        for _, path in self._segments():
+    def records_after(self, seq: int, damaged: Callable[[Damage], None] | None = None,
+                      expected: int = 0) -> Iterator[tuple[int, memoryview]]:
+        """The intact records with a sequence number above ``seq``, in order.
+
+        A record cut short at the very end of the newest file is a crash while writing it (never
+        acknowledged: the fdatasync that would have made it so did not return): the file is cut
+        there. Anything else that does not read back (a checksum that fails, a header that makes no
+        sense, a file that ends inside a record or before the next file begins, sequence numbers
+        that skip) is damage: it is given to ``damaged`` with its byte range and the sequence
+        numbers it held (from the records around it, and ``expected``, the highest number known to
+        have been journaled), and every intact record after it is kept (issue 45)."""
+        segments = self._segments()
+        previous = None  #: the number of the last record read back or known lost
+        report = damaged or (lambda _damage: None)
+        for index, (first, path) in enumerate(segments):
             data = path.read_bytes()
-            view, at = memoryview(data), 0
-            while at < len(data):
-                if at + _HEADER.size > len(data):
-                    return self._cut(path, at)
-                magic, number, length, crc = _HEADER.unpack_from(data, at)
-                end = at + _HEADER.size + length
-                if magic != _MAGIC or end > len(data) or zlib.crc32(view[at + _HEADER.size:end]) != crc:
-                    return self._cut(path, at)
-                if number > seq:
-                    yield number, view[at + _HEADER.size:end]
-                at = end
+            view, newest = memoryview(data), index == len(segments) - 1
+            if previous is not None and first > previous + 1:
+                report(Damage(path, 0, 0, previous + 1, first - 1,
+                              "journal records missing before this file (a file deleted or cut short)"))
+            if previous is None or first > previous + 1:
+                previous = first - 1  # a file is named after its first record
+            for kind, at, end, number in _scan(data):
+                if kind == "record":
+                    if number > previous + 1:
+                        report(Damage(path, at, at, previous + 1, number - 1,
+                                      "journal records missing (sequence numbers skip)"))
+                    previous = number
+                    if number > seq:
+                        yield number, view[at + _HEADER.size:end]
+                elif kind == "torn" and newest:
+                    self._cut(path, at)
+                else:
+                    high = _next_number(data, end)
+                    high = (high - 1) if high is not None else None if newest else segments[index + 1][0] - 1
+                    report(Damage(path, at, end, previous + 1, high, _why(data, at, end)))
+                    if high is not None:
+                        previous = high
+        if expected > max(seq, previous or 0):
+            where = segments[-1][1] if segments else self.folder
+            report(Damage(where, -1, -1, max(seq, previous or 0) + 1, expected,
+                          "journal records missing at its end (the newest file cut short or deleted)"))
+
+    def record(self, seq: int) -> bytes | None:
+        """The payload of record ``seq`` as it is in the log (read only; None when absent)."""
+        for first, path in reversed(self._segments()):
+            if first > seq:
+                continue
+            data = path.read_bytes()
+            for kind, at, end, number in _scan(data):
+                if kind == "record" and number == seq:
+                    return data[at + _HEADER.size:end]
+            return None
+        return None
 
     def _cut(self, path: Path, at: int) -> None:
         log.warning("journal %s ends in a record cut short at byte %d (a crash while writing it): dropped",
@@ -181,9 +221,6 @@ class Log:
         with open(path, "r+b") as handle:
             handle.truncate(at)
             os.fsync(handle.fileno())
-        for first, later in self._segments():
-            if first > int(path.stem):  # written after the cut record: never acknowledged either
-                later.unlink()
 
     def append(self, seq: int, payload: list[bytes]) -> None:
         """Write one record (its payload in pieces) and make it durable (one fdatasync)."""
@@ -248,8 +285,13 @@ class Journal:
     number in one transaction, raising on failure (the entries are then merged again later)."""
 
     def __init__(self, merge: Callable[[list[Entry]], None], log_file: Log, max_bytes: int = MAX_UNMERGED_BYTES,
-                 max_spilled_bytes: int = MAX_SPILLED_BYTES):
+                 max_spilled_bytes: int = MAX_SPILLED_BYTES,
+                 quarantine: Callable[[Entry, Exception], bool] | None = None):
         self._merge, self.log = merge, log_file
+        #: the store's: set aside one batch its tables refuse (True), or not (False: a condition that
+        #: passes, such as a full disk); the batch then counts as merged (``QUARANTINE_AFTER``)
+        self._quarantine = quarantine
+        self._alone = 0  #: merges to take one batch at a time, to find the one at fault
         self.max_bytes = max_bytes  #: unmerged bytes held in memory past which writes wait or are spilled
         self.max_spilled_bytes = max_spilled_bytes  #: spilled bytes past which writes wait, then refuse
         self._pending: deque[Entry] = deque()
@@ -417,14 +459,14 @@ class Journal:
                 self._cond.wait(max(0.0, self._pending[0].journaled_at + GATHER_S - time.monotonic()))
             taken, spans = [], 0
             for entry in self._pending:
-                if taken and spans + entry.spans > MERGE_SPANS:
+                if taken and (spans + entry.spans > MERGE_SPANS or self._alone > 0):
                     break
                 taken.append(entry)
                 spans += entry.spans
             return taken
 
     def _run(self) -> None:
-        failures = 0
+        failures = alone_failures = 0
         while True:
             entries = self._take()
             if not entries:
@@ -437,6 +479,16 @@ class Journal:
                 self._merge(entries)
             except Exception as exc:  # the entries stay journaled and pending: merged again later
                 log.exception("appending %d journaled batches to the tables failed; retrying", len(entries))
+                if len(entries) > 1:  # merged one at a time from now until one passes: which one fails?
+                    self._alone, alone_failures = len(entries), 0
+                else:
+                    alone_failures += 1
+                    if alone_failures >= QUARANTINE_AFTER and self._quarantine is not None \
+                            and self._quarantine(entries[0], exc):
+                        failures = alone_failures = 0
+                        self._alone = max(0, self._alone - 1)
+                        self._done(entries, began, set_aside=True)
+                        continue
                 with self._cond:
                     self.error = str(exc)
                     self._merge_began = None  # a failing merge is not held up: nothing is spilled for it
@@ -447,28 +499,97 @@ class Journal:
                     self._cond.wait_for(lambda: self._retry_now, _RETRY_S[min(failures, len(_RETRY_S) - 1)])
                 failures += 1
                 continue
-            failures = 0
-            with self._cond:
-                for _ in entries:
-                    merged = self._pending.popleft()
-                    self._bytes -= merged.nbytes
-                    self._spans -= merged.spans
-                    if merged.spilled is not None:
-                        self._spilled -= merged.nbytes
-                self.merged = entries[-1].seq
-                self.error = None
-                self._merge_began, self._spill_failed = None, False
+            failures, alone_failures, self._alone = 0, 0, max(0, self._alone - 1)
+            self._done(entries, began)
+
+    def _done(self, entries: list[Entry], began: float, set_aside: bool = False) -> None:
+        """``entries`` are in the tables (or ``set_aside``: quarantined by the store): drop them from
+        memory and the log."""
+        with self._cond:
+            for _ in entries:
+                merged = self._pending.popleft()
+                self._bytes -= merged.nbytes
+                self._spans -= merged.spans
+                if merged.spilled is not None:
+                    self._spilled -= merged.nbytes
+            self.merged = entries[-1].seq
+            self.error = None
+            self._merge_began, self._spill_failed = None, False
+            if not set_aside:
                 self.merges += 1
                 self.merged_spans += sum(entry.spans for entry in entries)
                 self.last_merge_s = time.monotonic() - began
-                self._cond.notify_all()
-            for entry in entries:
-                entry.release()
-                _unlink(entry.spilled)
-            try:
-                self.log.drop_through(entries[-1].seq)
-            except OSError:  # a file that stays is read past at the next start: nothing is lost
-                log.exception("deleting merged journal files failed")
+            self._cond.notify_all()
+        for entry in entries:
+            entry.release()
+            _unlink(entry.spilled)
+        try:
+            self.log.drop_through(entries[-1].seq)
+        except OSError:  # a file that stays is read past at the next start: nothing is lost
+            log.exception("deleting merged journal files failed")
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Bytes of the journal that do not read back as records, and the records they held."""
+
+    path: Path  #: the journal file
+    start: int  #: byte range in it (``start`` == ``end``: records missing, no bytes; -1: at its end)
+    end: int
+    first_seq: int | None  #: sequence numbers of the records lost (None: not known)
+    last_seq: int | None
+    why: str
+
+
+def _valid_at(data: bytes, at: int) -> int | None:
+    """The end of an intact record starting at byte ``at`` (magic, length within the file, CRC), else None."""
+    if at + _HEADER.size > len(data):
+        return None
+    magic, _, length, crc = _HEADER.unpack_from(data, at)
+    end = at + _HEADER.size + length
+    if magic != _MAGIC or end > len(data) or zlib.crc32(memoryview(data)[at + _HEADER.size:end]) != crc:
+        return None
+    return end
+
+
+def _why(data: bytes, at: int, end: int) -> str:
+    """What is wrong with the bytes from ``at`` to ``end`` that are not an intact record."""
+    if end - at < _HEADER.size:
+        return "the file ends inside a record header"
+    magic, _, length, _ = _HEADER.unpack_from(data, at)
+    if magic != _MAGIC:
+        return "bytes that are not a record (its header is damaged)"
+    if at + _HEADER.size + length > end:
+        return "the file ends inside a record, or its length is damaged"
+    return "a record whose checksum fails"
+
+
+def _next_number(data: bytes, at: int) -> int | None:
+    """The sequence number of the intact record at ``at``, if one starts there."""
+    return _HEADER.unpack_from(data, at)[1] if _valid_at(data, at) is not None else None
+
+
+def _scan(data: bytes) -> Iterator[tuple[str, int, int, int | None]]:
+    """What a journal file holds, in order: ("record", start, end, seq) for each intact record,
+    ("damaged", start, end, None) for bytes between intact records that are not one (the next
+    intact record is found by its magic number and checksum), and ("torn", start, len, None) for
+    bytes after the last intact record that never become one: a crash's tail, or damage that ends
+    the file (its caller tells which)."""
+    at, magic = 0, _HEADER.pack(_MAGIC, 0, 0, 0)[:4]
+    while at < len(data):
+        end = _valid_at(data, at)
+        if end is not None:
+            yield "record", at, end, _HEADER.unpack_from(data, at)[1]
+            at = end
+            continue
+        search = at + 1
+        while (found := data.find(magic, search)) >= 0 and _valid_at(data, found) is None:
+            search = found + 1
+        if found < 0:
+            yield "torn", at, len(data), None
+            return
+        yield "damaged", at, found, None
+        at = found
 
 
 def _unlink(path: Path | None) -> None:

@@ -35,9 +35,10 @@ except ImportError:  # a DuckDB whose engine module is not top-level (1.x: duckd
     import duckdb
 
 from tokentrace.collector import sqlfiles
+from tokentrace.collector.quarantine import Quarantine
 from tokentrace.collector.store import NamedQueryReader, SpoolRecord, T, as_columns, write_failure
 from tokentrace.collector.tables import PACKED, PACKED_TYPES, TABLES, TYPES
-from tokentrace.errors import NotFound, Overloaded, StoreError
+from tokentrace.errors import NotFound, Overloaded, PayloadError, StoreError
 from tokentrace.threads import name_os_thread
 
 if TYPE_CHECKING:
@@ -220,7 +221,9 @@ def _record(columns: Columns, spool: SpoolRecord | None) -> list[bytes]:
 
 
 def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
-    """The batch a journal record holds (``_record``), with each span's key hash, and its spool file."""
+    """The batch a journal record holds (``_record``), with each span's key hash, and its spool file;
+    PayloadTooLarge for one whose columns would pass what the store may hold unmerged in memory
+    (collector/ingest.py: a batch a collector before issue 45 took, that wedged its merge)."""
     from tokentrace.collector.ingest import parse  # a journal left by a stopped collector: rare
     from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
 
@@ -231,7 +234,8 @@ def _read_record(data: memoryview) -> tuple[Columns, SpoolRecord | None]:
             parts.append(Columns.from_bytes(piece))
         else:
             encoding = Encoding(kind, PROTOBUF if kind == "protobuf" else JSON)
-            parts.append(parse(bytes(piece), encoding, None, len(piece), limit))
+            parts.append(parse(bytes(piece), encoding, None, len(piece), limit,
+                               max_columns=journal.MAX_UNMERGED_BYTES))
     columns = Columns.concat(parts)
     if columns.spans and len(columns.keys) != columns.spans:  # a part journaled as columns has no keys
         spans = columns.tables["spans"]
@@ -298,6 +302,8 @@ class DuckDBStore(NamedQueryReader):
         self._queries = sqlfiles.NamedQueries("duckdb", "DuckDB")
         self._columns()
         self._journal: Journal | None = None
+        #: what the store could not keep, set aside with what was lost (collector/quarantine.py)
+        self._quarantine = Quarantine(Path(self.path + ".quarantine"))
         self._span_files = self._open_span_files()
         if read_only:  # no writer state: reading rows needs no numpy, polars or pyarrow
             if any(Path(self.path + ".journal").glob("*.log")):
@@ -312,15 +318,14 @@ class DuckDBStore(NamedQueryReader):
         self._merger = _cursor_of(self._con)
         self._compactor = _cursor_of(self._con)
         log_file = journal.Log(Path(self.path + ".journal"))
-        merged, recovered = self._recover(log_file)
-        self._seq = recovered[-1].seq if recovered else merged
+        merged, recovered, self._seq = self._recover(log_file)
         self._refused = False  #: the latest write failed (a full disk): the next that passes says so to the merge
         self._keys = once.SpanKeys()
         self._keys.load(self._writer_frame("span_key_minutes"),
                         lambda since_ns: self._writer_frame("span_keys_since", since_ns=since_ns))
         for entry in recovered:  # acknowledged, so a resend of their spans must be recognised
             self._keys.add_batch(entry.columns)
-        self._journal = journal.Journal(self._merge, log_file)
+        self._journal = journal.Journal(self._merge, log_file, quarantine=self._set_aside)
         self._journal.start(after=merged, pending=recovered)
         self._span_files.start()
 
@@ -479,7 +484,8 @@ class DuckDBStore(NamedQueryReader):
                                            [entry.spool.sha256, entry.spool.name, entry.spans, time.time_ns()])
                     if written is not None:
                         self._list_span_file(cursor, written, [*files.files, written])
-                    cursor.execute("UPDATE journal_state SET merged_seq = ?", [entries[-1].seq])
+                    cursor.execute("UPDATE journal_state SET merged_seq = ?, journaled_seq = ?",
+                                   [entries[-1].seq, max(entries[-1].seq, self._journal.journaled)])
             except Exception:
                 with contextlib.suppress(duckdb.Error):
                     cursor.unregister("staged")
@@ -507,20 +513,78 @@ class DuckDBStore(NamedQueryReader):
             cursor.execute(self._inserts[name])
             cursor.unregister("staged")
 
-    def _recover(self, log_file: Log) -> tuple[int, list[Entry]]:
-        """The last sequence number in the tables, and the journal's batches beyond it (a collector
-        stopped before merging them), in order: the merge thread appends them first, before anything
-        written after this open, and retries while that fails (a full disk), so that an open never
-        fails for want of room to append them; /healthz says so meanwhile."""
-        [(merged,)] = self._con.execute("SELECT merged_seq FROM journal_state").fetchall()
-        entries = []
-        for seq, data in log_file.records_after(merged):
-            columns, spool = _read_record(data)
+    def _recover(self, log_file: Log) -> tuple[int, list[Entry], int]:
+        """The last sequence number in the tables, the journal's batches beyond it (a collector
+        stopped before merging them), in order, and the highest sequence number the journal used:
+        the merge thread appends them first, before anything written after this open, and retries
+        while that fails (a full disk), so that an open never fails for want of room to append
+        them; /healthz says so meanwhile.
+
+        What does not read back is quarantined, never replayed into the same wall at every start
+        nor allowed to cost the records after it (issue 45, collector/quarantine.py): damaged bytes
+        of the journal with their byte range and the records they held, records missing (sequence
+        numbers that skip, a journal that ends before the last acknowledged record a merge saw),
+        and a record whose batch the store cannot hold."""
+        [(merged, journaled)] = self._con.execute("SELECT merged_seq, journaled_seq FROM journal_state").fetchall()
+        entries, highest = [], max(merged, journaled)
+        for seq, data in log_file.records_after(merged, self._damaged(merged), expected=journaled):
+            highest = max(highest, seq)
+            try:
+                columns, spool = _read_record(data)
+            except PayloadError as exc:
+                self._quarantined_record(seq, data, str(exc), first=not entries)
+                continue
             entries.append(journal.Entry(seq, columns, len(data), spool))
         if entries:
             log.warning("the journal of %s holds %d acknowledged batches not yet in its tables; appending them",
                         self.path, len(entries))
-        return merged, entries
+        return merged, entries, max(highest, entries[-1].seq if entries else 0)
+
+    def _damaged(self, merged: int) -> Callable[[journal.Damage], None]:
+        """What to do with a part of the journal that does not read back (``Log.records_after``)."""
+
+        def damaged(damage: journal.Damage) -> None:
+            lost = damage.last_seq is None or damage.last_seq > merged
+            facts = {"journal_file": str(damage.path), "first_seq": damage.first_seq, "last_seq": damage.last_seq,
+                     "why": damage.why, "acknowledged_batches_lost": lost,
+                     "note": "acknowledged batches not in the tables are lost" if lost
+                     else "these records were already in the tables: nothing is lost"}
+            if damage.end > damage.start >= 0:
+                with open(damage.path, "rb") as handle:
+                    handle.seek(damage.start)
+                    data = handle.read(damage.end - damage.start)
+                name = f"journal-{damage.path.stem}-{damage.start}-{damage.end}.bytes"
+                if not (self._quarantine.folder / name).exists():  # a later start finds the same bytes
+                    self._quarantine.keep("damaged journal bytes", name, data, byte_range=[damage.start, damage.end],
+                                          **facts)
+            elif lost:
+                self._quarantine.keep("missing journal records", **facts)
+
+        return damaged
+
+    def _quarantined_record(self, seq: int, data: memoryview | bytes, why: str, first: bool) -> None:
+        """Set aside journal record ``seq``; when no earlier record is still to merge (``first``),
+        the tables record it as passed, so the next start does not read it again."""
+        name = f"journal-record-{seq:020d}.bin"
+        if not (self._quarantine.folder / name).exists():
+            self._quarantine.keep("journal record the store cannot take", name, data, seq=seq, why=why,
+                                  acknowledged_batches_lost=True)
+        if first:
+            self._con.execute("UPDATE journal_state SET merged_seq = greatest(merged_seq, ?)", [seq])
+
+    def _set_aside(self, entry: Entry, exc: Exception) -> bool:
+        """The merge thread's: quarantine ``entry``, which failed alone ``QUARANTINE_AFTER`` times
+        with ``exc``, unless that is a condition that passes (an I/O error: a full disk)."""
+        if isinstance(exc, (OSError, duckdb.IOException)) or "No space left" in str(exc):
+            return False
+        data = self._journal.log.record(entry.seq)
+        name = f"journal-record-{entry.seq:020d}.bin"
+        self._quarantine.keep("journal record the store cannot take", name, data if data is not None else b"",
+                              seq=entry.seq, spans=entry.spans, why=f"{type(exc).__name__}: {exc}",
+                              acknowledged_batches_lost=True)
+        with _transaction(self._merger):
+            self._merger.execute("UPDATE journal_state SET merged_seq = ?", [entry.seq])
+        return True
 
     def limit_memory(self, limit_bytes: int) -> None:
         """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
@@ -549,9 +613,23 @@ class DuckDBStore(NamedQueryReader):
 
     def settle(self) -> None:
         """Wait until what was written before this call is in the tables (collector/journal.py); a
-        thread that said ``read_patiently`` waits for the merge thread's own pace."""
-        if self._journal is not None:
+        thread that said ``read_patiently`` waits for the merge thread's own pace; inside ``settled``
+        it does not wait again."""
+        if self._journal is not None and not getattr(self._local, "settled", False):
             self._journal.settle(urgent=not getattr(self._local, "patient", False))
+
+    @contextlib.contextmanager
+    def settled(self) -> Iterator[None]:
+        """Settle once, then read what is merged without waiting for later writes (this thread, in the
+        block): for a reader whose facts were all written before the block began. /metrics' verdicts
+        waited for a merge at each of their dozen reads while engines kept writing (issue 44: 62
+        pending 9 minutes into traffic)."""
+        self.settle()
+        self._local.settled = True
+        try:
+            yield
+        finally:
+            self._local.settled = False
 
     def read_patiently(self) -> None:
         """This thread's reads wait for merges as the merge thread gathers them, never starting one
@@ -563,7 +641,8 @@ class DuckDBStore(NamedQueryReader):
         """Unmerged batches, their bytes and the last merge error (None for a read-only store)."""
         if self._journal is None:
             return None
-        return {**self._journal.snapshot(), "span_files": self._span_files.snapshot()}
+        return {**self._journal.snapshot(), "span_files": self._span_files.snapshot(),
+                "quarantine": self._quarantine.snapshot()}
 
     def close(self) -> None:
         """Merge what is journaled, stop compacting, checkpoint (so the file needs no WAL) and close."""

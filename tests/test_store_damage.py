@@ -1,0 +1,97 @@
+"""Damage stays contained and reported (issue 45): a real collector process, its real journal and
+span files, damaged on disk between two runs the way a disk or an operator damages them.
+
+Journal: one flipped byte in an old record that was already merged made recovery cut the journal
+there (logged as "a crash while writing it") and delete the intact acknowledged batches after it;
+a journal file cut at a record boundary or to 0 bytes lost acknowledged batches without a line in
+the log. Now damaged bytes are quarantined with their byte range, every intact record after them
+is kept, and records that sequence numbers show missing are logged by number.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from harness_collector import wait_for
+from test_collector_errors import make_request
+
+from tokentrace.collector import journal
+from tokentrace.collector.journal import Log
+
+BATCHES, SPANS = 6, 2000
+
+
+def _append(db: Path, seq: int, name: str, spans: int = SPANS) -> None:
+    """Journal one acknowledged protobuf batch as the store lays it out (store_duckdb._record)."""
+    body = make_request(spans, name=name).SerializeToString()
+    head = json.dumps({"spool": None, "parts": [["protobuf", 65536, len(body)]]}).encode()
+    Log(Path(str(db) + ".journal")).append(seq, [struct.pack("<I", len(head)), head, body])
+
+
+def _merged_then_killed(collector_factory):
+    """A collector that stored one batch ("old", 1,000 spans), merged it, and was killed with kill -9:
+    its journal still holds that record, already in the tables."""
+    collector = collector_factory().start()
+    assert collector.post(make_request(1000, name="old").SerializeToString(),
+                          "application/x-protobuf").status_code == 200
+    wait_for(lambda: collector.health()["journal"]["merges"] >= 1, 30, "the batch merged")
+    collector.kill()
+    [segment] = sorted(Path(str(collector.db) + ".journal").glob("*.log"))
+    return collector, segment
+
+
+def test_a_flipped_byte_in_an_old_merged_record_loses_nothing(collector_factory):
+    first, old_segment = _merged_then_killed(collector_factory)
+    for seq in range(2, 2 + BATCHES):  # acknowledged, not merged when the collector was killed
+        _append(first.db, seq, "kept")
+    data = bytearray(old_segment.read_bytes())
+    data[400] ^= 0x10  # inside record 1's payload
+    old_segment.write_bytes(bytes(data))
+
+    collector = collector_factory(db=first.db).start()
+    health = collector.health()
+    assert collector.stop() == 0
+    assert collector.sql("SELECT count(*) FROM spans WHERE name = 'kept'") == [(BATCHES * SPANS,)]
+    assert collector.sql("SELECT count(*) FROM spans WHERE name = 'old'") == [(1000,)]
+    [entry] = health["journal"]["quarantine"]["latest"]
+    assert entry["kind"] == "damaged journal bytes" and entry["why"] == "a record whose checksum fails"
+    assert entry["first_seq"] == entry["last_seq"] == 1 and entry["acknowledged_batches_lost"] is False
+    assert entry["byte_range"][0] == 0 and Path(entry["file"]).stat().st_size == entry["byte_range"][1]
+    log = collector.log_path.read_text()
+    assert "a crash while writing it" not in log
+    assert "already in the tables: nothing is lost" in log
+
+
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "cut at a record boundary"])
+def test_a_lost_journal_file_is_detected_and_its_records_named(collector_factory, monkeypatch, damage):
+    first, _ = _merged_then_killed(collector_factory)
+    monkeypatch.setattr(journal, "SEGMENT_BYTES", 1)  # one record a file, each named after its number
+    for seq in range(2, 2 + BATCHES):
+        _append(first.db, seq, f"batch{seq}")
+    folder = Path(str(first.db) + ".journal")
+    lost = folder / f"{4:020d}.log"
+    if damage == "deleted":
+        lost.unlink()
+    elif damage == "emptied":
+        lost.write_bytes(b"")
+    else:  # records 4 and 5 in one file, cut at the boundary after record 4: record 5 is lost
+        record4 = lost.read_bytes()
+        lost.write_bytes(record4 + (folder / f"{5:020d}.log").read_bytes())
+        (folder / f"{5:020d}.log").unlink()
+        with open(lost, "r+b") as handle:
+            handle.truncate(len(record4))
+    missing = 5 if damage == "cut at a record boundary" else 4
+
+    collector = collector_factory(db=first.db).start()
+    health = collector.health()
+    assert collector.stop() == 0
+    for seq in range(2, 2 + BATCHES):
+        expected = 0 if seq == missing else SPANS
+        assert collector.sql(f"SELECT count(*) FROM spans WHERE name = 'batch{seq}'") == [(expected,)], seq
+    [entry] = health["journal"]["quarantine"]["latest"]
+    assert entry["kind"] == "missing journal records" and entry["acknowledged_batches_lost"] is True
+    assert (entry["first_seq"], entry["last_seq"]) == (missing, missing)
+    assert "quarantined missing journal records" in collector.log_path.read_text()
