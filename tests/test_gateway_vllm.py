@@ -146,8 +146,10 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
     assert evicted["kind"] == "eviction" and evicted["basis"] == "measured", evicted
     ids = ["p-0", "p-1", *(f"p-evict-{i}" for i in range(6)), "p-again"]
     rows = collector.sql("SELECT request_id, observer, instance_id FROM requests ORDER BY request_id")
-    assert sorted(rows) == sorted((rid, "plugin", "vllm-p") for rid in ids), "one row per request: the plugin's"
-    hops = collector.sql("SELECT r.request_id, r.instance_id FROM routes r JOIN requests q USING (request_id)")
+    # Two views of each request, the plugin's and the gateway's (the client's): one request on every
+    # surface (the store's queries merge them: docs/analyzers.md "One request, several observers").
+    assert sorted(rows) == sorted((rid, observer, "vllm-p") for rid in ids for observer in ("gateway", "plugin"))
+    hops = collector.sql("SELECT DISTINCT r.request_id, r.instance_id FROM routes r JOIN requests q USING (request_id)")
     assert sorted(hops) == sorted((rid, "vllm-p") for rid in ids)
 
 
