@@ -226,7 +226,10 @@ class Observer:
             c.REQUEST_ID: exchange.request_id, c.ENDPOINT: exchange.route.path, c.STREAMED: exchange.streamed,
             c.CLIENT_DISCONNECTED: exchange.client_disconnected,
             c.GATEWAY_WAIT_MS: exchange.wait_ns / 1e6,
-            c.QUEUE_MS: exchange.wait_ns / 1e6 + (facts.queue_ms or 0.0),
+            # Beside an upstream that reports itself, the engine's own row holds its queue (the store
+            # adds the two): the gateway's row holds only the wait at the gateway.
+            c.QUEUE_MS: exchange.wait_ns / 1e6 + (
+                0.0 if adapter is not None and adapter.reports_itself else facts.queue_ms or 0.0),
         }
         if exchange.session_id:
             attrs[c.SESSION_ID] = exchange.session_id
