@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from tokentrace.engine_shim.gateway.settings import add_setting_arguments, settings_from_args
 
@@ -39,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
     observer = Observer(exporter, settings.block_size, tokenizer, settings.capture_content)
     gateway = Gateway(settings, observer)
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler installed
+    # before it: by default SIGTERM then killed the gateway (exit -15) before observer.close() below
+    # exported what the shutdown's bounded flush had left (issue 44). A recording handler turns it
+    # into a clean exit 0 after that close, as the engine does.
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)
     try:
         uvicorn.run(gateway, host=settings.host, port=settings.port, log_level=args.log_level,
                     access_log=False, lifespan="on")

@@ -16,7 +16,9 @@ unless the spool holds something.
 
 The parent sends records over a ``multiprocessing`` pipe (spawn context: nothing of the engine's
 MLX state is inherited). The child answers flush and stop requests with its export counters. If
-the child dies, records are counted as dropped and it is restarted.
+the child dies, records are counted as dropped and it is restarted. A stop signalled to the whole
+process group (``systemctl stop``, Ctrl-C) does not end the child: the engine stops it in order,
+after handing it its last records (``_StopSignals``; issue 44).
 
 The SDK wiring (``build_tracer_provider``, ``engine_resource``) is what embedders and the benchmark
 use. It is never called on import and never installs a global provider (STYLE §9).
@@ -29,11 +31,14 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +66,8 @@ EXPORT_QUEUE = 32768
 MAX_BATCH = 512
 #: An insert can evict many entries at once; each eviction is an event.
 MAX_EVENTS = 4096
+#: Signals that stop an engine; the exporter process handles them itself (``_StopSignals``).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def engine_resource(instance_id: str, model: str, service_name: str = "tokentrace-engine",
@@ -183,7 +190,8 @@ class ExporterProcess:
         parent, child = self._context.Pipe(duplex=True)
         self._process = self._context.Process(target=serve, args=(child, self.config), name="tokentrace-exporter",
                                               daemon=True)
-        self._process.start()
+        with _stop_signals_ignored():
+            self._process.start()
         child.close()
         self._conn = parent
         return self
@@ -214,7 +222,10 @@ class ExporterProcess:
         self._ask(Control("stop", timeout), timeout)
         self._process.join(timeout)
         if self._process.is_alive():
-            self._process.terminate()
+            self._process.terminate()  # a second SIGTERM when the group had one: it spools and leaves
+            self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
             self._process.join(5)
         self._conn.close()
         self._process = self._conn = None
@@ -242,6 +253,30 @@ class ExporterProcess:
         self.restarts += 1
         log.warning("the exporter process died; restarting it (%d of %d)", self.restarts, MAX_RESTARTS)
         self.start()
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    """Spawn with SIGINT and SIGTERM ignored (an ignored signal stays ignored across exec; a
+    blocked one does not, with multiprocessing's spawn), so that the exporter process is immune
+    from its first instruction until ``serve`` handles them: a stop signalled to the group while
+    it still imported killed it, with every record the engine had handed it (seen on a busy host).
+    Meanwhile this thread blocks them, so that one sent to the engine then waits (Linux never
+    discards a blocked signal) for the handler put back after. Only the main thread can change
+    handlers; a restart from the telemetry thread spawns as before."""
+    handlers = {number: signal.getsignal(number) for number in _STOP_SIGNALS}
+    if threading.current_thread() is not threading.main_thread() or None in handlers.values():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        for number in _STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class Batch:
@@ -288,8 +323,7 @@ def serve(conn: Any, config: ExporterConfig) -> None:
     from tokentrace.engine_shim.mlx.spans import SpanBuilder
     from tokentrace.engine_shim.mlx.telemetry import SCOPE
 
-    # Ctrl-C reaches the whole process group; the engine stops this process in order (flush first).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = _StopSignals()
     name_os_thread("tokentrace-exporter")  # `ps` and `top` show the process as tt-exporter
     # When cores are scarce, generation goes first: spans can wait a little, tokens should not.
     with contextlib.suppress(OSError, AttributeError):
@@ -312,11 +346,18 @@ def serve(conn: Any, config: ExporterConfig) -> None:
 
     while True:
         due = batch.due_in()
+        if stopping.terms and due is not None:
+            due = 0.0  # the engine is stopping: what arrives leaves as soon as the pipe is empty
         try:
-            if due is not None and not conn.poll(due):
-                batch.send()
+            ready = stopping.wait(conn, due)
+            if stopping.terms > 1:  # told twice (the engine's last resort): leave now
+                message = Control("stop")
+            elif conn not in ready:
+                if due is not None and batch.due_in() is not None:
+                    batch.send(everything=bool(stopping.terms))
                 continue
-            message = conn.recv()
+            else:
+                message = conn.recv()
         except (EOFError, OSError):  # the engine is gone: export what we have and leave
             message = Control("stop")
         if isinstance(message, Control):
@@ -335,3 +376,30 @@ def serve(conn: Any, config: ExporterConfig) -> None:
             counters.build_errors += 1
             if counters.build_errors == 1:
                 log.exception("cannot build spans from a record (counted; logged once)")
+
+
+class _StopSignals:
+    """The exporter process's signals. SIGINT (Ctrl-C reaches the whole process group) is ignored:
+    the engine stops this process in order, after handing it its last records. SIGTERM is what
+    ``systemctl stop`` sends the whole group (issue 44): it used to kill this process with up to
+    ``EXPORT_DELAY_MS`` of spans unsent. Now the first SIGTERM sends what is pending at once and
+    keeps the process for the engine's last records and its stop; a second one (the engine's
+    ``terminate`` when a stop went unanswered) makes it export or spool what it holds and leave."""
+
+    def __init__(self) -> None:
+        self.terms = 0  #: SIGTERMs received
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._wake, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)  # a signal ends the wait below at once
+        signal.signal(signal.SIGTERM, self._term)
+
+    def _term(self, *_: Any) -> None:
+        self.terms += 1
+
+    def wait(self, conn: Any, timeout: float | None) -> list[Any]:
+        """Wait up to ``timeout`` (None: forever) for a message or a signal; the ready objects."""
+        ready = multiprocessing.connection.wait([conn, self._wake], timeout)
+        if self._wake in ready:
+            os.read(self._wake, 512)
+        return ready

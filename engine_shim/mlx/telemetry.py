@@ -10,6 +10,7 @@ telemetry must never take serving down.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -94,6 +95,10 @@ class Telemetry:
         if self._thread is None:
             self._thread = threading.Thread(target=os_named(self._run), name="tokentrace-telemetry", daemon=True)
             self._thread.start()
+            # A normal exit without close() still hands over and flushes every record (issue 44).
+            # Registered after multiprocessing's own exit hook, so it runs first: that hook
+            # terminates and joins the exporter process, which waits for its stop (exporter_process.py).
+            atexit.register(self.close)
         return self
 
     def submit(self, record: Any) -> None:
@@ -132,6 +137,7 @@ class Telemetry:
 
     def close(self, timeout: float = 10.0) -> None:
         """Hand over everything submitted, stop the thread, close the sink."""
+        atexit.unregister(self.close)
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join(timeout)

@@ -147,10 +147,13 @@ class SpanPump:
             self._pending.append(record)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush what is pending (bounded by ``timeout``) and stop the thread."""
+        """Flush what is pending and stop the thread: its last export gets ``timeout`` plus the
+        export's own timeout, after which a collector that did not answer has had the batch spooled
+        (a join shorter than the export's timeout left a stuck collector's last batch half-sent at
+        interpreter exit; issue 44)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(timeout + self.timeout)
         if self._exporter is not None:
             self._exporter.shutdown()
 
