@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _slo_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", default=None,
-                        help="objectives to judge against, e.g. ttft=2s,tpot=50ms (default: the collector's --slo; "
+                        help="objectives to judge against, e.g. ttft=2s,tpot=50ms; ttft is the client's time to first "
+                             "content, first_token the engine's time to first token (default: the collector's --slo; "
                              "docs/metrics.md)")
 
 

@@ -3,7 +3,16 @@ report (files present -> process started -> runner ready -> first real answer), 
 its last heartbeat, and whether it went stale.
 
 An instance is *stale* when nothing from it (span or heartbeat) arrived for ``STALE_AFTER_S``
-seconds: six missed heartbeats at the engine's default interval of 5 s.
+seconds: six missed heartbeats at the engine's default interval of 5 s; *stopped* when it recorded
+``instance.stopped`` since it started. Only an instance that is up has live figures (``now``: its
+latest heartbeat's queue and running counts); a stopped or stale one shows when it was last heard
+and when it stopped, and its last heartbeat stays in the JSON with ``live`` false (issue 44: a
+stopped instance kept showing its last heartbeat's "running 3").
+
+The cold start is process start -> runner ready (``cold_start_ms``). The first answer is not part
+of it when the instance sat idle before its first request arrived: ``first_answer`` says when the
+first request arrived, against process start and runner ready, and how long it then took (issue 44:
+an engine idle for 39 s after a 576 ms start read "process start to first answer: 39.28 s").
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
 
 STALE_AFTER_S = 30.0
+#: Most requests read to find an instance's first one (those that started before its first answer).
+FIRST_REQUESTS = 100_000
 #: (key, label, where it comes from), in the field report's order.
 READINESS = (
     ("files_present", "files present", "model.load.resolve ended"),
@@ -75,6 +86,30 @@ def _readiness(events: list[dict], load: dict | None, started: int | None, epoch
             for key, label, source in READINESS]
 
 
+def _ms_between(t0: int | None, t1: int | None) -> float | None:
+    return None if t0 is None or t1 is None else round((t1 - t0) / 1e6, 3)
+
+
+def _first_answer(reader: TraceReader, instance: str, readiness: list[dict], started: int | None,
+                  epoch: int) -> dict[str, Any] | None:
+    """When the instance's first request arrived, against its start and readiness, and whether the
+    time to its first answer was idle waiting rather than start-up (None before a first answer)."""
+    ready, answered = readiness[2]["t_ns"], readiness[3]["t_ns"]
+    if answered is None:
+        return None
+    arrivals = reader.requests(since_ns=epoch, until_ns=answered + 1, instance_id=instance, limit=FIRST_REQUESTS)
+    arrived = int(arrivals["start_ns"].min()) if arrivals.height else None
+    return {
+        "t_ns": answered, "after_start_ms": _ms_between(started, answered),
+        "first_request_ns": arrived,  #: None: no request row of the instance says when it arrived
+        "first_request_after_start_ms": _ms_between(started, arrived),
+        "first_request_after_ready_ms": _ms_between(ready, arrived),
+        # Arrived after the runner was ready: it found the instance idle, not starting.
+        "idle": None if arrived is None or ready is None else arrived >= ready,
+        "answered_after_arrival_ms": _ms_between(arrived, answered),
+    }
+
+
 def instance_health(reader: TraceReader, now_ns: int) -> list[dict[str, Any]]:
     """Every instance seen: identity, readiness, load, last heartbeat, status (up, stale, stopped)."""
     seen = reader.frame("instances")
@@ -93,19 +128,30 @@ def instance_health(reader: TraceReader, now_ns: int) -> list[dict[str, Any]]:
         heard = [t for t in (identity.get("last_seen_ns"), beat["t_ns"] if beat else None) if t is not None]
         last_ns = max(heard) if heard else None
         age_s = None if last_ns is None else round(max(0, now_ns - last_ns) / 1e9, 1)
-        stopped = any(e["event"] == "instance.stopped" and e["t_ns"] >= epoch for e in mine)
+        stops = [e["t_ns"] for e in mine if e["event"] == "instance.stopped" and e["t_ns"] >= epoch]
         readiness = _readiness(mine, load, started, epoch)
         reached = [step["label"] for step in readiness if step["reached"]]
+        status = "stopped" if stops else ("stale" if age_s is None or age_s > STALE_AFTER_S else "up")
+        live = status == "up"
         result.append({
             "instance_id": instance, "host": identity.get("host_name"), "engine": identity.get("engine"),
             "engine_version": identity.get("engine_version"), "model": identity.get("model"),
-            "status": "stopped" if stopped else ("stale" if age_s is None or age_s > STALE_AFTER_S else "up"),
+            "status": status,
+            "live": live,  #: up: its heartbeat's figures are current; else they are its last, not now
+            "stopped_ns": max(stops) if stops else None,
+            "last_seen_ns": last_ns,
             "stage": reached[-1] if reached else "unknown",
             "readiness": readiness,
+            "cold_start_ms": readiness[2]["after_start_ms"],  #: process start -> runner ready
             "start_to_first_answer_ms": readiness[3]["after_start_ms"],
+            "first_answer": _first_answer(reader, instance, readiness, started, epoch),
             "load": load,
             "last_seen_age_s": age_s,
-            "heartbeat": None if beat is None else {**beat, "age_s": round(max(0, now_ns - beat["t_ns"]) / 1e9, 1)},
+            #: the latest heartbeat, live only while the instance is up
+            "heartbeat": None if beat is None else {**beat, "age_s": round(max(0, now_ns - beat["t_ns"]) / 1e9, 1),
+                                                    "live": live},
+            #: live figures, only while up: the latest heartbeat's queue and running counts
+            "now": {"queue_depth": beat["queue_depth"], "running": beat["running"]} if live and beat else None,
         })
     return result
 

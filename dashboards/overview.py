@@ -93,7 +93,8 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
     known = {row["instance_id"] for row in health}
     # One row per instance: its health, and its latency over the window when it served requests.
     instances = [{**row, "latency": latency_of.get(row["instance_id"])} for row in health]
-    instances += [{"instance_id": i, "status": "unknown", "stage": "unknown", "heartbeat": None, "latency": row}
+    instances += [{"instance_id": i, "status": "unknown", "stage": "unknown", "heartbeat": None, "live": False,
+                   "now": None, "latency": row}
                   for i, row in latency_of.items() if i not in known]
     return {
         "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
