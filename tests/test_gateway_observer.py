@@ -22,6 +22,7 @@ import pytest
 from harness_collector import CollectorProcess, wait_for
 from harness_engine import EngineProcess, tiny_model  # noqa: F401 - fixture
 from harness_gateway import GatewayProcess, MlxLmServer, verdict
+from harness_llama import llama_factory, tiny_gguf  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -127,4 +128,22 @@ def test_the_upstreams_own_id_of_an_answer_finds_the_request(tmp_path, tiny_mode
     finally:
         gateway.stop()
         server.stop()
+        collector.stop()
+
+
+def test_llama_cpps_own_id_of_an_answer_finds_the_request(tmp_path, tiny_gguf, llama_factory):  # noqa: F811
+    collector = CollectorProcess(tmp_path).start()
+    server = llama_factory(tiny_gguf / "model.gguf")
+    gateway = GatewayProcess(tmp_path, {"l1": server.url}, collector=collector).start()
+    try:
+        streamed = gateway.chat([SYSTEM, {"role": "user", "content": "Hi."}], "ours-l", max_tokens=3)
+        assert streamed["status"] == 200
+        alias = streamed["events"][0]["id"]
+        assert alias.startswith("chatcmpl-"), alias
+        verdict(collector, "ours-l")
+        out = _cli(collector, "slow", "--request-id", alias, "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["request_id"] == "ours-l"
+    finally:
+        gateway.stop()
         collector.stop()
