@@ -3,15 +3,20 @@
 What is counted is what this collector wrote: every batch the writer commits is handed to
 ``MetricsState.observe`` (a list append on the writer thread). A scrape folds the batches handed over
 since the last one into running totals and histograms (vectorized, proportional to the new rows,
-never to the store), then prints them. Per-request verdicts that need the store (the cache cause,
-the slowness baseline) are computed off the scrape by one background thread over a bounded queue;
-``tokentrace_verdicts_pending`` says how far behind it is. Counters start at zero when the
+never to the store), then prints them. Per-request verdicts (the cache result and cause, the
+slowness category and abnormal test) are the analyzers' own, ``load_slow_facts`` /
+``classify_slowness`` and ``analyze_cache`` over the store, exactly what ``analyze slow`` and
+``analyze cache`` answer: one background thread computes them in rounds, each round after one wait
+for the store to hold what was written before it; ``tokentrace_verdicts_pending`` says how far
+behind it is, and a verdict that fails is counted in ``tokentrace_verdict_errors_total`` (and
+logged), never under a result or cause. Counters start at zero when the
 collector starts, as an engine's own counters do; Prometheus's ``rate`` and ``increase`` handle
 the reset. docs/metrics.md lists every series, its labels and where it comes from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -27,12 +32,12 @@ import pyarrow.compute as pc
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.cache import NO_CAUSE, CacheVerdict, analyze_cache
 from tokentrace.analyzers.observers import FirstSighting
 from tokentrace.analyzers.outcome import COMPLETED, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
-from tokentrace.analyzers.slowness import BASELINE_LIMIT, BASELINE_WINDOW_NS, CATEGORIES, _baseline
+from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_slow_facts
 from tokentrace.collector.store import TraceReader, as_columns
 from tokentrace.collector.tables import TABLES
 from tokentrace.threads import os_named
@@ -53,7 +58,9 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 #: vLLM histogram -> (requests column in ms, buckets, help). A request without the value (an engine
 #: that cannot measure it) is not observed, so an instance that never knows it has no such series.
 HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": ("ttft_ms", TTFT_BUCKETS, "Histogram of time to first token in seconds."),
+    "vllm:time_to_first_token_seconds": (
+        "ttft_ms", TTFT_BUCKETS, "Histogram of time to first token in seconds: the engine's first generated "
+        "token (ttft_ms), not the client's first content (tokentrace_time_to_first_content_seconds)."),
     "vllm:request_time_per_output_token_seconds": (
         "tpot_ms", TOKEN_LATENCY_BUCKETS, "Histogram of time_per_output_token_seconds per request."),
     "vllm:e2e_request_latency_seconds": (
@@ -64,6 +71,9 @@ HISTOGRAMS = {
         "prefill_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in PREFILL phase for request."),
     "vllm:request_decode_time_seconds": (
         "decode_ms", REQUEST_LATENCY_BUCKETS, "Histogram of time spent in DECODE phase for request."),
+    "tokentrace_time_to_first_content_seconds": (
+        "first_content_ms", TTFT_BUCKETS, "Histogram of time to first content in seconds: arrival to the first "
+        "response chunk carrying answer text, what a client measures as TTFT (first_content_ms)."),
 }
 ITL = "vllm:inter_token_latency_seconds"
 
@@ -91,6 +101,9 @@ SERIES = {
     "tokentrace_slo_requests": ("counter", "Requests per objective, met or not; slo=all: met every objective."),
     "tokentrace_verdicts_pending": ("gauge", "Requests whose cache cause and abnormal test are not computed yet."),
     "tokentrace_verdicts_skipped": ("counter", "Requests left out of the per-request verdicts (queue full)."),
+    "tokentrace_verdict_errors": (
+        "counter", "Per-request verdicts that failed (a bug or an unreadable store; the log says why), by verdict "
+        "and error: not counted under any result, cause or category."),
     "tokentrace_metrics_fold_errors": ("counter", "Groups of written batches that could not be counted (a bug)."),
     "tokentrace_ingest_spans_accepted": ("counter", "Spans this collector stored."),
     "tokentrace_ingest_rejected": ("counter", "Refused spans or payloads, by reason."),
@@ -107,13 +120,18 @@ MAX_PENDING_VERDICTS = 50_000
 #: query the store, and at full speed they took as much of the collector's process as the writer
 #: itself (docs/benchmarks.md, Ingest), halving what it could persist. Idle, it runs flat out.
 VERDICT_SHARE_WHILE_INGESTING = 0.25
-#: Seconds after the latest committed batch during which the writer counts as busy.
+#: The writer counts as busy while it committed at least INGEST_BUSY_ROWS rows (spans, requests,
+#: decode steps) in the last INGEST_BUSY_S seconds. Any batch at all used to count, so engines'
+#: heartbeats alone (one a second each) held verdicts to a quarter of a core during modest traffic
+#: (issue 44); the ingest benchmark's load is 25 times this.
 INGEST_BUSY_S = 1.0
+INGEST_BUSY_ROWS = 5_000
 FOLD_AT_ROWS = 50_000
-_REQUEST_COLUMNS = TABLES["requests"]
+#: Seconds at most between the writer's hand-over and the fold that queues its requests' verdicts,
+#: whether or not anything scrapes (verdicts waited for the next scrape, 15 s apart by default).
+FOLD_EVERY_S = 1.0
 #: The tables of a committed batch that a fold reads (with the packed decode steps).
 _FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes")
-_COMPONENT = {label: name for name, label in CATEGORIES}
 
 
 @dataclass
@@ -135,36 +153,22 @@ class Histogram:
             self.total += float(values.sum())
 
 
-#: Columns of a queued request (tuples, in this order): the requests row and its category.
-_ROW = (*_REQUEST_COLUMNS, "category")
-#: Requests of each instance kept as candidates for the slowness baseline (its latest by start).
-HISTORY_KEEP = 4 * BASELINE_LIMIT
+#: Verdicts computed after one wait for the store (``_verdict_loop``): a round's requests were all
+#: written before it began, so one settle covers every read of theirs.
+ROUND = 256
+#: Seconds a request's verdicts wait after its row was folded: another observer's row of it (the
+#: gateway's, merged into one by the store's queries; analyzers/observers.py) comes within a second
+#: or so of the first, and the verdict reads the merged row.
+PARTNER_WAIT_S = 2.0
 
 
-class _History:
-    """Recent requests of one instance ordered by start (a frame of ``_ROW`` columns): the slowness
-    baseline's candidates. A frame, not Python rows: a fold adds thousands of requests a second."""
+@dataclass(frozen=True)
+class Judged:
+    """What one request's verdicts add to the counters: the analyzers' verdicts, or why they failed."""
 
-    def __init__(self, keep: int = HISTORY_KEEP):
-        self.frame: pl.DataFrame | None = None
-        self.keep = keep
-
-    def extend(self, rows: pl.DataFrame) -> None:
-        """Add rows (in arrival order): the ``keep`` latest by start stay, an earlier arrival first
-        among equal starts (so an equal start of a later arrival outlasts it)."""
-        joined = rows if self.frame is None else pl.concat([self.frame, rows], how="vertical_relaxed")
-        self.frame = joined.sort("start_ns", maintain_order=True).tail(self.keep)
-
-    def before(self, row: dict) -> pl.DataFrame:
-        """baseline.sql over what is held: same instance, the window before, successful, newest first."""
-        if self.frame is None:
-            return pl.DataFrame()
-        start = pl.col("start_ns")
-        picked = self.frame.filter(
-            (start >= row["start_ns"] - BASELINE_WINDOW_NS) & (start < row["start_ns"])
-            & pl.col("request_id").ne_missing(row["request_id"])
-            & (pl.col("http_status").is_null() | (pl.col("http_status") < 400))).reverse().head(BASELINE_LIMIT)
-        return picked if picked.height else pl.DataFrame()
+    cache: CacheVerdict | None  #: analyze_cache's verdict; None when it failed
+    slow: SlowVerdict | None  #: classify_slowness's verdict; None when it failed
+    errors: tuple[tuple[str, str], ...] = ()  #: (verdict, exception class) of each that failed
 
 
 class MetricsState:
@@ -186,12 +190,13 @@ class MetricsState:
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
-        self._history: dict[str, _History] = defaultdict(_History)
-        self._verdicts: deque = deque()
+        self._verdicts: deque = deque()  #: (folded at, request_id, instance_id, model) of requests to judge
+        self._judging = 0  #: requests taken by the verdict thread's round, not counted yet
         self._max_verdicts = max_pending_verdicts
         self._wake = threading.Condition(self._lock)
         self._stopping = False
-        self._last_write = -INGEST_BUSY_S  #: time.monotonic() of the latest committed batch
+        self._written: deque[tuple[float, int]] = deque()  #: (time.monotonic(), rows) of recent batches
+        self._folded_at = time.monotonic()  #: of the latest fold
         self._thread = threading.Thread(target=os_named(self._verdict_loop), name="tokentrace-metrics", daemon=True)
         self._thread.start()
 
@@ -207,10 +212,14 @@ class MetricsState:
         # slice kept here would keep whole.
         if any(kind == "columns" and data is not None for kind, _, data, _ in batch.sources or ()):
             kept = {name: table.take(np.arange(table.num_rows)) for name, table in kept.items()}
-        self._last_write = time.monotonic()
+        rows = batch.spans + batch.count("requests") + batch.count("decode_steps")
         with self._inbox:
             self._pending.append(kept)
-            self._pending_rows += batch.spans + batch.count("requests") + batch.count("decode_steps")
+            self._pending_rows += rows
+            now = time.monotonic()
+            self._written.append((now, rows))
+            while self._written[0][0] < now - INGEST_BUSY_S:  # bounded by a second's batches
+                self._written.popleft()
             due = self._pending_rows >= FOLD_AT_ROWS
         if due and self._lock.acquire(blocking=False):  # nobody scraping: the verdict thread folds,
             try:                                          # so that memory stays bounded
@@ -227,6 +236,7 @@ class MetricsState:
 
     # -- fold (under the lock) -----------------------------------------------------------------
     def _fold(self) -> None:
+        self._folded_at = time.monotonic()
         with self._inbox:
             batches, self._pending, self._pending_rows = self._pending, [], 0
         if not batches:
@@ -393,16 +403,13 @@ class MetricsState:
             # Present at 0 from the first request of a category on, as a client library's counter is.
             self.counters[("tokentrace_abnormal_requests", self._labels(instance, model, category=category))] += 0
         # Only what the queue has room for is made into Python rows; the rest are counted as skipped
-        # at once. A Python step per request (history and queue) took 0.40 instead of 0.14 us of
-        # fold CPU an engine span, the whole fold 1.11 instead of 0.85 (docs/benchmarks.md, Issue 17,
-        # seventh round).
-        rows = frame.select(*_ROW)
-        for (instance,), part in rows.partition_by("instance_id", as_dict=True, maintain_order=True).items():
-            self._history[instance].extend(part)
+        # at once (a Python step per request cost fold CPU: docs/benchmarks.md, Issue 17).
         room = max(0, self._max_verdicts - len(self._verdicts))
-        self._verdicts.extend(rows.head(room).rows())
-        if rows.height > room:
-            self.counters[("tokentrace_verdicts_skipped", ())] += rows.height - room
+        now = time.monotonic()
+        rows = frame.select("request_id", "instance_id", "model").head(room).rows()
+        self._verdicts.extend((now, *row) for row in rows)
+        if frame.height > room:
+            self.counters[("tokentrace_verdicts_skipped", ())] += frame.height - room
         self._wake.notify_all()
 
     # -- verdict thread ------------------------------------------------------------------------
@@ -412,31 +419,51 @@ class MetricsState:
             patient()
         while True:
             with self._lock:
-                while not self._verdicts and not self._stopping and self._pending_rows < FOLD_AT_ROWS:
-                    self._wake.wait()
+                while not self._ripe() and not self._stopping and self._pending_rows < FOLD_AT_ROWS:
+                    if self._pending and time.monotonic() - self._folded_at >= FOLD_EVERY_S:
+                        self._fold()  # nothing scraped lately: the verdicts must not wait for it
+                        continue
+                    due = self._verdicts[0][0] + PARTNER_WAIT_S - time.monotonic() if self._verdicts else None
+                    self._wake.wait(FOLD_EVERY_S if due is None else max(0.01, min(due, FOLD_EVERY_S)))
                 if self._stopping:
                     return
                 if self._pending_rows >= FOLD_AT_ROWS:  # off the writer's thread (observe)
                     self._fold()
-                if not self._verdicts:
-                    continue
-                row = dict(zip(_ROW, self._verdicts[0], strict=True))
-                history = self._history[row["instance_id"]].before(row) if row["category"] in _COMPONENT else None
-            began = time.monotonic()
-            try:
-                result, cause, abnormal = self._verdict(row, history)
-            except Exception:  # one bad row must not stop the counting of the others
-                log.exception("metrics: verdict of request %s failed", row["request_id"])
-                result, cause, abnormal = "unknown", "error", None
-            with self._lock:
-                self._verdicts.popleft()
-                labels = self._labels(row["instance_id"], row["model"])
-                self.counters[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
-                if abnormal:
-                    self.counters[("tokentrace_abnormal_requests", (*labels, ("category", row["category"])))] += 1
-            now = time.monotonic()
-            if now - self._last_write < INGEST_BUSY_S:  # yield the process to the writer (constant above)
-                self._pause(now + (now - began) * (1 / VERDICT_SHARE_WHILE_INGESTING - 1))
+                taken = []
+                while self._ripe() and len(taken) < ROUND:
+                    taken.append(self._verdicts.popleft()[1:])
+                self._judging = len(taken)
+            if taken:
+                self._round(taken)
+
+    def _ripe(self) -> bool:
+        """Whether the oldest queued verdict waited PARTNER_WAIT_S (under the lock)."""
+        return bool(self._verdicts) and time.monotonic() - self._verdicts[0][0] >= PARTNER_WAIT_S
+
+    def _round(self, taken: list[tuple]) -> None:
+        """Judge requests already written, after one wait for the store to hold them: each read of a
+        verdict waited for a merge while engines kept writing (heartbeats every second), a dozen waits
+        a verdict, and the pause after it counted them as work (issue 44: 62 pending 9 minutes)."""
+        settled = getattr(self.reader, "settled", None)
+        with settled() if settled is not None else contextlib.nullcontext():
+            for rid, instance, model in taken:
+                if self._stopping:
+                    return
+                began = time.monotonic()
+                judged = self._judge(rid)
+                with self._lock:
+                    self._count(judged, self._labels(instance, model))
+                    self._judging -= 1
+                now = time.monotonic()
+                if self._ingest_busy(now):  # yield the process to the writer (constants above)
+                    self._pause(now + (now - began) * (1 / VERDICT_SHARE_WHILE_INGESTING - 1))
+
+    def _ingest_busy(self, now: float) -> bool:
+        """Whether the writer committed INGEST_BUSY_ROWS rows in the last INGEST_BUSY_S seconds."""
+        with self._inbox:
+            while self._written and self._written[0][0] < now - INGEST_BUSY_S:
+                self._written.popleft()
+            return sum(rows for _, rows in self._written) >= INGEST_BUSY_ROWS
 
     def _pause(self, until: float) -> None:
         """Wait until ``until`` (or the stop), folding whatever the writer hands over meanwhile: a
@@ -450,21 +477,45 @@ class MetricsState:
                 else:
                     self._wake.wait(left)
 
-    def _verdict(self, row: dict, history: pl.DataFrame | None) -> tuple[str, str, bool | None]:
-        prompt, cached = row["prompt_tokens"], row["cached_tokens"]
-        if prompt and cached is not None and cached >= prompt - 1:
-            result, cause = "hit", NO_CAUSE  # the report's rule: a whole-prompt reuse has nothing to explain
-        else:
-            verdict = analyze_cache(self.reader, row["request_id"])
-            result, cause = verdict.result or "no_lookup", verdict.cause or NO_CAUSE
-        component = _COMPONENT.get(row["category"])
-        abnormal = _baseline(component, row, history)["abnormal"] if component and history is not None else None
-        return result, cause, abnormal
+    def _judge(self, request_id: str) -> Judged:
+        """The request's verdicts as ``analyze slow`` and ``analyze cache`` give them (the same
+        functions over the same store): a prefill verdict's facts already hold the cache verdict."""
+        slow = cache = None
+        errors = []
+        try:
+            facts = load_slow_facts(self.reader, request_id)
+            slow, cache = classify_slowness(facts), facts.cache
+        except Exception as exc:  # one bad request must not stop the counting of the others
+            log.exception("metrics: the slowness verdict of request %s failed; counted in "
+                          "tokentrace_verdict_errors_total, under no category", request_id)
+            errors.append(("slow", type(exc).__name__))
+        if cache is None:
+            try:
+                cache = analyze_cache(self.reader, request_id)
+            except Exception as exc:
+                log.exception("metrics: the cache verdict of request %s failed; counted in "
+                              "tokentrace_verdict_errors_total, under no result or cause", request_id)
+                errors.append(("cache", type(exc).__name__))
+        return Judged(cache, slow, tuple(errors))
+
+    def _count(self, judged: Judged, labels: tuple) -> None:
+        """Add one request's verdicts to the counters (under the lock)."""
+        c = self.counters
+        for verdict, error in judged.errors:
+            c[("tokentrace_verdict_errors", (*labels, ("verdict", verdict), ("error", error)))] += 1
+        if judged.cache is not None:
+            # result None: the request never reached the cache (the analyzer's rule); not one here,
+            # since only completed requests are judged, but named if it happens.
+            result, cause = judged.cache.result or "no_lookup", judged.cache.cause or NO_CAUSE
+            c[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
+        if judged.slow is not None and judged.slow.abnormal:
+            c[("tokentrace_abnormal_requests", (*labels, ("category", judged.slow.category)))] += 1
 
     def drain_verdicts(self) -> int:
-        """Verdicts still queued (for tests and the pending gauge)."""
+        """Verdicts not counted yet, queued or being computed (for tests and the pending gauge)."""
         with self._lock:
-            return len(self._verdicts)
+            return len(self._verdicts) + self._judging
+
 
     # -- exposition ----------------------------------------------------------------------------
     def render(self, ingest: dict[str, Any]) -> str:
@@ -474,7 +525,7 @@ class MetricsState:
             counters, gauges = dict(self.counters), dict(self.gauges)
             histograms = {key: (h.bounds, h.counts.copy(), h.total) for key, h in self.histograms.items()}
             info = dict(self._info)
-            pending = len(self._verdicts)
+            pending = len(self._verdicts) + self._judging
         samples: dict[str, list[str]] = defaultdict(list)
         for (name, labels), value in counters.items():
             samples[name].append(_sample(name + "_total", labels, value))

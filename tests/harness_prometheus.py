@@ -4,6 +4,7 @@ and the run is not CI."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -99,6 +100,35 @@ def _epoch(rfc3339: str) -> float:
     zone = rest[len("".join(ch for ch in rest if ch.isdigit())):] or "Z"
     stamp = datetime.fromisoformat(f"{head}.{fraction or '0'}{'+00:00' if zone == 'Z' else zone}")
     return stamp.timestamp()
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of an exposition (text format 0.0.4): (name, labels, value), comments left out."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        name, labels, value = match.groups()
+        samples.append((name, dict(_LABEL.findall(labels or "")), float(value)))
+    return samples
+
+
+def sum_by(samples: list[tuple[str, dict[str, str], float]], name: str, *labels: str,
+           **where: str) -> dict[tuple[str, ...], float]:
+    """PromQL's ``sum by (labels) (name{where})`` over parsed samples; zero sums kept (a counter
+    present at 0 is present)."""
+    sums: dict[tuple[str, ...], float] = {}
+    for sample, values, value in samples:
+        if sample == name and all(values.get(k) == v for k, v in where.items()):
+            key = tuple(values.get(label, "") for label in labels)
+            sums[key] = sums.get(key, 0.0) + value
+    return sums
 
 
 def now() -> float:

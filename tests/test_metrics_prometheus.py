@@ -234,3 +234,20 @@ def test_overview_page_shows_attainment_and_goodput(scraped):
     assert twin["slo"]["all"]["good"] == report["slo"]["all"]["good"]
     page = httpx.get(collector.url + "/", params={"since": "all"}, headers=collector.headers, timeout=60).text
     assert 'id="slo"' in page and "Goodput" in page and 'data-metric="slo.tpot"' in page
+
+
+def test_both_ttfts_are_named_and_served(scraped):
+    """Issue 44 item 4: the TTFT histogram says it is the engine's first token, and the client's time to
+    first content has its own histogram, observed for each request whose verdict knows it."""
+    text, collector = scraped["metrics"], scraped["collector"]
+    helps = {line.split()[2]: line for line in text.splitlines() if line.startswith("# HELP ")}
+    assert "engine's first generated token" in helps["vllm:time_to_first_token_seconds"]
+    assert "client" in helps["tokentrace_time_to_first_content_seconds"]
+    known: dict[str, int] = {}
+    for rid in ("a-1", "a-2", "a-3", "b-1", "b-2"):
+        slow = httpx.get(f"{collector.url}/api/requests/{rid}/slow", headers=collector.headers, timeout=30).json()
+        if slow["breakdown_ms"].get("first_content") is not None:
+            known[slow["instance_id"]] = known.get(slow["instance_id"], 0) + 1
+    counts = {m.group(1): int(m.group(2)) for m in re.finditer(
+        r'^tokentrace_time_to_first_content_seconds_count\{.*instance_id="([^"]+)"\} (\d+)$', text, re.M)}
+    assert counts == known and sum(counts.values()) == 5, (counts, known)
