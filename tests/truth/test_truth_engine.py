@@ -1,0 +1,122 @@
+"""Truth matrix (docs/truth.md) on ``tokentrace engine``: direct (path ``engine``) and behind
+``tokentrace gateway`` (path ``gateway-engine``). Each path runs every situation once on its own
+three engines and collector; every cell then reads what each surface said (tests/truth/matrix.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness_collector import CollectorProcess, wait_for
+from harness_engine import EngineProcess
+from harness_gateway import GatewayProcess
+from matrix import (
+    Topology,
+    after_restart,
+    before_restart,
+    cases,
+    check_answer,
+    check_surfaces,
+    gather,
+    marked,
+    once,
+    settled,
+)
+
+pytestmark = pytest.mark.slow
+
+#: ChatML with a colon after the role: the same messages render differently inside the first message.
+OTHER_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}:\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant:\n{% endif %}"
+)
+MAIN_FLAGS = ("--max-batch", "2", "--cache-max-entries", "4", "--prefill-step-size", "256")
+
+
+def run_path(path: str, workdir, model) -> object:
+    prefix = "te-" if path == "engine" else "tg-"
+    collector = CollectorProcess(workdir).start()
+    engines = {
+        "a": EngineProcess(workdir, model, *MAIN_FLAGS, collector=collector, instance_id=prefix + "a"),
+        "b": EngineProcess(workdir, model, "--max-batch", "4", collector=collector, instance_id=prefix + "b"),
+        "c": EngineProcess(workdir, model, "--lazy-load", collector=collector, instance_id=prefix + "c"),
+    }
+    gateways: dict[str, GatewayProcess] = {}
+    try:
+        engines["a"].start()
+        engines["b"].start()
+        engines["c"].start(ready=False)
+        if path == "engine":
+            urls = {"main": engines["a"].url, "cold": engines["c"].url, "template": engines["c"].url,
+                    "move": (engines["a"].url, engines["b"].url)}
+        else:
+            a, b, c = (engines[k].url for k in "abc")
+            gateways = {"main": GatewayProcess(workdir, {"a": a}, collector=collector),
+                        "narrow": GatewayProcess(workdir, {"a": a}, "--max-concurrency", "1", collector=collector),
+                        "rr": GatewayProcess(workdir, {"a": a, "b": b}, "--route", "round_robin",
+                                             collector=collector),
+                        "c": GatewayProcess(workdir, {"c": c}, collector=collector)}
+            for name, gateway in gateways.items():
+                if name != "c":
+                    gateway.start()
+            # In front of an engine that has not loaded its model yet (its /health: 503 until its first
+            # request) the gateway may never say "ok": wait only until it answers.
+            gateways["c"]._spawn(gateways["c"].cmd)
+            wait_for(lambda: gateways["c"]._status("/health") is not None, 120, "the cold engine's gateway")
+            urls = {"main": gateways["main"].url, "narrow": gateways["narrow"].url, "cold": gateways["c"].url,
+                    "template": gateways["c"].url, "move": (gateways["rr"].url, gateways["rr"].url)}
+        topology = Topology(path, collector, urls, prefix=prefix)
+        if path == "gateway-engine":
+            def warm() -> None:
+                """The cold engine loaded by a request of its own, whatever the gateway did with its first."""
+                topology.chat("cold", "warm-c", [topology.user(2, 4)], 2, url=engines["c"].url)
+                settled([gateways["c"]])
+
+            topology.warm = warm
+        before_restart(topology)
+        engines["a"].stop()
+        engines["a"].start()
+        topology.lap("restarting the main engine")
+        engines["c"].stop()
+        engines["c"].args = [arg for arg in engines["c"].args if arg != "--lazy-load"]
+        engines["c"].args += ["--chat-template", OTHER_TEMPLATE]
+        engines["c"].start()
+        settled(list(gateways.values()))
+        topology.lap("restarting the template engine")
+        after_restart(topology)
+    except BaseException:
+        collector.stop()
+        raise
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        for engine in engines.values():
+            engine.stop()
+    return gather(topology)
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory, tiny_model):
+    return once(lambda path: run_path(path, tmp_path_factory.mktemp(path), tiny_model))
+
+
+#: One-shot requests behind a system message changed at its start, middle or end (issue 44: a
+#: prefix change is found only when a later message is shared). CACHE helper.
+_ONESHOT = {"prefix_oneshot_start": "miss, new_prefix", "prefix_oneshot_middle": "hit, nothing to explain",
+            "prefix_oneshot_end": "hit, nothing to explain"}
+WRONG_ANSWER: dict[tuple[str, str], str] = {(path, situation): answer for path in ("engine", "gateway-engine")
+                                            for situation, answer in _ONESHOT.items()}
+WRONG_SURFACES: dict[tuple[str, str], str] = {
+    ("gateway-engine", situation): "/metrics' tokentrace_requests_total counts no request as queueing (2 as "
+                                   "undecomposed) where the API, CLI, dashboard and report say queueing"
+    for situation in ("queueing_engine", "queueing_gateway")}
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases("engine", "gateway-engine"), WRONG_ANSWER))
+def test_answer(truth, path, situation):
+    check_answer(truth(path), situation)
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases("engine", "gateway-engine"), WRONG_SURFACES))
+def test_surfaces(truth, path, situation):
+    check_surfaces(truth(path), situation)

@@ -1,0 +1,83 @@
+"""Truth matrix (docs/truth.md) on llama.cpp's ``llama-server`` behind ``tokentrace gateway``: path
+``gateway-llama``. Two servers on the tiny model's GGUF, each with one slot and no host-memory prompt
+cache (what a slot holds is all a request can reuse), three gateways, one collector; every situation
+once (tests/truth/matrix.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness_collector import CollectorProcess
+from harness_gateway import GatewayProcess
+from harness_llama import LlamaServer, tiny_gguf  # noqa: F401 - fixture
+from matrix import (
+    Topology,
+    after_restart,
+    before_restart,
+    cases,
+    check_answer,
+    check_surfaces,
+    gather,
+    marked,
+    once,
+    settled,
+)
+
+pytestmark = pytest.mark.slow
+
+PATH = "gateway-llama"
+SERVER_ARGS = ("-np", "1", "--cache-ram", "0", "-c", "2048")
+
+
+def run_path(workdir, gguf):
+    collector = CollectorProcess(workdir).start()
+    servers = {name: LlamaServer(workdir, gguf / "model.gguf", *SERVER_ARGS) for name in ("a", "b")}
+    gateways: dict[str, GatewayProcess] = {}
+    try:
+        for server in servers.values():
+            server.start()
+        a, b = servers["a"].url, servers["b"].url
+        gateways = {"main": GatewayProcess(workdir, {"llama-a": a}, collector=collector),
+                    "narrow": GatewayProcess(workdir, {"llama-a": a}, "--max-concurrency", "1", collector=collector),
+                    "rr": GatewayProcess(workdir, {"llama-a": a, "llama-b": b}, "--route", "round_robin",
+                                         collector=collector)}
+        for gateway in gateways.values():
+            gateway.start()
+        # One slot: one long generation fills the server; it holds one prompt, so one other evicts it.
+        topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
+                                              "move": (gateways["rr"].url, gateways["rr"].url)},
+                            slots=1, fillers=2, prefix="tl-")
+        before_restart(topology)
+        servers["a"].stop()
+        servers["a"].start()
+        settled(list(gateways.values()))
+        topology.lap("restarting llama-a")
+        after_restart(topology)
+    except BaseException:
+        collector.stop()
+        raise
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        for server in servers.values():
+            server.stop()
+    return gather(topology)
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory, tiny_gguf):  # noqa: F811
+    return once(lambda path: run_path(tmp_path_factory.mktemp("llama"), tiny_gguf))
+
+
+WRONG_ANSWER: dict[tuple[str, str], str] = {}
+WRONG_SURFACES: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(PATH), WRONG_ANSWER))
+def test_answer(truth, path, situation):
+    check_answer(truth(path), situation)
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(PATH), WRONG_SURFACES))
+def test_surfaces(truth, path, situation):
+    check_surfaces(truth(path), situation)

@@ -1,0 +1,94 @@
+"""Truth matrix (docs/truth.md) on ``mlx_lm.server`` (mlx-lm's own server, which nobody here wrote)
+behind ``tokentrace gateway --tokenizer``: path ``gateway-mlx``. Two servers on the tiny model, three
+gateways in front of them, one collector; every situation once (tests/truth/matrix.py).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from harness_collector import CollectorProcess
+from harness_gateway import GatewayProcess, MlxLmServer
+from matrix import (
+    Topology,
+    after_restart,
+    before_restart,
+    cases,
+    check_answer,
+    check_surfaces,
+    gather,
+    marked,
+    once,
+    settled,
+)
+
+pytestmark = pytest.mark.slow
+
+PATH = "gateway-mlx"
+
+
+def run_path(workdir, model):
+    collector = CollectorProcess(workdir).start()
+    servers = {"a": MlxLmServer(workdir, model, "--prompt-cache-size", "4", "--decode-concurrency", "2"),
+               "b": MlxLmServer(workdir, model)}
+    gateways: dict[str, GatewayProcess] = {}
+    try:
+        for server in servers.values():
+            server.start()
+        a, b = servers["a"].url, servers["b"].url
+        tokenizer = ("--tokenizer", str(model))
+        gateways = {"main": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, collector=collector),
+                    "narrow": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, "--max-concurrency", "1",
+                                             collector=collector),
+                    "rr": GatewayProcess(workdir, {"mlx-a": a, "mlx-b": b}, *tokenizer, "--route", "round_robin",
+                                         collector=collector)}
+        for gateway in gateways.values():
+            gateway.start()
+
+        def refuse(rid: str) -> httpx.Response:  # mlx_lm.server checks no context length; it refuses this
+            body = {"model": "default_model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}
+            return httpx.post(gateways["main"].url + "/v1/chat/completions", json=body,
+                              headers={"X-Request-Id": rid}, timeout=60)
+
+        topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
+                                              "move": (gateways["rr"].url, gateways["rr"].url)},
+                            model="default_model", refuse=refuse, prefix="tm-")
+        before_restart(topology)
+        servers["a"].stop()
+        servers["a"].start()
+        settled(list(gateways.values()))
+        topology.lap("restarting mlx-a")
+        after_restart(topology)
+    except BaseException:
+        collector.stop()
+        raise
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        for server in servers.values():
+            server.stop()
+    return gather(topology)
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory, tiny_model):
+    return once(lambda path: run_path(tmp_path_factory.mktemp("mlx"), tiny_model))
+
+
+#: A changed system message is called a hit when the change lies after the first block, and a
+#: one-shot request behind a changed system message is never a prefix change (issue 44). CACHE helper.
+WRONG_ANSWER: dict[tuple[str, str], str] = {
+    (PATH, "prefix_multi_middle"): "hit, nothing to explain", (PATH, "prefix_multi_end"): "hit, nothing to explain",
+    (PATH, "prefix_oneshot_start"): "partial, new_prefix", (PATH, "prefix_oneshot_middle"): "hit, nothing to explain",
+    (PATH, "prefix_oneshot_end"): "hit, nothing to explain"}
+WRONG_SURFACES: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(PATH), WRONG_ANSWER))
+def test_answer(truth, path, situation):
+    check_answer(truth(path), situation)
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(PATH), WRONG_SURFACES))
+def test_surfaces(truth, path, situation):
+    check_surfaces(truth(path), situation)

@@ -1,0 +1,139 @@
+"""Truth matrix (docs/truth.md) on vLLM CPU with the tokentrace plugin, behind ``tokentrace gateway``
+(path ``gateway-vllm``) and direct (path ``vllm``). vLLM takes tens of seconds to start, so both paths
+share two vLLM processes and one collector (each path sends its own prompts, ids and sessions); the
+first process restarts once, between both paths' first and second turns (tests/truth/matrix.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from harness_collector import CollectorProcess, free_port, wait_for
+from harness_gateway import GatewayProcess
+from matrix import (
+    Topology,
+    after_restart,
+    before_restart,
+    cases,
+    check_answer,
+    check_surfaces,
+    gather_all,
+    marked,
+    once,
+    settled,
+)
+from vllm_fixtures import MODEL, VLLM_PYTHON, healthy, make_model, require_vllm_python, stop
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PATHS = ("gateway-vllm", "vllm")
+KV_BLOCKS, BLOCK_SIZE, MAX_SEQS = 96, 32, 4
+
+
+class Vllm:
+    """One vLLM API server with the plugin, on fixed ports (a restart comes back on the same ones)."""
+
+    def __init__(self, model_dir, workdir, collector: CollectorProcess, instance: str):
+        self.port, kv_port = free_port(), free_port()
+        self.log_path = workdir / f"vllm-{instance}.log"
+        self.env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENTRACE_COLLECTOR_URL": collector.url,
+                    "TOKENTRACE_INSTANCE_ID": instance, "TOKENTRACE_SPOOL_DIR": str(workdir / f"spool-{instance}"),
+                    "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        self.cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                    "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                    "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE),
+                    "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
+                    "--disable-log-stats", "--enable-request-id-headers", "--enable-prompt-tokens-details",
+                    "--otlp-traces-endpoint", f"{collector.url}/v1/traces",
+                    "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                      "endpoint": f"tcp://*:{kv_port}"})]
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> Vllm:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         env=self.env, start_new_session=True)
+        return self
+
+    def ready(self) -> Vllm:
+        wait_for(lambda: healthy(self.proc, self.url, self.log_path), 400, f"vLLM /health (log {self.log_path})",
+                 interval=0.5)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def run_paths(workdir):
+    require_vllm_python()
+    model_dir = workdir / "tiny-llama"
+    make_model(model_dir)
+    collector = CollectorProcess(workdir).start()
+    engines = [Vllm(model_dir, workdir, collector, name) for name in ("vllm-1", "vllm-2")]
+    gateways: dict[str, GatewayProcess] = {}
+    try:
+        for engine in engines:  # both start at once: the start is mostly waiting
+            engine.spawn()
+        for engine in engines:
+            engine.ready()
+        one, two = engines[0].url, engines[1].url
+        gateways = {"main": GatewayProcess(workdir, {"vllm-1": one}, collector=collector),
+                    "narrow": GatewayProcess(workdir, {"vllm-1": one}, "--max-concurrency", "1", collector=collector),
+                    "rr": GatewayProcess(workdir, {"vllm-1": one, "vllm-2": two}, "--route", "round_robin",
+                                         collector=collector)}
+        for gateway in gateways.values():
+            gateway.start()
+        # vLLM's tokenizer makes ~5 tokens of one of the matrix's words: a long prompt of ~750 tokens
+        # (max-model-len 1024), one of ~1,500 refused, and six fillers of ~23 blocks each (96 blocks).
+        sizes = {"model": MODEL, "slots": MAX_SEQS, "fillers": 6, "filler_words": 150, "long_words": 150,
+                 "too_long_words": 300}
+        paths = [Topology("gateway-vllm", collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
+                                                       "move": (gateways["rr"].url, gateways["rr"].url)},
+                          prefix="tgv-", seed=0, **sizes),
+                 Topology("vllm", collector, {"main": one, "move": (one, two)}, prefix="tv-", seed=5000, **sizes)]
+        for topology in paths:
+            before_restart(topology)
+        engines[0].stop()
+        engines[0].spawn().ready()
+        settled(list(gateways.values()))
+        for topology in paths:
+            topology.lap("restarting vllm-1")
+            after_restart(topology)
+    except BaseException:
+        collector.stop()
+        raise
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        for engine in engines:
+            engine.stop()
+    return gather_all(*paths)
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory):
+    both = once(lambda _: run_paths(tmp_path_factory.mktemp("vllm-truth")))
+    return lambda path: both("both")[path]
+
+
+WRONG_ANSWER: dict[tuple[str, str], str] = {}
+WRONG_SURFACES: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_ANSWER))
+def test_answer(truth, path, situation):
+    check_answer(truth(path), situation)
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_SURFACES))
+def test_surfaces(truth, path, situation):
+    check_surfaces(truth(path), situation)
