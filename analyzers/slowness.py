@@ -275,7 +275,7 @@ def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
     bounds = unknown_bounds(known_parts(facts.request, facts.measures), e2e_of(facts.request))
     said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items()) or "none of its phases"
     could = sorted(name for name in bounds if bounds[name] is None
-                   or not known or bounds[name] >= max(known.values()))
+                   or not known or bounds[name] >= max(known.values())) or sorted(bounds)
     who = "; ".join(f"{name} is measured by {MEASURED_BY[name]}" for name in could)
     verdict.evidence.append(Evidence(
         "undecomposed", f"Known: {said}; {'; '.join(_why_unknown(unmeasured, unreported, bounds))}. "

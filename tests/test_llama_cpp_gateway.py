@@ -8,6 +8,7 @@ slot's KV cache is the only thing a request can reuse: what ``cache_n`` says is 
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from harness_collector import CollectorProcess
 from harness_gateway import GatewayProcess, verdict
@@ -151,3 +152,40 @@ def test_a_small_context_that_forces_re_processing_gets_the_reason(tiny_gguf, ll
     (reason,) = reasons
     assert reason["basis"] == "inferred" and reason["source"] == "llama.cpp.reprocess_reason"
     assert reason["text"].startswith(f"The slot's context was full ({held['prompt_n'] + held['predicted_n']} of 256")
+
+
+def test_a_request_whose_unknown_part_cannot_be_the_largest_gets_its_category(tiny_gguf, llama_factory,  # noqa: F811
+                                                                               gateway, collector):
+    # Issue 44: llama.cpp reports prefill and decode, not a load wait, so every request behind the
+    # gateway was `undecomposed` ("load_wait not measured by this observer. Its largest part cannot
+    # be named"). The load wait is at most what prefill, decode and queue leave of the e2e.
+    import subprocess
+    import sys
+
+    server = llama_factory(tiny_gguf / "model.gguf", *SERVER_ARGS)
+    gw = gateway({"l1": server.url}, "--route", "session")
+    answer = gw.chat(conversation("long")[0], "long-0", session="long", stream=False, max_tokens=200,
+                     ignore_eos=True)
+    assert answer["status"] == 200, answer["body"]
+    timings = answer["body"]["timings"]
+    gw.stop()
+    slow = verdict(collector, "long-0")["slow"]
+    parts = slow["breakdown_ms"]
+    assert parts["decode"] == pytest.approx(timings["predicted_ms"], abs=1e-3) and parts["load_wait"] is None
+    assert slow["category"] == "decode", slow["evidence"]
+    (bounded,) = [e for e in slow["evidence"] if e["kind"] == "bounded"]
+    left = parts["e2e"] - parts["queue"] - parts["prefill"] - parts["decode"]
+    assert bounded["unmeasured"] == ["load_wait"]
+    assert bounded["at_most_ms"]["load_wait"] == pytest.approx(left, abs=2e-3)
+    assert bounded["at_most_ms"]["load_wait"] < parts["decode"]
+    assert not [e for e in slow["evidence"] if e["kind"] == "undecomposed"]
+    assert slow["evidence"][0]["kind"] == "tpot"  # explained as decode
+    cli = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "long-0",
+                          "--url", collector.url], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert "category: decode" in cli.stdout and "load_wait not measured by this observer (at most" in cli.stdout
+    assert "None" not in cli.stdout
+    page = httpx.get(f"{collector.url}/requests/long-0.json", timeout=30).json()
+    assert page["slow"]["category"] == "decode"
+    report = httpx.get(f"{collector.url}/api/report?since=all", timeout=60).json()
+    assert report["categories"] == {"decode": 1}, report["categories"]
