@@ -3,7 +3,9 @@
 Definitions (the contract; tests check them):
 - ``cached`` = prompt tokens reused; ``seen`` = the longest prefix of this prompt that any earlier
   request on any instance had (as prompt or stored entry), at block granularity; a prefix is
-  *longer* than ``cached`` when it covers at least one block more.
+  *longer* than ``cached`` when it covers at least one block more; on an instance that reuses whole
+  blocks of G tokens coarser than the fingerprint's (vLLM; G from its heartbeat: byte limit / entry
+  limit / KV bytes per token), only whole G-blocks of what its entry shared with the prompt count.
 - ``cause``, the first that holds:
   ``capacity``        a longer prefix was cached on this instance and evicted before the lookup;
   ``restart``         a longer prefix was cached on this instance, no eviction of it was reported,
@@ -19,9 +21,14 @@ Definitions (the contract; tests check them):
                       earlier prompt, is shorter than one cache block;
   ``new_prefix``      nothing reusable was ever cached and nothing resembles the prompt;
   None                everything reusable was reused (shown as ``none``: ``NO_CAUSE``).
-  ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans).
-- ``result``: hit when cause is None, partial when cached > 0, miss when cached = 0; None for a
-  request that never reached the cache (refused, failed or cancelled before its lookup).
+  ``unknown`` when the engine sends no prompt fingerprint (e.g. vLLM's native spans), or when no
+                      observer measured how many tokens were reused.
+- ``cached``: the lookup's matched tokens; where the lookup lacks them (a gateway in front of an
+  engine whose response leaves them out), the request row's cached tokens (the engine's own count,
+  e.g. the vLLM plugin's), in the lookup's unit; where neither says, unknown (None), never 0.
+- ``result``: hit when cause is None, partial when cached > 0, miss when cached = 0; ``unknown``
+  when cached is unknown; None for a request that never reached the cache (refused, failed or
+  cancelled before its lookup).
 
 ``load_cache_facts`` reads through the reader role (``rows``: no frames, so that ``analyze cache
 --db`` imports no polars or pyarrow); ``classify_cache`` is a pure function of them.
@@ -61,10 +68,10 @@ class CacheVerdict:
 
     request_id: str
     instance_id: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    seen_tokens: int
-    result: str | None  #: hit | partial | miss; None when the request never reached the cache
+    prompt_tokens: int | None  #: None when no observer counted them
+    cached_tokens: int | None  #: prompt tokens reused; None when no observer measured it
+    seen_tokens: int | None  #: None when cached_tokens is unknown and nothing earlier was seen
+    result: str | None  #: hit | partial | miss | unknown; None when the request never reached the cache
     cause: str | None  #: one of CAUSES
     evidence: list[Evidence] = field(default_factory=list)
     evicted_by: str | None = None  #: request whose insert evicted the longer prefix (capacity)
@@ -104,6 +111,9 @@ class CacheFacts:
     loads: list[dict] = field(default_factory=list)  #: this instance's model loads after its longer entry
     previous: dict | None = None  #: the session's previous turn: request_id, identity, divergence
     identity: dict = field(default_factory=dict)  #: this request's model revision and template hash
+    #: tokens per cache block of this instance where it reuses whole blocks coarser than the
+    #: fingerprint's (vLLM: its heartbeat's entry size); None: the fingerprint's block
+    granularity: int | None = None
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -132,26 +142,33 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
         return CacheFacts(request, None, [], [], None, [], None, set(), [], {})
     lookup = lookups[0]
     t, block = lookup["start_ns"], lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
-    prompt, cached = lookup["prompt_tokens"] or 0, lookup["matched_tokens"] or 0
+    prompt, (cached, _) = lookup["prompt_tokens"] or 0, reused_tokens(lookup, request)
+    if cached is None:  # nothing to explain by: the verdict is unknown (classify_cache)
+        return CacheFacts(request, lookup, [], segments, None, [], None, set(), [], {})
     hashes = [row["hash"] for row in blocks]
     # Only a lookup that reused less than a block can be a model or template change.
-    (seen, cached_on, eviction, loads, evicted_elsewhere), (matches, divergences, earlier), (identity, previous) = \
+    (seen, cached_on, eviction, loads, evicted_elsewhere, granularity), (matches, divergences, earlier), \
+        (identity, previous) = \
         reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
                         lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
                         lambda: _turns(reader, request, hashes, block) if cached < block else ({}, None))
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
-                      divergences, earlier, loads, previous, identity)
+                      divergences, earlier, loads, previous, identity, granularity)
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
            cached: int) -> tuple:
-    """(seen, cached_on, eviction, loads, evicted_elsewhere): the deepest block of this prompt any
-    earlier prompt or entry had, per instance the deepest cached, and what ended this instance's
-    longer entry (an eviction, else model loads since) and the other instances' entries."""
+    """(seen, cached_on, eviction, loads, evicted_elsewhere, granularity): the deepest block of this
+    prompt any earlier prompt or entry had, per instance the deepest cached, what ended this
+    instance's longer entry (an eviction, else model loads since) and the other instances' entries,
+    and the tokens per block this instance reuses in (``cache_granularity_at``)."""
     reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
     here_key = request["instance_id"]
-    here = next((row for row in _longer(cached_on, block, prompt, cached) if row["instance_id"] == here_key), None)
+    sizes = reader.rows("cache_granularity_at", instance_id=here_key, t_ns=t) if reach else []
+    granularity = sizes[0]["block_tokens"] if sizes and (sizes[0]["block_tokens"] or 0) > block else None
+    longer = _longer(cached_on, block, prompt, cached, {here_key: granularity})
+    here = next((row for row in longer if row["instance_id"] == here_key), None)
     eviction, loads = None, []
     if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
@@ -164,7 +181,7 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []
-    return seen, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}
+    return seen, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}, granularity
 
 
 def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict], hashes: list[int], t: int,
@@ -239,11 +256,21 @@ def _previous_turn(reader: TraceReader, request: dict, hashes: list[int], block:
             **_identity(reader, prev["instance_id"], prev["end_ns"])}
 
 
-def _longer(cached_on: list[dict], block: int, prompt: int, cached: int) -> list[dict]:
+def _longer(cached_on: list[dict], block: int, prompt: int, cached: int,
+            granularity: dict[str | None, int | None] | None = None) -> list[dict]:
     """The instances whose cache held at least a block more of this prompt than was reused, each
-    with the prompt tokens it ``covered``."""
-    rows = [{**row, "covered": _covered(row["last_block"], block, prompt)} for row in cached_on]
+    with the prompt tokens it ``covered``: of what its entry shared with this prompt, the whole
+    blocks it can reuse (an engine reusing blocks of G tokens, ``granularity`` by instance, reuses
+    none of a G-block the prompt leaves part-way: that is the prompt's change, not a lost entry)."""
+    sizes = granularity or {}
+    rows = [{**row, "covered": _reusable(_covered(row["last_block"], block, prompt), sizes.get(row["instance_id"]))}
+            for row in cached_on]
     return [row for row in rows if row["covered"] - cached >= block]
+
+
+def _reusable(tokens: int, granularity: int | None) -> int:
+    """``tokens`` rounded down to whole blocks of ``granularity`` tokens (None: as they are)."""
+    return tokens // granularity * granularity if granularity else tokens
 
 
 def _first_of_deepest(rows: list[dict]) -> dict:
@@ -359,6 +386,21 @@ def _covered(last_block: int, block: int, prompt_tokens: int) -> int:
     return min(prompt_tokens, (last_block + 1) * block)
 
 
+def reused_tokens(lookup: dict, request: dict) -> tuple[int | None, str | None]:
+    """(prompt tokens reused, in the lookup's unit; where the number comes from): the lookup's
+    matched tokens, else the request row's cached tokens (scaled to the lookup's unit when the two
+    count the prompt differently, as the gateway's byte-level fingerprint does), else (None, None)."""
+    if lookup.get("matched_tokens") is not None:
+        return lookup["matched_tokens"], "lookup"
+    cached = request.get("cached_tokens")
+    if cached is None:
+        return None, None
+    ours, theirs = lookup.get("prompt_tokens"), request.get("prompt_tokens")
+    if ours and theirs and ours != theirs:
+        return round(ours * min(cached, theirs) / theirs), "request_scaled"
+    return (min(cached, ours) if ours else cached), "request"
+
+
 def classify_cache(facts: CacheFacts) -> CacheVerdict:
     """The verdict, by the definitions in the module docstring. Pure."""
     request, lookup = facts.request, facts.lookup
@@ -366,18 +408,15 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
         return _unknown(request) if outcome_of(request) == COMPLETED else _not_served(request)
     block = lookup["block_size"] or c.DEFAULT_BLOCK_SIZE
     prompt = lookup["prompt_tokens"] or request.get("prompt_tokens") or 0
-    cached = lookup["matched_tokens"] or 0
+    cached, source = reused_tokens(lookup, request)
+    if cached is None:
+        return _unmeasured(request, lookup, prompt, block)
     seen = max(cached, _covered(facts.seen["last_block"], block, prompt)) if facts.seen else cached
     verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, cached, seen, "miss", None,
                            block_size=block)
-    verdict.evidence.append(Evidence(
-        "lookup", f"Lookup matched {cached} of {prompt} prompt tokens ({lookup['match']} match); the cache "
-                  f"held {_plural(lookup['cache_entries'], 'entry', 'entries')}, {lookup['cache_bytes']} bytes.",
-        {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt,
-         "match": lookup["match"], "cache_entries": lookup["cache_entries"], "cache_bytes": lookup["cache_bytes"]},
-    ))
+    verdict.evidence.append(_lookup_evidence(lookup, request, prompt, cached, source))
     verdict.outcome = outcome_of(request)
-    longer = _longer(facts.cached_on, block, prompt, cached)
+    longer = _longer(facts.cached_on, block, prompt, cached, {request["instance_id"]: facts.granularity})
     if not (_capacity(verdict, facts, longer) or _instance_change(verdict, facts, longer)
             or _prefix_change(verdict, facts, block, cached) or _identity_change(verdict, facts, block, cached)):
         _new_or_reused(verdict, facts, block)
@@ -386,9 +425,51 @@ def classify_cache(facts: CacheFacts) -> CacheVerdict:
     return verdict
 
 
+def _lookup_evidence(lookup: dict, request: dict, prompt: int, cached: int, source: str | None) -> Evidence:
+    """What the lookup says, in words made only of what was measured (an unknown is named, never
+    printed as ``None``)."""
+    if source == "lookup":
+        text = f"Lookup matched {cached} of {prompt} prompt tokens"
+    else:
+        text = (f"The engine reported {request.get('cached_tokens')} of {_count(request.get('prompt_tokens'))} prompt "
+                "tokens cached (its request record; the lookup itself did not say)")
+        if source == "request_scaled":
+            text += f", {cached} of the lookup's {prompt} units"
+    if lookup.get("match"):
+        text += f" ({lookup['match']} match)"
+    held = [part for part in (_plural(lookup.get("cache_entries"), "entry", "entries"),
+                              _plural(lookup.get("cache_bytes"), "byte", "bytes")) if part]
+    text += f"; the cache held {', '.join(held)}." if held else "; what the cache held is not reported."
+    return Evidence(
+        "lookup", text,
+        {"t_ns": lookup["start_ns"], "matched_tokens": cached, "prompt_tokens": prompt, "matched_from": source,
+         "match": lookup.get("match"), "cache_entries": lookup.get("cache_entries"),
+         "cache_bytes": lookup.get("cache_bytes")},
+        basis="inferred" if source == "request_scaled" else "measured",
+    )
+
+
+def _unmeasured(request: dict, lookup: dict, prompt: int, block: int) -> CacheVerdict:
+    """A lookup whose reuse no observer measured: neither the lookup nor the request row says how
+    many tokens were reused, so neither result nor cause can be known."""
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, None, None, "unknown", "unknown",
+                           block_size=block, outcome=outcome_of(request))
+    observer = request.get("observer") or "the engine"
+    verdict.evidence.append(Evidence(
+        "unavailable", f"The prompt's fingerprint ({prompt} tokens) was recorded, but neither the lookup nor the "
+                       f"request record says how many of them were reused ({observer} of engine "
+                       f"{request.get('engine') or 'unknown'} did not report cached tokens), so whether this "
+                       "was a hit, and why not, cannot be determined.",
+        {"engine": request.get("engine"), "observer": request.get("observer"), "prompt_tokens": prompt,
+         "t_ns": lookup["start_ns"]},
+    ))
+    verdict.evidence.extend(upstream_evidence(request, "cache"))
+    return verdict
+
+
 def _not_served(request: dict) -> CacheVerdict:
-    verdict = CacheVerdict(request["request_id"], request["instance_id"], request.get("prompt_tokens") or 0,
-                           request.get("cached_tokens") or 0, 0, None, None, outcome=outcome_of(request))
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], request.get("prompt_tokens"),
+                           request.get("cached_tokens"), None, None, None, outcome=outcome_of(request))
     verdict.evidence.append(Evidence(
         "outcome", f"The request was {verdict.outcome} (HTTP {request.get('http_status')}, "
                    f"{request.get('error_type') or request.get('finish_reason') or 'no error type'}) before its "
@@ -399,19 +480,38 @@ def _not_served(request: dict) -> CacheVerdict:
     return verdict
 
 
-def _plural(count: int | None, one: str, many: str) -> str:
-    return f"{count} {one if count == 1 else many}"
+def _plural(count: int | None, one: str, many: str) -> str | None:
+    """``"3 entries"``; None when the count is unknown (the caller leaves it out)."""
+    return None if count is None else f"{count} {one if count == 1 else many}"
+
+
+def _on(instance_id: str | None) -> str:
+    """An instance for a sentence (a sender that names none)."""
+    return instance_id if instance_id is not None else "an unnamed instance"
+
+
+def _entry_of(request_id: str | None) -> str:
+    """Whose cache entry, for a sentence: the plugin's KV blocks name no request."""
+    return f"entry of request {request_id}" if request_id else "an entry no request is named for"
+
+
+def _by(request_id: str | None, unnamed: str = "by an earlier request", named: str = "by request") -> str:
+    return f"{named} {request_id}" if request_id else unnamed
+
+
+def _count(value: int | None) -> str:
+    return "an unknown number of" if value is None else str(value)
 
 
 def _unknown(request: dict) -> CacheVerdict:
-    prompt, cached = request.get("prompt_tokens") or 0, request.get("cached_tokens") or 0
-    verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, cached, cached,
-                           "partial" if cached else "miss", "unknown")
-    if prompt and cached >= prompt - 1:
+    prompt, cached = request.get("prompt_tokens"), request.get("cached_tokens")
+    result = "unknown" if cached is None else "partial" if cached else "miss"
+    verdict = CacheVerdict(request["request_id"], request["instance_id"], prompt, cached, cached, result, "unknown")
+    if prompt and cached is not None and cached >= prompt - 1:
         verdict.result = "hit"
     verdict.evidence.append(Evidence(
-        "unavailable", f"The engine reported {cached} of {prompt} prompt tokens cached but no prompt "
-                       "fingerprint, so the cause of a miss cannot be determined.",
+        "unavailable", f"The engine reported {_count(cached)} of {_count(prompt)} prompt tokens cached but no "
+                       "prompt fingerprint, so the cause of a miss cannot be determined.",
         {"engine": request.get("engine")},
     ))
     verdict.evidence.extend(upstream_evidence(request, "cache"))
@@ -427,8 +527,8 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
         load = facts.loads[-1]
         verdict.cause = "restart"
         verdict.evidence.append(Evidence(
-            "restart", f"{here['covered']} tokens of this prompt were cached on {verdict.instance_id} (entry of "
-                       f"request {here['request_id']}); no eviction of it was reported, and the instance loaded "
+            "restart", f"{here['covered']} tokens of this prompt were cached on {_on(verdict.instance_id)} "
+                       f"({_entry_of(here['request_id'])}); no eviction of it was reported, and the instance loaded "
                        f"its model again ({'lazily' if load['lazy'] else 'at start'}) before this lookup: the "
                        "cache did not survive the restart.",
             {"load_id": load["load_id"], "load_start_ns": load["start_ns"], "load_end_ns": load["end_ns"],
@@ -441,8 +541,8 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
         # Seen from a gateway: the upstream served this prefix before and now reused less of it.
         # The engine reports no evictions, so that it was evicted is inferred, not measured.
         verdict.evidence.append(Evidence(
-            "no_longer_cached", f"{here['covered']} tokens of this prompt were served on {verdict.instance_id} "
-                                f"by request {here['request_id']}, and this time it reused only "
+            "no_longer_cached", f"{here['covered']} tokens of this prompt were served on {_on(verdict.instance_id)} "
+                                f"{_by(here['request_id'])}, and this time it reused only "
                                 f"{verdict.cached_tokens}: evicted in between (inferred; the engine reports "
                                 "no evictions).",
             {"entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
@@ -453,8 +553,8 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
         # A longer prefix was stored here before the lookup and the lookup did not find it: it was
         # gone, but its eviction is not among the latest ones examined on this instance.
         verdict.evidence.append(Evidence(
-            "no_longer_cached", f"{here['covered']} tokens of this prompt were cached on {verdict.instance_id} "
-                                f"(entry of request {here['request_id']}) and were no longer cached at this "
+            "no_longer_cached", f"{here['covered']} tokens of this prompt were cached on {_on(verdict.instance_id)} "
+                                f"({_entry_of(here['request_id'])}) and were no longer cached at this "
                                 "lookup; the eviction is older than the latest ones on this instance.",
             {"entry_request_id": here["request_id"], "inserted_at_ns": here["t_ns"],
              "lost_tokens": here["covered"] - verdict.cached_tokens},
@@ -467,8 +567,9 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
     entry = (f"entry of request {eviction['entry_request_id']}" if eviction["entry_request_id"]
              else "a cache block ending at that token")
     verdict.evidence.append(Evidence(
-        "eviction", f"{lost} tokens of this prompt were cached on {verdict.instance_id} ({entry}) and evicted "
-                    f"({eviction['reason']}) {by} before this lookup; {lost - verdict.cached_tokens} tokens were "
+        "eviction", f"{lost} tokens of this prompt were cached on {_on(verdict.instance_id)} ({entry}) and evicted "
+                    f"({eviction['reason'] or 'reason not reported'}) {by} before this lookup; "
+                    f"{lost - verdict.cached_tokens} tokens were "
                     "lost.",
         {"evicted_at_ns": eviction["t_ns"], "reason": eviction["reason"], "evicted_by": verdict.evicted_by,
          "entry_request_id": eviction["entry_request_id"], "fingerprint": eviction["fingerprint"],
@@ -488,8 +589,8 @@ def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict
     state = "still cached there at this lookup" if entry["alive"] else "since evicted there"
     verdict.evidence.append(Evidence(
         "cached_elsewhere", f"{entry['covered']} tokens of this prompt were cached on instance "
-                            f"{entry['instance_id']} (entry of request {entry['request_id']}, {state}), never "
-                            f"on {verdict.instance_id}: the conversation moved instances.",
+                            f"{_on(entry['instance_id'])} ({_entry_of(entry['request_id'])}, {state}), never "
+                            f"on {_on(verdict.instance_id)}: the conversation moved instances.",
         {"instance_id": entry["instance_id"], "entry_request_id": entry["request_id"], "alive": entry["alive"],
          "fingerprint": entry["fingerprint"], "inserted_at_ns": entry["t_ns"], "covered_tokens": entry["covered"]},
         # Behind a gateway the other upstream's cache is known only from what it served there.
@@ -579,7 +680,7 @@ def _identity_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cache
             continue
         verdict.cause = cause
         verdict.evidence.append(Evidence(
-            cause, f"The session's previous turn (request {prev['request_id']} on {prev['instance_id']}) was "
+            cause, f"The session's previous turn (request {prev['request_id']} on {_on(prev['instance_id'])}) was "
                    f"served with {what} {before}, this one with {now}: the prompts differ from token "
                    f"{prev['diverge']} on, inside the first segment, before any message could be reused.",
             {"earlier_request_id": prev["request_id"], "earlier_instance_id": prev["instance_id"],
@@ -590,14 +691,15 @@ def _identity_change(verdict: CacheVerdict, facts: CacheFacts, block: int, cache
 
 
 def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None:
-    gap = verdict.seen_tokens - verdict.cached_tokens
+    gap = _reusable(verdict.seen_tokens, facts.granularity) - verdict.cached_tokens
     if gap >= block:
         # Seen earlier but in no cache at lookup time: still being computed, or never stored.
         seen = facts.seen or {}
         verdict.cause = "new_prefix"
         verdict.evidence.append(Evidence(
-            "not_cached_yet", f"Request {seen.get('request_id')} had {verdict.seen_tokens} tokens of this "
-                              "prompt, but no cache held them at this lookup (still in flight, or never stored).",
+            "not_cached_yet", f"{_by(seen.get('request_id'), 'An earlier request', 'Request')} had "
+                              f"{verdict.seen_tokens} tokens of this prompt, but no cache held them at this "
+                              "lookup (still in flight, or never stored).",
             {"request_id": seen.get("request_id"), "instance_id": seen.get("instance_id"),
              "seen_tokens": verdict.seen_tokens},
         ))

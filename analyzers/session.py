@@ -201,5 +201,6 @@ def _what(taken: dict) -> str:
         by = f"request {taken['evicted_by']}'s insert" if taken.get("evicted_by") else "an eviction outside any insert"
         return f"its entry was evicted ({taken.get('reason') or 'reason unknown'}) by {by}."
     if taken["cause"] == "instance_change":
-        return f"it moved to {taken['moved_to']} while its prefix was cached on {taken['cached_on']}."
+        moved = taken["moved_to"] if taken["moved_to"] is not None else "an unnamed instance"
+        return f"it moved to {moved} while its prefix was cached on {taken['cached_on']}."
     return f"{taken['cause']}: {taken.get('text') or 'no detail'}"

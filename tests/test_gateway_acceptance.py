@@ -152,6 +152,33 @@ def test_a_byte_limited_upstream_cache_gives_capacity_marked_inferred(workdir, t
     assert cache["cause"] == "capacity", cache
     lost = next(e for e in cache["evidence"] if e["kind"] == "no_longer_cached")
     assert lost["basis"] == "inferred" and lost["entry_request_id"] in ("cap-0", "cap-1")
+    # mlx_lm.server reports no cache size: the evidence says so, never "held None entries, None bytes".
+    for rid in ("cap-1", "cap-3"):
+        text = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "cache", "--request-id", rid, "--url",
+                               collector.url], capture_output=True, text=True, timeout=120)
+        assert text.returncode == 0 and "evidence:" in text.stdout, text.stderr
+        assert "None" not in text.stdout, text.stdout
+        assert "what the cache held is not reported" in text.stdout, text.stdout
+
+
+def test_a_repeat_nobody_measured_is_unknown_not_a_capacity_miss(gateway, collector):
+    """Issue 44: a lookup without matched tokens was read as 0 reused, and the repeat of a prompt the
+    upstream had just served became a capacity miss. Streamed without usage (the client's own
+    stream_options), mlx_lm.server says nothing of its cache: the verdict is unknown, and says why."""
+    gw = gateway("--route", "session")
+    chat = [system("unmeasured"), {"role": "user", "content": "Name three colours of the sea."}]
+    assert gw.chat(chat, "um-0", session="unmeasured")["status"] == 200
+    quiet = gw.chat(chat, "um-1", session="unmeasured", stream_options={"include_usage": False})
+    assert quiet["status"] == 200 and quiet["usage"] is None
+    gw.stop()
+    cache = verdict(collector, "um-1")["cache"]
+    assert (cache["result"], cache["cause"], cache["cached_tokens"]) == ("unknown", "unknown", None), cache
+    assert cache["prompt_tokens"] > 0 and cache["evidence"][0]["kind"] == "unavailable"
+    text = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "cache", "--request-id", "um-1", "--url",
+                           collector.url], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert "unknown · cause unknown" in text.stdout and "cached unknown" in text.stdout, text.stdout
+    assert "None" not in text.stdout and "did not report cached tokens" in text.stdout, text.stdout
 
 
 def test_ttft_and_e2e_agree_with_the_client_and_responses_pass_through(gateway, collector):

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from harness_collector import CollectorProcess, free_port, wait_for
 from harness_gateway import GatewayProcess, verdict
-from vllm_fixtures import MODEL, VLLM_PYTHON, healthy, make_model, require_vllm_python, stop, words
+from vllm_fixtures import MODEL, VLLM_PYTHON, WORDS, healthy, make_model, require_vllm_python, stop, words
 
 from tokentrace.fingerprint import block_hashes
 
@@ -128,8 +128,16 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
         gateway = GatewayProcess(tmp_path, {"v": url}, collector=collector).start()
         assert gateway.health()["upstreams"][0]["kind"] == "vllm-plugin"
         long = [{"role": "system", "content": words(500, 560)}, {"role": "user", "content": words(501, 20)}]
+        # p-1 and p-edit stream without usage (the client's own stream_options): the gateway learns no
+        # cached tokens, and only the plugin's request row says what vLLM reused.
+        quiet = {"stream_options": {"include_usage": False}}
         answers = [gateway.chat(long, "p-0", model=MODEL, max_tokens=2),
-                   gateway.chat(long, "p-1", model=MODEL, max_tokens=2)]
+                   gateway.chat(long, "p-1", model=MODEL, max_tokens=2, **quiet)]
+        # The same chat with its system prompt edited in the middle (words 280-283).
+        edited = words(500, 560).split()
+        edited[280:284] = [WORDS[(WORDS.index(w) + 1) % len(WORDS)] for w in edited[280:284]]
+        answers.append(gateway.chat([{"role": "system", "content": " ".join(edited)}, long[1]], "p-edit",
+                                    model=MODEL, max_tokens=2, **quiet))
         for i in range(6):  # 6 x ~19 blocks > 96 blocks: the first prompt's blocks must go
             other = [{"role": "system", "content": words(600 + i, 560)}, {"role": "user", "content": "x"}]
             answers.append(gateway.chat(other, f"p-evict-{i}", model=MODEL, max_tokens=2))
@@ -140,11 +148,26 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
             gateway.stop()
         stop(proc)
     again = verdict(collector, "p-again")["cache"]
+    # The plugin's request row says what vLLM reused; the gateway's lookup (its fingerprint) does not
+    # (no usage in the stream): the verdict reads the row's count, never 0 (issue 44: "capacity").
+    repeat, edit = verdict(collector, "p-1")["cache"], verdict(collector, "p-edit")["cache"]
     collector.stop()
+    stored = dict(collector.sql("SELECT request_id, cached_tokens FROM requests WHERE request_id IN ('p-1', 'p-edit')"))
+    unmeasured = collector.sql("SELECT request_id, matched_tokens FROM cache_lookups "
+                               "WHERE request_id IN ('p-1', 'p-edit')")
+    assert sorted(unmeasured) == [("p-1", None), ("p-edit", None)], unmeasured
+    assert stored["p-1"] > 0 and repeat["cached_tokens"] == stored["p-1"], (stored, repeat)
+    assert repeat["result"] == "hit" and repeat["cause"] is None, repeat
+    assert 0 < edit["cached_tokens"] == stored["p-edit"] < edit["prompt_tokens"], (stored, edit)
+    assert edit["cause"] == "prefix_change", edit
+    assert (edit["divergence"]["segment_role"], edit["divergence"]["segment_index"]) == ("system", 0), edit
+    assert edit["cached_tokens"] <= edit["divergence"]["token_index"] < edit["prompt_tokens"], edit
+    for item in repeat["evidence"] + edit["evidence"] + again["evidence"]:
+        assert "None" not in item["text"], item
     assert again["cause"] == "capacity", again
     evicted = next(e for e in again["evidence"] if e["kind"] in ("eviction", "no_longer_cached"))
     assert evicted["kind"] == "eviction" and evicted["basis"] == "measured", evicted
-    ids = ["p-0", "p-1", *(f"p-evict-{i}" for i in range(6)), "p-again"]
+    ids = ["p-0", "p-1", "p-edit", *(f"p-evict-{i}" for i in range(6)), "p-again"]
     rows = collector.sql("SELECT request_id, observer, instance_id FROM requests ORDER BY request_id")
     # Two views of each request, the plugin's and the gateway's (the client's): one request on every
     # surface (the store's queries merge them: docs/analyzers.md "One request, several observers").
