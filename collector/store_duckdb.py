@@ -255,6 +255,15 @@ def _record_pieces(data: memoryview) -> tuple[list | None, list[tuple[str, int, 
     return head["spool"], pieces
 
 
+def _utc(ns: int | None) -> str | None:
+    """A time in ns since the epoch as ISO 8601 UTC (None stays None: unknown)."""
+    if ns is None:
+        return None
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).isoformat(timespec="milliseconds")
+
+
 def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
     """The (trace id, span id) of the spans of ``entries`` in the traces ``traces``."""
     found: set[tuple[str, str]] = set()
@@ -380,10 +389,20 @@ class DuckDBStore(NamedQueryReader):
             "ORDER BY written_ns, name").fetchall()]
         files = parquet_spans.SpanFiles(Path(self.path + ".spans"), listed, self._swap_span_files)
         files.check()
+        damaged = files.damaged(full=not self.read_only)  # a read-only open reads no file through pyarrow
+        if damaged:
+            files.files = [f for f in files.files if f.name not in {bad.name for bad, _ in damaged}]
+            if self.read_only:
+                for bad, why in damaged:
+                    log.error("span file %s of %s is damaged (%s): this read-only view lacks its %d spans", bad.name,
+                              self.path, why, bad.spans)
+            else:
+                self._quarantine_span_files(files, damaged)
         [(defined,)] = self._con.execute(
             "SELECT sql FROM duckdb_views() WHERE database_name = current_database() AND view_name = 'spans'"
         ).fetchall()
-        current = all(literal in defined for literal in files.literals())
+        # A read-only open cannot delist a damaged file: it reads the others through a view of its own.
+        current = not (damaged and self.read_only) and all(literal in defined for literal in files.literals())
         if not self.read_only:
             files.clean()
             if not current:
@@ -394,6 +413,27 @@ class DuckDBStore(NamedQueryReader):
             self._search_path = f"memory.main,{_ALIAS}.main"
             self._con.execute(f"SET search_path = '{self._search_path}'")
         return files
+
+    def _quarantine_span_files(self, files: span_files.SpanFiles,
+                               damaged: list[tuple[span_files.SpanFile, str]]) -> None:
+        """Move each damaged span file to the quarantine with what it held, then delist them all
+        and define ``spans`` over the others in one transaction (issue 45): the store opens and
+        serves everything else. A crash between the two finds the files missing at the next open,
+        and quarantines them as such."""
+        for bad, why in damaged:
+            source = files.folder / bad.name
+            self._quarantine.keep(
+                "damaged span file", f"spans-{bad.name}" if source.exists() else None,
+                source=source if source.exists() else None, why=why, span_file=bad.name, spans=bad.spans,
+                min_start_ns=bad.min_start_ns, max_start_ns=bad.max_start_ns,
+                start_range_utc=[_utc(bad.min_start_ns), _utc(bad.max_start_ns)], acknowledged_spans_lost=bad.spans,
+                note=f"{bad.spans} spans that started from {_utc(bad.min_start_ns)} to {_utc(bad.max_start_ns)} are "
+                     "no longer in `spans`; the other tables (requests, phases, steps, ...) keep the rows those "
+                     "spans made")
+        with _transaction(self._con):
+            self._con.execute("DELETE FROM span_files WHERE name IN (SELECT unnest($names))",
+                              {"names": [bad.name for bad, _ in damaged]})
+            self._con.execute(f"CREATE OR REPLACE VIEW spans AS {files.view(files.files)}")
 
     def _swap_span_files(self, old: list[span_files.SpanFile], new: span_files.SpanFile,
                          after: list[span_files.SpanFile]) -> None:
