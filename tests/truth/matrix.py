@@ -576,7 +576,8 @@ def check_answer(g: Gathered, situation: str) -> None:
             blockers = {item["request_id"] for item in _evidence(slow, "blocker")}
             assert blockers and blockers <= cell["blockers"], (blockers, cell["blockers"])
         if situation == "prefill":
-            assert (cache["result"], cache["cause"]) == ("miss", "new_prefix"), shown
+            # An engine that reuses single tokens (llama.cpp) reuses the chat template's opening: partial.
+            assert cache["cause"] == "new_prefix" and cache["result"] in ("miss", "partial"), shown
     elif situation == "hit":
         assert (cache["result"], cache["cause"]) == ("hit", None), shown
     elif situation == "capacity":

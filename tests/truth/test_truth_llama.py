@@ -69,7 +69,13 @@ def truth(tmp_path_factory, tiny_gguf):  # noqa: F811
     return once(lambda path: run_path(tmp_path_factory.mktemp("llama"), tiny_gguf))
 
 
-WRONG_ANSWER: dict[tuple[str, str], str] = {}
+#: Issue 44: the gateway's own wait is invisible (GATEWAY helper); a changed system message is never a
+#: prefix change here, multi-turn or one-shot (CACHE helper).
+WRONG_ANSWER: dict[tuple[str, str], str] = {
+    (PATH, "queueing_gateway"): "undecomposed, queue 0.0 ms",
+    (PATH, "prefix_multi_start"): "partial, new_prefix", (PATH, "prefix_multi_middle"): "hit, nothing to explain",
+    (PATH, "prefix_multi_end"): "hit, nothing to explain", (PATH, "prefix_oneshot_start"): "partial, new_prefix",
+    (PATH, "prefix_oneshot_middle"): "hit, nothing to explain", (PATH, "prefix_oneshot_end"): "hit, nothing to explain"}
 WRONG_SURFACES: dict[tuple[str, str], str] = {}
 
 
