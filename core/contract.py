@@ -202,6 +202,9 @@ OBSERVER_GATEWAY = "gateway"
 #: Key, inside ``UPSTREAM_EVIDENCE``, of the upstream's own id of an answer (the response body's
 #: ``id``: llama.cpp's ``chatcmpl-...``, vLLM's, mlx_lm.server's): an alias of the request id.
 UPSTREAM_RESPONSE_ID = "upstream.response_id"
+#: Keys inside ``UPSTREAM_EVIDENCE`` whose meaning the collector relies on (docs/telemetry.md,
+#: "Keys of upstream evidence"); every other key is the adapter's own and only shown.
+UPSTREAM_EVIDENCE_KEYS = (UPSTREAM_RESPONSE_ID,)
 POLICY_ROUND_ROBIN = "round_robin"
 POLICY_LEAST_LOADED = "least_loaded"
 POLICY_SESSION = "session"

@@ -66,9 +66,17 @@ def test_every_name_constant_is_specified():
     specified |= {a.key for spec in contract.SPANS for e in spec.events for a in e.attributes}
     specified |= {a.key for a in contract.RESOURCE}
     specified |= {v for values in contract.ENUMS.values() for v in values}
+    specified |= set(contract.UPSTREAM_EVIDENCE_KEYS)
     constants = {
         value
         for name, value in vars(contract).items()
         if name.isupper() and isinstance(value, str) and not name.startswith("DEFAULT")
     }
     assert constants - specified == set()
+
+
+def test_upstream_evidence_keys_are_documented():
+    """Keys inside ``tokentrace.upstream.evidence`` that the collector reads are listed in the doc."""
+    part = DOC.read_text(encoding="utf-8").split("#### Keys of upstream evidence", 1)[1].split("\n#", 1)[0]
+    documented = set(re.findall(r"^\| `([^`]+)` \|", part, re.M))
+    assert documented == set(contract.UPSTREAM_EVIDENCE_KEYS)
