@@ -432,8 +432,12 @@ _WINDOW_QUERIES = sorted(n for n in sqlfiles.query_names("duckdb")
                          if _params("duckdb", n) <= set(_UNBOUNDED) and n not in _NOT_IN_DEMO)
 #: The named queries that take only what a request row gives (its id, instance and time span).
 _PER_REQUEST = {"request_id", "instance_id", "t0_ns", "t1_ns"}
+#: request_alias looks a request up by the id its upstream gave the answer, which only a gateway in front
+#: of an engine records: the demo's trace has no such id, and tests/test_gateway_merge.py compares the
+#: query on both backends (test_the_upstreams_own_id_finds_the_request).
 _PER_REQUEST_QUERIES = sorted(n for n in sqlfiles.query_names("duckdb")
-                              if "request_id" in _params("duckdb", n) and _params("duckdb", n) <= _PER_REQUEST)
+                              if "request_id" in _params("duckdb", n) and _params("duckdb", n) <= _PER_REQUEST
+                              and n != "request_alias")
 
 
 @pytest.mark.parametrize("name", _WINDOW_QUERIES)
