@@ -190,7 +190,8 @@ class MetricsState:
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
-        self._verdicts: deque = deque()  #: (folded at, request_id, instance_id, model) of requests to judge
+        #: (folded at, request_id, instance_id, model, category of the folded row) of requests to judge
+        self._verdicts: deque = deque()
         self._judging = 0  #: requests taken by the verdict thread's round, not counted yet
         self._max_verdicts = max_pending_verdicts
         self._wake = threading.Condition(self._lock)
@@ -296,8 +297,15 @@ class MetricsState:
             self._model_of, default="unknown")).fill_null("unknown"), pl.col("instance_id").fill_null("unknown"))
         c = self.counters
         # category: the slowness category of a completed request, else its outcome (rejected, ...).
+        # A completed request queued for its verdicts is counted when they are computed, with the
+        # verdict's own outcome and category (_count): the row folded here is the first observer's
+        # view, and the verdict reads the merged one (a gateway's row before its engine's gave another
+        # category than analyze slow and the report: docs/truth.md). The rest are counted now.
         labelled = keyed.with_columns(pl.col("category").fill_null(pl.col("outcome")).alias("label"))
-        for instance, model, outcome, category, n in labelled.group_by(
+        completed = labelled["outcome"] == COMPLETED
+        room = max(0, self._max_verdicts - len(self._verdicts))
+        later = completed & (completed.cum_sum() <= room)
+        for instance, model, outcome, category, n in labelled.filter(~later).group_by(
                 "instance_id", "model", "outcome", "label").len().iter_rows():
             c[("tokentrace_requests", self._labels(instance, model, outcome=outcome, category=category))] += n
         for (instance, model, reason), n in _counts(keyed.filter(pl.col("finish_reason").is_not_null()),
@@ -406,7 +414,7 @@ class MetricsState:
         # at once (a Python step per request cost fold CPU: docs/benchmarks.md, Issue 17).
         room = max(0, self._max_verdicts - len(self._verdicts))
         now = time.monotonic()
-        rows = frame.select("request_id", "instance_id", "model").head(room).rows()
+        rows = frame.select("request_id", "instance_id", "model", "category").head(room).rows()
         self._verdicts.extend((now, *row) for row in rows)
         if frame.height > room:
             self.counters[("tokentrace_verdicts_skipped", ())] += frame.height - room
@@ -446,13 +454,13 @@ class MetricsState:
         a verdict, and the pause after it counted them as work (issue 44: 62 pending 9 minutes)."""
         settled = getattr(self.reader, "settled", None)
         with settled() if settled is not None else contextlib.nullcontext():
-            for rid, instance, model in taken:
+            for rid, instance, model, folded_category in taken:
                 if self._stopping:
                     return
                 began = time.monotonic()
                 judged = self._judge(rid)
                 with self._lock:
-                    self._count(judged, self._labels(instance, model))
+                    self._count(judged, self._labels(instance, model), folded_category)
                     self._judging -= 1
                 now = time.monotonic()
                 if self._ingest_busy(now):  # yield the process to the writer (constants above)
@@ -498,9 +506,16 @@ class MetricsState:
                 errors.append(("cache", type(exc).__name__))
         return Judged(cache, slow, tuple(errors))
 
-    def _count(self, judged: Judged, labels: tuple) -> None:
-        """Add one request's verdicts to the counters (under the lock)."""
+    def _count(self, judged: Judged, labels: tuple, folded_category: str | None) -> None:
+        """Add one request's verdicts to the counters (under the lock). The request itself is counted
+        under its slowness verdict's outcome and category; where that verdict failed, under the
+        category of the row folded (completed)."""
         c = self.counters
+        if judged.slow is not None:
+            outcome, category = judged.slow.outcome, judged.slow.category or judged.slow.outcome
+        else:
+            outcome, category = COMPLETED, folded_category or COMPLETED
+        c[("tokentrace_requests", (*labels, ("outcome", outcome), ("category", category)))] += 1
         for verdict, error in judged.errors:
             c[("tokentrace_verdict_errors", (*labels, ("verdict", verdict), ("error", error)))] += 1
         if judged.cache is not None:
