@@ -12,11 +12,13 @@ collector stopped) ``--db``, ``analyze report`` and ``/metrics``. ``check_answer
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import re
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,13 +98,20 @@ def cases(*paths: str) -> list:
     return [pytest.param(path, situation, id=f"{path}-{situation}") for path in paths for situation in SITUATIONS]
 
 
-def marked(cases: list, wrong: dict[tuple[str, str], str]) -> list:
-    """``cases`` with a strict xfail on each (path, situation) listed in ``wrong``."""
+def marked(cases: list, wrong: dict[tuple[str, str], str],
+           unreliable: dict[tuple[str, str], str] | None = None) -> list:
+    """``cases`` with a strict xfail on each (path, situation) listed in ``wrong`` (its answer is
+    wrong every time), and a non-strict one on each listed in ``unreliable``: a situation this
+    machine does not build the same way every run (the reason says why), whose answer is then
+    right or wrong by the run, and which must not decide CI either way."""
     out = []
     for case in cases:
         path, situation = case.values
         reason = wrong.get((path, situation))
         marks = [pytest.mark.xfail(strict=True, reason=f"issue 44: wrong today: {reason}")] if reason else []
+        if (path, situation) in (unreliable or {}):
+            marks.append(pytest.mark.xfail(strict=False, reason=f"not built reliably here: "
+                                                                 f"{unreliable[(path, situation)]}"))
         out.append(pytest.param(path, situation, id=case.id, marks=marks))
     return out
 
@@ -170,6 +179,12 @@ class Topology:
     too_long_words: int = 900  #: a prompt over the context (refused)
     refuse: Callable[[str], dict] | None = None  #: sends a refused request itself (mlx_lm.server)
     warm: Callable[[], None] | None = None  #: after the cold start: makes sure the cold engine is loaded
+    #: The queueing situations' requests are written back to back on connections opened beforehand
+    #: (the long generations first), instead of the short one being sent once the long ones hold their
+    #: slots: vLLM CPU starves its own API server, which then streams nothing (and reports nothing)
+    #: until a generation ends, so no signal from it says the slots are taken in time.
+    burst: bool = False
+    long_tokens: int = 120  #: output tokens of a generation that holds a slot while another waits
     prefix: str = ""  #: request and session ids start with it
     sent: list[str] = field(default_factory=list)  #: every request id sent
     cells: dict[str, dict] = field(default_factory=dict)  #: situation -> {rid, ...}
@@ -272,6 +287,44 @@ class Topology:
         return response.status_code
 
 
+def _while_running(threads: list[threading.Thread], ready: Callable[[], bool], what: str) -> None:
+    """Wait until ``ready()``; the situation is not built (a clear failure, not a wrong verdict) when
+    the background requests end first."""
+    def check() -> bool:
+        if ready():
+            return True
+        assert all(thread.is_alive() for thread in threads), f"not built: the requests ended before {what}"
+        return False
+
+    wait_for(check, 120, what, interval=0.05)
+
+
+def _gateway_inflight(url: str) -> int:
+    """Requests holding a slot of a gateway's upstreams (its /health)."""
+    return sum(u["inflight"] for u in httpx.get(url + "/health", timeout=10).json()["upstreams"])
+
+
+def _burst(t: Topology, role: str, chats: list[tuple[str, list[dict], int]]) -> None:
+    """Streamed chats (name, messages, max tokens) written whole, one after the other, in one loop of
+    this thread, on connections opened beforehand, so that they arrive in this order and together;
+    then each answer is read to its end (every one must be 200)."""
+    where = urllib.parse.urlsplit(t.url(role))
+    ready = []
+    for name, messages, max_tokens in chats:
+        rid = t.rid(name)
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
+        connection.connect()
+        body = json.dumps(t.body(messages, max_tokens, None, stream=True)).encode()
+        ready.append((rid, connection, body, {**t.headers(rid, None), "Content-Type": "application/json"}))
+    for _, connection, body, headers in ready:
+        connection.request("POST", "/v1/chat/completions", body=body, headers=headers)
+    for rid, connection, _, _ in ready:
+        response = connection.getresponse()
+        text = response.read()
+        connection.close()
+        assert response.status == 200, (rid, response.status, text[:300])
+
+
 def settled(gateways: list) -> None:
     """Wait until every gateway sees every upstream up (after an upstream restarted)."""
     for gateway in gateways:
@@ -301,9 +354,9 @@ def reply(text: str) -> dict:
     return {"role": "assistant", "content": text or "ok"}
 
 
-#: Output tokens of a generation that holds a batch slot while another request waits for it, and
-#: of the decode-bound request (decode must outweigh a short prompt's prefill many times over).
-LONG, DECODE = 120, 64
+#: Output tokens of the decode-bound request (decode must outweigh a short prompt's prefill many times
+#: over).
+DECODE = 64
 
 # --- the situations ------------------------------------------------------------------------------------
 
@@ -320,22 +373,32 @@ def before_restart(t: Topology) -> None:
         t.cells["template_change"] = {"first": first, "answer": t.chat("template", "tmpl-1", first, 8, "s-tmpl")}
 
     # A short request behind long generations that fill every batch slot.
-    streams = [t.background("main", f"long-{i}", [t.user(40 + i, 8)], LONG) for i in range(t.slots)]
     t.lap("cold start, first turns")
-    for _, first in streams:
-        first.wait(120)
     t.cells["queueing_engine"] = {"rid": t.prefix + "queued", "blockers": {f"{t.prefix}long-{i}" for i in
                                                                            range(t.slots)}}
-    t.chat("main", "queued", [t.user(43, 4)], 4)
-    for thread, _ in streams:
-        thread.join(300)
+    longs = [(f"long-{i}", [t.user(40 + i, 8)], t.long_tokens) for i in range(t.slots)]
+    if t.burst:
+        _burst(t, "main", [*longs, ("queued", [t.user(43, 4)], 4)])
+    else:
+        streams = [t.background("main", *long) for long in longs]
+        for _, first in streams:
+            first.wait(120)
+        t.chat("main", "queued", [t.user(43, 4)], 4)
+        for thread, _ in streams:
+            thread.join(300)
 
     if "queueing_gateway" in declared:
-        thread, first = t.background("narrow", "gw-long", [t.user(44, 8)], LONG)
-        first.wait(120)
         t.cells["queueing_gateway"] = {"rid": t.prefix + "gw-queued", "blockers": {t.prefix + "gw-long"}}
-        t.chat("narrow", "gw-queued", [t.user(45, 4)], 4)
-        thread.join(300)
+        if t.burst:
+            _burst(t, "narrow", [("gw-long", [t.user(44, 8)], t.long_tokens), ("gw-queued", [t.user(45, 4)], 4)])
+        else:
+            thread, _ = t.background("narrow", "gw-long", [t.user(44, 8)], t.long_tokens)
+            # The gateway's own count of the slot held (its /health), not the long generation's
+            # first content: its slot must be taken when the short request arrives.
+            _while_running([thread], lambda: _gateway_inflight(str(t.urls["narrow"])) >= 1,
+                           f"{t.path}: the narrow gateway's slot held by the long generation")
+            t.chat("narrow", "gw-queued", [t.user(45, 4)], 4)
+            thread.join(300)
 
     t.lap("queueing")
     t.cells["prefill"] = {"rid": t.prefix + "prefill"}
