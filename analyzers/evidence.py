@@ -44,6 +44,41 @@ def fmt_ms(value: float | None) -> str:
     return f"{value:.1f} ms"
 
 
+def plural(count: int | float | None, one: str, many: str | None = None) -> str:
+    """'1 request', '3 requests', 'an unknown number of requests': a count and its noun, agreeing."""
+    many = many or one + "s"
+    if count is None:
+        return f"an unknown number of {many}"
+    return f"{count} {one if count == 1 else many}"
+
+
+#: What each baseline metric (analyzers/slowness.py) is called in a sentence: never its field name.
+MEASURE_NAMES = {"queue_ms": "queue", "load_wait_ms": "load wait", "tpot_ms": "time per output token",
+                 "prefill_ms_per_uncached_token": "prefill per uncached token"}
+
+
+def fmt_measure(value: float | None, unit: str) -> str:
+    """A measure with its unit and a precision that suits it: '5.63 s', '0.242 ms', '0.0183 ms/token'."""
+    if value is None:
+        return "n/a"
+    if unit == "ms":
+        return fmt_ms(value) if abs(value) >= 10 else f"{value:.3g} ms"
+    return f"{value:.3g} {unit}"
+
+
+def baseline_text(base: dict) -> str:
+    """One sentence for a slowness verdict's baseline: 'queue 5.63 s against a median of 0.242 ms over
+    12 comparable requests.'"""
+    if not base:
+        return "not judged"
+    name = MEASURE_NAMES.get(base["metric"], base["metric"].replace("_", " "))
+    over = plural(base["samples"], "comparable request")
+    if base.get("value") is None:
+        return f"{name} {fmt_measure(base['observed'], base['unit'])}; no baseline yet ({over})."
+    return (f"{name} {fmt_measure(base['observed'], base['unit'])} against a median of "
+            f"{fmt_measure(base['value'], base['unit'])} over {over}.")
+
+
 def median(values) -> float | None:
     """Median of the non-None values, or None when there are none."""
     clean = sorted(v for v in values if v is not None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokentrace.analyzers.evidence import NO_CAUSE, fmt_ms
+from tokentrace.analyzers.evidence import NO_CAUSE, baseline_text, fmt_ms, plural
 
 _BAR = 24
 
@@ -18,10 +18,9 @@ def _abnormal(verdict: dict) -> str:
     if not base:
         return "abnormal: not judged"
     if verdict["abnormal"] is None:
-        return f"abnormal: unknown (only {base['samples']} comparable requests)"
+        return f"abnormal: unknown ({baseline_text(base).rstrip('.')})"
     judged = "yes" if verdict["abnormal"] else "no"
-    return (f"abnormal: {judged} ({base['metric']} {base['observed']:.4g} {base['unit']} vs baseline "
-            f"{base['value']:.4g} over {base['samples']} requests)")
+    return f"abnormal: {judged} ({baseline_text(base).rstrip('.')})"
 
 
 def render_slow(verdict: dict) -> str:
@@ -93,15 +92,17 @@ def render_report(report: dict) -> str:
     """The window report as small tables."""
     if not report["requests"]:
         return "no requests in the window"
-    lines = [f"{report['requests']} requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))]
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))
+    lines = [f"{plural(report['requests'], 'request')}: {outcomes}"]
     lines.append("categories (completed requests): "
                  + (", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())) or "-"))
     causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "-"
-    lines.append(f"cache causes (latest {report['cause_sample']} requests that did not reuse their whole prompt): "
+    lines.append(f"cache causes (latest {plural(report['cause_sample'], 'request')} that did not reuse their whole "
+                 "prompt): "
                  f"{causes}")
     rate = report["cache"]["token_hit_rate"]
     lines.append(f"cache: {'n/a' if rate is None else f'{rate:.1%}'} of prompt tokens reused; "
-                 f"{report['cache']['requests_with_reuse']} requests reused something, "
+                 f"{plural(report['cache']['requests_with_reuse'], 'request')} reused something, "
                  f"{report['cache']['requests_without_reuse']} nothing")
     lines.append("latency: time to first token (the engine's first generated token) and time to first content "
                  "(the first chunk with answer text: the TTFT a client measures)")
@@ -120,8 +121,9 @@ def render_report(report: dict) -> str:
                      f"e2e {fmt_ms(row['e2e_ms'])} · first token {fmt_ms(row['ttft_ms'])} · first content "
                      f"{fmt_ms(row.get('first_content_ms'))}")
     for row in report.get("routing") or ():
-        lines.append(f"routing {row['policy']}: {row['decisions']} decisions, avoidable prefill "
-                     f"{row['avoidable_prefill_tokens']} tokens ({row['decisions_with_avoidable']} decisions), "
+        lines.append(f"routing {row['policy']}: {plural(row['decisions'], 'decision')}, avoidable prefill "
+                     f"{plural(row['avoidable_prefill_tokens'], 'token')} "
+                     f"({plural(row['decisions_with_avoidable'], 'decision')}), "
                      f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
     lines.append("(latency, categories and cache figures count completed requests only)")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
-from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms
+from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms, plural
 from tokentrace.analyzers.outcome import (
     COMPLETED,
     PHASES,
@@ -288,6 +288,10 @@ def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
     ))
 
 
+def _count_of(value: int | None) -> str:
+    return "an unknown number" if value is None else str(value)
+
+
 def _uncached(row: dict) -> int:
     return max(0, (row.get("prompt_tokens") or 0) - (row.get("cached_tokens") or 0))
 
@@ -353,8 +357,10 @@ def _queueing(verdict: SlowVerdict, facts: SlowFacts) -> None:
         q = queue[0]
         t0, t1 = q["start_ns"], q["end_ns"]
         verdict.evidence.append(Evidence(
-            "queue_depth", f"Arrived with {q['queue_depth']} requests waiting and {q['queue_running']} running "
-                           f"(the engine admits {q['max_batch']} at once); waited {fmt_ms(waited)}.",
+            "queue_depth", f"Arrived with {plural(q['queue_depth'], 'request')} waiting and "
+                           f"{_count_of(q['queue_running'])} running"
+                           + (f" (it admits {q['max_batch']} at once)" if q["max_batch"] is not None else "")
+                           + f"; waited {fmt_ms(waited)}.",
             {"queue_depth": q["queue_depth"], "running": q["queue_running"], "max_batch": q["max_batch"],
              "queue_ms": waited},
         ))

@@ -18,6 +18,7 @@ import json
 import urllib.parse
 
 from tokentrace.analyzers.cli import add_source_options, fetch_json
+from tokentrace.analyzers.evidence import plural
 from tokentrace.errors import ConfigError
 
 FORMATS = ("mooncake",)
@@ -128,7 +129,8 @@ def _cap(value: int | None) -> str:
 
 def render(result: dict) -> str:
     """A table: one line per combination, and what the engines actually achieved."""
-    lines = [f"{result['requests']} requests from the {result['source']} (block {result['block_size']} tokens, "
+    lines = [f"{plural(result['requests'], 'request')} from the {result['source']} "
+             f"(block {result['block_size']} tokens, "
              f"{result['cache_model']} cache model"
              + (f"; {result['skipped_requests']} without a prompt fingerprint left out" if result["skipped_requests"]
                 else "") + ")"]

@@ -9,6 +9,7 @@ the canvas renderers) are served from the package: nothing is fetched from a CDN
 from __future__ import annotations
 
 import functools
+import re
 import time
 import urllib.parse
 from importlib import resources
@@ -17,9 +18,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup, escape
 
 from tokentrace import __version__, wire
-from tokentrace.analyzers.evidence import fmt_ms
+from tokentrace.analyzers.evidence import baseline_text, fmt_ms, plural
 from tokentrace.errors import ConfigError, NotFound, TokentraceError
 
 router = APIRouter()
@@ -92,6 +94,33 @@ def quote_path(value: Any) -> str:
     return urllib.parse.quote(str(value), safe="")
 
 
+def _named_requests(item: dict) -> set[str]:
+    """The request ids an evidence item's data names (request_id, entry_request_id, evicted_by, ...)."""
+    ids: set[str] = set()
+    for key, value in item.items():
+        if key.endswith("request_id") or key == "evicted_by":
+            values = [value]
+        elif key.endswith("request_ids") and isinstance(value, list):
+            values = value
+        else:
+            continue
+        ids.update(v for v in values if isinstance(v, str) and v)
+    return ids
+
+
+def evidence_text(item: dict) -> Markup:
+    """An evidence item's sentence, escaped, with every request id its data names made a link to that
+    request's page (one pass, longest id first, whole ids only: "req-1" is not linked inside "req-10")."""
+    text = str(escape(item["text"]))
+    ids = sorted((str(escape(rid)) for rid in _named_requests(item)), key=len, reverse=True)
+    if not ids:
+        return Markup(text)
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, ids)) + r")(?![\w-])")
+    by_escaped = {str(escape(rid)): rid for rid in _named_requests(item)}
+    return Markup(pattern.sub(lambda m: f'<a class="request-link" href="/requests/{quote_path(by_escaped[m[1]])}">'
+                                        f"{m[1]}</a>", text))
+
+
 def dumps(data: Any) -> str:
     """Compact JSON for twins and embedded page data; NaN becomes null rather than invalid JSON."""
     return wire.dumps(data, default=str)
@@ -105,7 +134,8 @@ _ENV = Environment(
     lstrip_blocks=True,
 )
 _ENV.filters.update(ms=fmt_ms, bytes=fmt_bytes, pct=fmt_pct, num=fmt_num, clock=fmt_clock, age=fmt_age,
-                    q=quote_path, unit_plural=unit_plural)
+                    q=quote_path, unit_plural=unit_plural, baseline=baseline_text,
+                    plural=plural, evidence_text=evidence_text)
 _ENV.globals.update(nav=NAV, windows=WINDOWS, version=__version__, share_pct=share_pct)
 # tojson escapes <, >, & and ' for HTML on top of this function's output (jinja2.utils.htmlsafe_json_dumps).
 _ENV.policies["json.dumps_function"] = dumps

@@ -9,6 +9,7 @@ telemetry); verdicts are read through the collector's API and, after it stopped,
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ import pytest
 from harness_collector import CollectorProcess
 from harness_engine import EngineProcess
 
+from tokentrace.analyzers.evidence import baseline_text
+from tokentrace.analyzers.render import render_slow
 from tokentrace.demo_workload import INSTANCE_FLAGS, Cluster, run_workload
 
 pytestmark = pytest.mark.slow
@@ -79,6 +82,13 @@ def test_queueing_names_the_requests_holding_the_slots(scenario):
         assert item["completion_tokens"] == 300
         assert 0 < item["held_ms"] <= slow["breakdown_ms"]["queue"] + 1
     assert slow["abnormal"] is True  # nothing else on A queued like this
+    # Issue 47: on the request page, a request id in the evidence is a link to that request's page;
+    # the queue's sentence counts in words that agree ("2 requests").
+    page = httpx.get(f"{scenario['collector'].url}/requests/demo-queued", timeout=60).text
+    for rid in blockers:
+        assert f'Request <a class="request-link" href="/requests/{rid}">{rid}</a> held a batch slot' in page
+    assert re.match(r"Arrived with (1 request|\d+ requests) waiting and 2 running \(it admits 2 at once\)",
+                    depth["text"]), depth["text"]
 
 
 def test_long_uncached_prompt_is_prefill_with_its_cache_verdict(scenario):
@@ -220,10 +230,19 @@ def test_a_request_fast_everywhere_is_not_abnormal(scenario):
     slow = verdict(scenario, "demo-fast", "slow")
     assert slow["abnormal"] is False
     assert slow["baseline"]["samples"] >= 3
-    # Issue 11 item 8: units on every baseline figure, on the page as in the JSON.
+    # Issue 11 item 8: units on every baseline figure, on the page as in the JSON. Issue 47: in words
+    # and at a sensible precision, never a field name ("queue_ms 5627.7901 ms against a median of
+    # 0.2422 ms").
     base = slow["baseline"]
     page = httpx.get(f"{scenario['collector'].url}/requests/demo-fast", timeout=60).text
-    assert f"{base['observed']} {base['unit']} against a median of {base['value']} {base['unit']} over" in page
+    text = baseline_text(base)
+    assert text in page and f"{base['metric']} {base['observed']}" not in page, text
+    assert re.fullmatch(r"(queue|load wait|time per output token|prefill per uncached token) [0-9.]+ "
+                        r"(ms|s|ms/token) against a median of [0-9.]+ (ms|s|ms/token) over \d+ comparable "
+                        r"requests\.", text), text
+    assert all(len(number.replace(".", "").lstrip("0")) <= 4 for number in re.findall(r"[0-9.]+(?= m?s)", text))
+    line = render_slow(slow).splitlines()[1]
+    assert f"abnormal: no ({text[:-1]})" in line, line
 
 
 def test_every_shown_request_gets_the_verdict_its_scenario_shows(scenario):
