@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader stopped early (| head -1): no traceback, as _leave
+        _stdout_gone()
+        return PIPE_CLOSED
     if argv is None and getattr(args, "_quick_exit", False):
         _leave(code)
     return code
@@ -90,5 +93,18 @@ def _leave(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     except BrokenPipeError:  # a reader that stopped early (| head): as Python itself reports it
-        os._exit(120)
+        os._exit(PIPE_CLOSED)
     os._exit(code)
+
+
+#: Exit status when stdout's reader went away before the answer was written (Python's own status
+#: when flushing stdout fails at exit).
+PIPE_CLOSED = 120
+
+
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what is still buffered
+    cannot fail again (and print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

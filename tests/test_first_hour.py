@@ -3,6 +3,8 @@ install (README's command itself: tests/test_readme_first_command.py)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +65,39 @@ def test_building_the_package_warns_of_no_unlisted_package(tmp_path):
     for shipped in ("tokentrace/collector/sql/duckdb/001_init.sql", "tokentrace/dashboards/templates/base.html",
                     "tokentrace/dashboards/grafana/tokentrace.json"):
         assert shipped in names, shipped
+
+
+# --- issue 47, "the first hour, polished" -------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [(), ("--json",)], ids=["text", "json"])
+def test_a_reader_that_stops_early_gets_no_traceback(collector_factory, extra):
+    """``tokentrace analyze ... | head -1``: the reader is gone before the answer is written."""
+    collector = collector_factory().start()
+    read, write = os.pipe()
+    os.close(read)  # the reader left: every write to the pipe fails (EPIPE)
+    try:
+        out = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "report", "--since", "all",
+                              "--url", collector.url, *extra], stdout=write, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == 120, (out.returncode, out.stderr)
+
+
+def test_a_busy_port_is_one_line_for_the_gateway():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tokentrace", "gateway", "--port", str(port), "--upstream",
+                              "a=http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"tokentrace gateway: error: --port {port}: cannot listen on 127.0.0.1:{port}: "
+                          "Address already in use\n"), out.stderr
+
+
+def test_help_lists_the_choices_of_closed_options():
+    text = " ".join(_help("gateway").split())
+    assert "--route {round_robin,least_loaded,session,prefix}" in text
+    assert "one of round_robin, least_loaded, session, prefix (default: round_robin)" in text

@@ -62,8 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser, settings: Iterable[Setting],
                                 help=help_text)
         else:
             shown = "" if setting.default is None else f" (default: {setting.default})"
+            if setting.choices:  # listed where a reader looks for them: "--route {round_robin,...}" and the help
+                shown = f": one of {', '.join(setting.choices)}{shown}"
             parser.add_argument(*names, dest=setting.attr, default=None, choices=setting.choices or None,
-                                metavar=setting.option.upper().replace("-", "_"), help=help_text + shown)
+                                metavar=None if setting.choices else setting.option.upper().replace("-", "_"),
+                                help=help_text + shown)
 
 
 def read_values(args: argparse.Namespace, settings: Iterable[Setting], environ: Mapping[str, str],

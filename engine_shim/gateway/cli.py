@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate the settings, then serve until interrupted."""
     settings = settings_from_args(args)
+    from tokentrace.listen import listen_socket
+
+    sock = listen_socket(settings.host, settings.port)  # a busy port is one line, before anything starts
     import uvicorn
 
     from tokentrace.engine_shim.emit.spool import Spool, SpoolingSpanExporter
@@ -47,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda *_: None)
     try:
-        uvicorn.run(gateway, host=settings.host, port=settings.port, log_level=args.log_level,
-                    access_log=False, lifespan="on")
+        uvicorn.Server(uvicorn.Config(gateway, host=settings.host, port=settings.port, log_level=args.log_level,
+                                      access_log=False, lifespan="on")).run(sockets=[sock])
     finally:
         observer.close()
     return 0
