@@ -24,6 +24,7 @@ def test_every_documented_option_exists():
 
 
 @pytest.mark.parametrize("name", [*c.ENUMS[c.ROUTE_POLICY], *kinds(), "POST /v1/chat/completions",
-                                  "POST /v1/completions", "GET /v1/models", "GET /health"])
+                                  "POST /v1/completions", "GET /v1/models", "GET /v1/models/{id}",
+                                  "GET /health"])
 def test_policies_adapter_kinds_and_routes_are_documented(name):
     assert f"`{name}`" in DOC

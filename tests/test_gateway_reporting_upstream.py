@@ -5,6 +5,7 @@ observed it."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from harness_collector import CollectorProcess
 from harness_engine import EngineProcess, tiny_model  # noqa: F401 - fixture
@@ -26,10 +27,21 @@ def test_a_tokentrace_engine_behind_the_gateway_is_counted_once_and_joined_with_
         messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "hi"}]
         for i, stream in enumerate((True, False, True)):
             assert gateway.chat(messages, f"hop-{i}", session="s", stream=stream)["status"] == 200
+        # Issue 47: GET /v1/models/{id} as the engine behind it answers it (404 before), and 404
+        # model_not_found for a model nobody serves.
+        served = httpx.get(engine.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        one = httpx.get(f"{gateway.url}/v1/models/{served}", timeout=10)
+        assert one.status_code == 200 and one.json() == {"id": served, "object": "model", "created": 0,
+                                                         "owned_by": "engine-a"}, one.text
+        missing = httpx.get(f"{gateway.url}/v1/models/org/not-served", timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found", missing.text
     finally:
         gateway.stop()
         engine.stop()
         collector.stop()
+    # Issue 47: transformers' "PyTorch was not found. Models won't be available" at the gateway's start
+    # (it only tokenizes) is not printed.
+    assert "PyTorch was not found" not in gateway.log_path.read_text()
     rows = collector.sql("SELECT request_id, observer, instance_id, engine FROM requests ORDER BY request_id, observer")
     # Two views of each request: the engine's (inside) and the gateway's (outside, the client's).
     assert rows == [row for i in range(3) for row in ((f"hop-{i}", "engine", "engine-a", "mlx-lm"),

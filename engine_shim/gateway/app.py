@@ -163,6 +163,18 @@ class Gateway:
         if method == "GET" and path in ("/v1/models", "/models"):
             await _json(send, 200, self.models())
             return
+        if method == "GET" and path.startswith(("/v1/models/", "/models/")):
+            # One model, as the engines behind the gateway serve it (ids may hold "/": org/name).
+            wanted = path.split("/models/", 1)[1]
+            found = next((m for m in self.models()["data"] if m["id"] == wanted), None)
+            if found is None:
+                await _json(send, 404, {"error": {"message": f"The model '{wanted}' does not exist: no upstream "
+                                                             "serves it (GET /v1/models lists what they serve)",
+                                                  "type": "invalid_request_error", "param": "model",
+                                                  "code": "model_not_found"}})
+            else:
+                await _json(send, 200, found)
+            return
         route = self.routes.get(path) or self.routes.get("/v1" + path)
         if method != "POST" or route is None:
             await _json(send, 404, {"error": {"message": f"no route {method} {path}", "type": "not_found"}})

@@ -21,6 +21,7 @@ rendering of ``messages[:k+1]`` stops sharing tokens with the whole prompt.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,9 @@ class LocalTokenizer:
     """``--tokenizer DIR``: the model's Hugging Face tokenizer and chat template, in the gateway."""
 
     def __init__(self, directory: str):
+        # transformers warns at import that PyTorch is missing and "Models won't be available": true,
+        # and nothing a gateway that only tokenizes needs to hear (an advisory warning it lets us mute).
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer  # heavy: only when --tokenizer is given
 
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
