@@ -99,7 +99,17 @@ BAD = [
      "maximum context length is 2048 tokens"),
     ("prompt plus completion over the context", {"messages": HELLO, "max_tokens": 2040},
      "for the completion"),
+    # Issue 47: answered with text that may not be JSON, before; refused now (no guided decoding).
+    ("response_format json_object", {"messages": HELLO, "response_format": {"type": "json_object"}},
+     "'response_format': type 'json_object' is not supported"),
+    ("response_format json_schema", {"messages": HELLO, "response_format": {"type": "json_schema",
+                                                                            "json_schema": {"name": "x"}}},
+     "'response_format': type 'json_schema' is not supported"),
 ]
+
+
+def test_response_format_text_is_the_default_and_accepted(engine):
+    assert engine.chat(HELLO, max_tokens=1, response_format={"type": "text"}).status_code == 200
 
 
 @pytest.mark.parametrize(("case", "body", "message"), BAD, ids=[case for case, _, _ in BAD])

@@ -89,6 +89,9 @@ class ChatRequest(_Generation):
     tools: list[dict[str, Any]] | None = None  #: tool definitions, rendered by the chat template
     logprobs: bool = False  #: return the log-probability of each generated token
     top_logprobs: int | None = None  #: alternatives per token (needs logprobs)
+    #: only {"type": "text"} (the default); JSON modes need constrained decoding, which this engine
+    #: does not do: refused with a 400 rather than answered with text that may not be JSON
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Generation):
@@ -234,6 +237,11 @@ def _check_chat(request: ChatRequest) -> None:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not request.messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
+    kind = (request.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise BadRequest(f"'response_format': type {kind!r:.40} is not supported: this engine does not constrain "
+                         "its output to JSON (no guided decoding); only {\"type\": \"text\"} is accepted",
+                         param="response_format")
     for i, message in enumerate(request.messages):
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text":
