@@ -41,7 +41,7 @@ fi
 if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
     apt-get -o DPkg::Lock::Timeout=600 update -qq
     DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
-        cmake build-essential >&2
+        --no-install-recommends cmake build-essential >&2
 fi
 
 start=$(date +%s)
