@@ -4,7 +4,8 @@
     GET /api/requests/{id}/cache    cache verdict
     GET /api/requests/{id}/verdict  both: {"slow": ..., "cache": ...}
     GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
-    GET /api/report?since=15m       the window report
+    GET /api/report?since=15m       the window report (or ?from=&until= absolute times; &instance=,
+                                    &model=, &session=, &request_prefix= for a slice)
     GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
 
 ``?slo=ttft=2s,...`` on slow, verdict and report judges against those objectives instead of the
@@ -23,7 +24,7 @@ from tokentrace.analyzers.session import analyze_session
 from tokentrace.analyzers.slo import SloSpec, parse_slo
 from tokentrace.analyzers.slowness import analyze_slowness
 from tokentrace.analyzers.workload import load_workload
-from tokentrace.window import since_ns
+from tokentrace.window import Slice, since_ns, window_ns
 
 router = APIRouter(prefix="/api")
 #: Most cache misses one report explains (each costs a cache verdict).
@@ -65,12 +66,17 @@ def session_verdict(session_id: str, request: Request) -> dict:
 
 
 @router.get("/report")
-def window_report(request: Request, since: str = "15m",
+def window_report(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+                  until: str | None = None, instance: str | None = None, model: str | None = None,
+                  session: str | None = None, request_prefix: str | None = None,
                   causes: int = Query(25, ge=0, le=MAX_CAUSE_SAMPLE), slo: str | None = None) -> dict:
-    """The report over requests that started in the last ``since`` (or 'all'), explaining the cache
-    misses of at most ``causes`` of them."""
-    return summarize(request.app.state.reader, since_ns(since, what="since"), cause_sample=causes,
-                     slo=objectives(request, slo)).as_dict()
+    """The report over requests that started in the last ``since`` (or 'all'; default 15m), or from
+    ``from`` until ``until`` (absolute times), of one instance, model, session or request-id prefix,
+    explaining the cache misses of at most ``causes`` of them."""
+    first, last = window_ns(since, start, until, default_since="15m", names=("since", "from", "until"))
+    where = Slice(instance, model, session, request_prefix)
+    return summarize(request.app.state.reader, first, last, cause_sample=causes, slo=objectives(request, slo),
+                     where=where).as_dict()
 
 
 @router.get("/workload")

@@ -35,10 +35,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _analysis_options(session)
     report = sub.add_parser("report", help="counts per category and cause, slowest requests, percentiles",
                             description="A summary of the requests that started in the window.")
-    report.add_argument("--since", default="15m", help="window length: 30s, 15m, 1h, 2d or 'all' (default 15m)")
+    report.add_argument("--since", default=None, help="window length, ending now: 30s, 15m, 1h, 2d or 'all' "
+                                                      "(default 15m, unless --from or --until is given)")
+    add_slice_options(report)
     report.add_argument("--causes", type=int, default=25, help="latest misses to compute causes for (default 25)")
     _analysis_options(report)
     _slo_option(report)
+
+
+def add_slice_options(parser: argparse.ArgumentParser) -> None:
+    """--from/--until (an absolute window: a benchmark run's) and the slice filters."""
+    parser.add_argument("--from", dest="start", default=None, metavar="TIME",
+                        help="window start: ISO 8601 (2026-12-05T20:00:00Z; UTC without an offset) or epoch seconds")
+    parser.add_argument("--until", default=None, metavar="TIME", help="window end (exclusive), as --from")
+    parser.add_argument("--instance", default=None, help="only this instance's requests")
+    parser.add_argument("--model", default=None, help="only this model's requests")
+    parser.add_argument("--session", default=None, help="only this session's requests")
+    parser.add_argument("--request-prefix", default=None, metavar="PREFIX",
+                        help="only requests whose id starts with PREFIX (a benchmark's run)")
+
+
+def slice_of(args: argparse.Namespace) -> dict[str, str | None]:
+    """The slice options as the API's query parameters (None: not given)."""
+    return {"instance": args.instance, "model": args.model, "session": args.session,
+            "request_prefix": args.request_prefix}
 
 
 def _slo_option(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +107,10 @@ def _from_db(args: argparse.Namespace) -> dict:
     from tokentrace.collector.store_duckdb import DuckDBStore
 
     slo = parse_slo(getattr(args, "slo", None))
+    if args.analysis == "report":
+        from tokentrace.window import window_ns
+
+        window = window_ns(args.since, args.start, args.until, default_since="15m")  # bad input: before opening
     store = DuckDBStore(args.db, read_only=True)
     try:
         if args.analysis == "slow":
@@ -103,9 +127,10 @@ def _from_db(args: argparse.Namespace) -> dict:
             result = analyze_session(store, args.session_id).as_dict()
         else:
             from tokentrace.analyzers.report import summarize
-            from tokentrace.window import since_ns
+            from tokentrace.window import Slice
 
-            result = summarize(store, since_ns(args.since), cause_sample=args.causes, slo=slo).as_dict()
+            where = Slice(args.instance, args.model, args.session, args.request_prefix)
+            result = summarize(store, *window, cause_sample=args.causes, slo=slo, where=where).as_dict()
     finally:
         store.close()
     return json.loads(json.dumps(result))  # the same types the HTTP path yields
@@ -114,7 +139,12 @@ def _from_db(args: argparse.Namespace) -> dict:
 def _from_url(args: argparse.Namespace) -> dict:
     slo = {"slo": args.slo} if getattr(args, "slo", None) is not None else {}
     if args.analysis == "report":
-        path = "/api/report?" + urllib.parse.urlencode({"since": args.since, "causes": args.causes, **slo})
+        from tokentrace.window import window_ns
+
+        window_ns(args.since, args.start, args.until, default_since="15m")  # a bad time fails here, in our words
+        given = {"since": args.since, "from": args.start, "until": args.until, **slice_of(args)}
+        path = "/api/report?" + urllib.parse.urlencode(
+            {**{k: v for k, v in given.items() if v is not None}, "causes": args.causes, **slo})
     elif args.analysis == "session":
         path = f"/api/sessions/{urllib.parse.quote(args.session_id, safe='')}"
     else:

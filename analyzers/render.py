@@ -90,10 +90,13 @@ def render_cache(verdict: dict) -> str:
 
 def render_report(report: dict) -> str:
     """The window report as small tables."""
+    where = _slice_text(report)
     if not report["requests"]:
-        return "no requests in the window"
+        return "no requests in the window" + (f" ({where})" if where else "")
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))
     lines = [f"{plural(report['requests'], 'request')}: {outcomes}"]
+    if where:
+        lines.append(f"slice: {where}")
     lines.append("categories (completed requests): "
                  + (", ".join(f"{k} {v}" for k, v in sorted(report["categories"].items())) or "-"))
     causes = ", ".join(f"{k} {v}" for k, v in sorted(report["causes"].items())) or "-"
@@ -127,6 +130,26 @@ def render_report(report: dict) -> str:
                      f"mean gateway wait {fmt_ms(row['mean_gateway_wait_ms'])}")
     lines.append("(latency, categories and cache figures count completed requests only)")
     return "\n".join(lines)
+
+
+def _slice_text(report: dict) -> str:
+    """'from 20:00:00.000 UTC until 20:10:00.000 UTC; instance mini-1, request ids demo-*' (empty for a
+    plain window ending now)."""
+    import time
+
+    def clock(ns: int) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ns / 1e9)) + f".{ns // 1_000_000 % 1000:03d} UTC"
+
+    parts = []
+    if report.get("until_ns") is not None:
+        start = "the first request" if report.get("since_ns") is None else clock(report["since_ns"])
+        parts.append(f"from {start} until {clock(report['until_ns'])}")
+    names = {"instance_id": "instance", "model": "model", "session_id": "session"}
+    given = report.get("slice") or {}
+    parts += [f"{names[key]} {given[key]}" for key in names if given.get(key) is not None]
+    if given.get("request_prefix") is not None:
+        parts.append(f"request ids {given['request_prefix']}*")
+    return "; ".join(parts)
 
 
 def render_slo(slo: dict | None) -> list[str]:

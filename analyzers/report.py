@@ -24,6 +24,7 @@ from tokentrace.analyzers.slo import SloSpec, attainment
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.threads import name_os_thread
+from tokentrace.window import Slice
 
 _COMPONENTS = [name for name, _ in CATEGORIES]
 
@@ -49,6 +50,8 @@ class Report:
     routing: list[dict[str, Any]] = field(default_factory=list)
     """Per gateway routing policy: decisions, avoidable prefill tokens summed, decisions with any,
     decisions measured, mean gateway wait (docs/gateway.md); empty without a gateway."""
+    #: the requests beyond the window: instance_id, model, session_id, request_prefix (None: any)
+    slice: dict[str, Any] = field(default_factory=lambda: Slice().params())
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -124,19 +127,23 @@ def cause_candidates(frame: pl.DataFrame, sample: int) -> pl.DataFrame:
 
 
 def summarize(reader: TraceReader, since_ns: int | None, until_ns: int | None = None, slowest: int = 10,
-              cause_sample: int = 25, limit: int = 1_000_000, slo: SloSpec | None = None) -> Report:
-    """The report over requests that started in [since, until)."""
-    frame = reader.bulk("requests_report", since_ns=since_ns, until_ns=until_ns, instance_id=None, limit=limit)
+              cause_sample: int = 25, limit: int = 1_000_000, slo: SloSpec | None = None,
+              where: Slice | None = None) -> Report:
+    """The report over requests that started in [since, until), of the slice ``where``."""
+    where = where or Slice()
+    frame = reader.bulk("requests_report", since_ns=since_ns, until_ns=until_ns, limit=limit, **where.params())
     return summarize_frame(reader, with_categories(frame, declared_parts(reader)), since_ns, until_ns, slowest,
-                           cause_sample, slo)
+                           cause_sample, slo, where)
 
 
 def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | None, until_ns: int | None = None,
-                    slowest: int = 10, cause_sample: int = 25, slo: SloSpec | None = None) -> Report:
+                    slowest: int = 10, cause_sample: int = 25, slo: SloSpec | None = None,
+                    where: Slice | None = None) -> Report:
     """``summarize`` over a requests frame already read and given its categories (``with_categories``)."""
+    where = where or Slice()
     if frame.height == 0:
         return Report(since_ns, until_ns, 0, {}, {}, {}, 0, {"token_hit_rate": None}, [], [],
-                      attainment(frame, slo, None) if slo else None)
+                      attainment(frame, slo, None) if slo else None, slice=where.params())
     outcomes = dict(sorted(frame.group_by("outcome").len().iter_rows()))
     frame = with_first_content(frame)
     whole = frame
@@ -178,12 +185,15 @@ def summarize_frame(reader: TraceReader, frame: pl.DataFrame, since_ns: int | No
             causes[cause] = causes.get(cause, 0) + 1
     return Report(since_ns, until_ns, whole.height, outcomes, categories, causes, sample.height, cache,
                   sorted(instances, key=lambda row: str(row["instance_id"])), slow_rows,
-                  attainment(whole, slo, span_s) if slo else None, routing_by_policy(reader, since_ns, until_ns))
+                  attainment(whole, slo, span_s) if slo else None,
+                  routing_by_policy(reader, since_ns, until_ns, where), slice=where.params())
 
 
-def routing_by_policy(reader: TraceReader, since_ns: int | None, until_ns: int | None) -> list[dict[str, Any]]:
-    """The gateway's routing decisions per policy in the window (``Report.routing``)."""
-    rows = reader.frame("routing_by_policy", since_ns=since_ns, until_ns=until_ns).to_dicts()
+def routing_by_policy(reader: TraceReader, since_ns: int | None, until_ns: int | None,
+                      where: Slice | None = None) -> list[dict[str, Any]]:
+    """The gateway's routing decisions per policy in the window and slice (``Report.routing``)."""
+    where = where or Slice()
+    rows = reader.frame("routing_by_policy", since_ns=since_ns, until_ns=until_ns, **where.params()).to_dicts()
     for row in rows:
         wait = row["mean_gateway_wait_ms"]
         row["mean_gateway_wait_ms"] = None if wait is None else round(float(wait), 3)

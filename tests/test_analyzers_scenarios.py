@@ -8,10 +8,12 @@ telemetry); verdicts are read through the collector's API and, after it stopped,
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import httpx
 import pytest
@@ -288,6 +290,76 @@ def test_url_verdicts_import_no_store_or_frame_library(scenario, args):
     assert result["heavy"] == [] and not result["engine"]
 
 
+def _rows(scenario) -> dict[str, dict]:
+    """Every stored request's merged row (the request page's JSON twin), by id."""
+    ids = _page(scenario, "/timeline.json?since=all")["requests"]["id"]
+    return {rid: _page(scenario, f"/requests/{rid}.json")["request"] for rid in ids}
+
+
+def _iso(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def test_a_report_of_an_absolute_window_and_a_slice_counts_those_requests_alone(scenario):
+    """Issue 47 item 3: --from/--until (absolute times) and --instance/--model/--session/--request-prefix
+    on analyze report, through the CLI and the API: each gives the counts made from the requests'
+    own rows, and a slice's output tokens/s is its completion tokens over its own span (a benchmark's
+    figure for its own requests)."""
+    rows = _rows(scenario)
+    url = scenario["collector"].url
+
+    def report(*args: str) -> dict:
+        out = _cli("report", "--url", url, "--json", *args)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    # A window between request starts (midpoints: no boundary falls on a request).
+    starts = sorted(row["start_ns"] for row in rows.values())
+    first, last = (starts[9] + starts[10]) // 2, (starts[29] + starts[30]) // 2
+    inside = [row for row in rows.values() if first <= row["start_ns"] < last]
+    windowed = report("--from", _iso(first), "--until", _iso(last))
+    assert windowed["requests"] == len(inside) == 20
+    assert windowed["outcomes"] == dict(Counter(_outcome(row) for row in inside))
+    assert windowed["since_ns"] == pytest.approx(first, abs=2000) and windowed["until_ns"] == pytest.approx(
+        last, abs=2000)  # ISO 8601 carries microseconds
+
+    prefix = "demo-long-gen"
+    mine = [row for rid, row in rows.items() if rid.startswith(prefix)]
+    sliced = report("--since", "all", "--request-prefix", prefix)
+    assert sliced["requests"] == len(mine) == 2 and sliced["slice"]["request_prefix"] == prefix
+    text = _cli("report", "--url", url, "--since", "all", "--request-prefix", prefix).stdout.splitlines()
+    assert text[:2] == ["2 requests: completed 2", f"slice: request ids {prefix}*"], text
+    span_s = (max(r["end_ns"] for r in mine) - min(r["start_ns"] for r in mine)) / 1e9
+    [instance] = sliced["instances"]
+    assert instance["output_tokens_per_s"] == pytest.approx(sum(r["completion_tokens"] for r in mine) / span_s,
+                                                            abs=0.01)
+
+    for option, column, value in (("--instance", "instance_id", "scen-b"),
+                                  ("--model", "model", rows["demo-queued"]["model"])):
+        expected = [row for row in rows.values() if row[column] == value]
+        assert report("--since", "all", option, value)["requests"] == len(expected) > 0, option
+    session = next(row["session_id"] for row in rows.values() if row["session_id"])
+    assert report("--since", "all", "--session", session)["requests"] == sum(
+        1 for row in rows.values() if row["session_id"] == session)
+    assert report("--since", "all", "--model", "a-model-nobody-sent")["requests"] == 0
+
+    # One way to give a window, and times that read as times.
+    both = _cli("report", "--url", url, "--since", "1h", "--from", _iso(first))
+    assert both.returncode == 2 and "give --since (a window ending now) or --from/--until" in both.stderr
+    assert both.stderr.count("\n") == 1, both.stderr
+    bad = _cli("report", "--url", url, "--from", "yesterday")
+    assert bad.returncode == 2 and "--from must be a time such as 2026-12-05T20:00:00Z" in bad.stderr
+    api = httpx.get(f"{url}/api/report", params={"since": "1h", "from": _iso(first)}, timeout=60)
+    assert api.status_code == 400 and "give since (a window ending now) or from/until" in api.text, api.text
+
+
+def _outcome(row: dict) -> str:
+    from tokentrace.analyzers.outcome import outcome_of
+
+    return outcome_of(row)
+
+
+# The next test stops the collector: it stays the last of the module.
 def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
     collector = scenario["collector"]
     ids = ["demo-queued", "demo-evicted-2", "demo-sys-changed", "demo-contended-1"]
@@ -322,3 +394,4 @@ def test_url_and_db_give_identical_verdicts_and_unknown_ids_exit_2(scenario):
     text = _cli("report", "--since", "all", "--db", str(collector.db))
     assert "rejected 2" in text.stdout and "null" not in text.stdout
     assert {row["instance_id"] for row in summary["instances"]} == {"scen-a", "scen-b"}
+

@@ -97,7 +97,8 @@ def test_two_observers_of_a_request_are_one_row_with_the_clients_bounds(loaded, 
     rows = store.requests(since_ns=T0, until_ns=T0 + 10_000 * MS)
     assert rows["request_id"].to_list() == ["both", "refused", "outside"]
     assert rows["observer"].to_list() == ["engine", "engine", "gateway"]
-    report = store.bulk("requests_report", since_ns=T0, until_ns=T0 + 10_000 * MS, instance_id=None, limit=100)
+    report = store.bulk("requests_report", since_ns=T0, until_ns=T0 + 10_000 * MS, instance_id=None, limit=100,
+                        model=None, session_id=None, request_prefix=None)
     assert report["request_id"].to_list() == ["both", "refused", "outside"]
     assert report["http_status"].to_list() == [200, 400, 200]
     session = store.rows("session_requests", session_id="s1")

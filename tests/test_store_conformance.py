@@ -164,6 +164,8 @@ PARAMS = {
     "traces": (["0" * 32], ["0" * 32, "f" * 32], []),
     "t_ns": (BASE, 0, None),
     "session_id": ("sess-<b>1</b>", "<script>alert(1)</script>", None),
+    "model": ("tiny-llama", "o'brien", None),
+    "request_prefix": ("golden-", "%_", None),
 }
 _DUCKDB_PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
 _CLICKHOUSE_PARAM = re.compile(r"\{([a-z_][a-z0-9_]*):")
@@ -423,13 +425,18 @@ def test_a_cache_verdict_looks_up_only_the_segments_it_can_explain_by(demo_loade
     assert all(count <= total for count, total in asked.values())
 
 
-#: Values for the named queries that take only a window, an instance and a limit: everything.
-_UNBOUNDED = {"since_ns": None, "until_ns": None, "instance_id": None, "limit": 100_000}
+#: The parameters of a slice (core/window.py Slice) beside the instance: a query that takes only
+#: these (session_requests: one session's) is not a window query.
+_SLICE = {"model", "session_id", "request_prefix"}
+#: Values for the named queries that take only a window, a slice and a limit: everything.
+_UNBOUNDED = {"since_ns": None, "until_ns": None, "instance_id": None, "limit": 100_000, "model": None,
+              "session_id": None, "request_prefix": None}
 #: Window queries over tables (or spans) the demo (two engines, no gateway) does not fill; the golden payloads
 #: cover them in test_named_query_gives_the_same_frame_on_every_backend.
 _NOT_IN_DEMO = {"routing_by_policy", "cluster_states"}
 _WINDOW_QUERIES = sorted(n for n in sqlfiles.query_names("duckdb")
-                         if _params("duckdb", n) <= set(_UNBOUNDED) and n not in _NOT_IN_DEMO)
+                         if _params("duckdb", n) <= set(_UNBOUNDED) and n not in _NOT_IN_DEMO
+                         and not (_params("duckdb", n) and _params("duckdb", n) <= _SLICE))
 #: The named queries that take only what a request row gives (its id, instance and time span).
 _PER_REQUEST = {"request_id", "instance_id", "t0_ns", "t1_ns"}
 #: request_alias looks a request up by the id its upstream gave the answer, which only a gateway in front

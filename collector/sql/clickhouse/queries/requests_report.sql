@@ -1,6 +1,7 @@
 -- The requests named query (one row per request, merged) with only the columns the window report
 -- reads (analyzers/report.py): an hour of a busy store is ~185,000 rows, and the other columns (ids,
--- JSON, strings) cost 60 % of fetching them (issue 17).
+-- JSON, strings) cost 60 % of fetching them (issue 17). A slice (issue 47) keeps the merged requests of
+-- one model, session or request-id prefix (each NULL: any).
 WITH inside AS (
     SELECT *
     FROM requests
@@ -27,6 +28,9 @@ FROM (
     WHERE ({since_ns:Nullable(Int64)} IS NULL OR start_ns >= {since_ns:Nullable(Int64)})
       AND ({until_ns:Nullable(Int64)} IS NULL OR start_ns < {until_ns:Nullable(Int64)})
       AND ({instance_id:Nullable(String)} IS NULL OR instance_id = {instance_id:Nullable(String)})
+      AND ({model:Nullable(String)} IS NULL OR model = {model:Nullable(String)})
+      AND ({session_id:Nullable(String)} IS NULL OR session_id = {session_id:Nullable(String)})
+      AND ({request_prefix:Nullable(String)} IS NULL OR startsWith(request_id, {request_prefix:Nullable(String)}))
     ORDER BY start_ns DESC
     LIMIT {limit:UInt64}
 )

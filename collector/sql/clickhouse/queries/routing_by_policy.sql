@@ -1,6 +1,8 @@
 -- Per routing policy, over gateway decisions that started in [since_ns, until_ns): decisions, the
 -- avoidable prefill summed (prompt tokens another upstream held that the chosen one recomputed),
--- how many decisions had any, how many were measured at all, and the mean gateway wait.
+-- how many decisions had any, how many were measured at all, and the mean gateway wait. A slice keeps
+-- the decisions for one instance (the upstream chosen), session, request-id prefix or model (each
+-- NULL: any).
 -- (Columns are renamed inside: ClickHouse would let an output alias shadow the column it sums.)
 SELECT policy,
        toInt64(count(*)) AS decisions,
@@ -13,6 +15,11 @@ FROM (
     FROM routes
     WHERE ({since_ns:Nullable(Int64)} IS NULL OR start_ns >= {since_ns:Nullable(Int64)})
       AND ({until_ns:Nullable(Int64)} IS NULL OR start_ns < {until_ns:Nullable(Int64)})
+      AND ({instance_id:Nullable(String)} IS NULL OR instance_id = {instance_id:Nullable(String)})
+      AND ({session_id:Nullable(String)} IS NULL OR session_id = {session_id:Nullable(String)})
+      AND ({request_prefix:Nullable(String)} IS NULL OR startsWith(request_id, {request_prefix:Nullable(String)}))
+      AND ({model:Nullable(String)} IS NULL
+           OR request_id IN (SELECT request_id FROM requests WHERE model = {model:Nullable(String)}))
 )
 GROUP BY policy
 ORDER BY policy

@@ -1,6 +1,7 @@
 -- The requests named query (one row per request, merged) with only the columns the window report
 -- reads (analyzers/report.py): an hour of a busy store is ~185,000 rows, and the other columns (ids,
--- JSON, strings) cost 60 % of fetching them (issue 17).
+-- JSON, strings) cost 60 % of fetching them (issue 17). A slice (issue 47) keeps the merged requests of
+-- one model, session or request-id prefix (each NULL: any).
 WITH inside AS (
     SELECT *
     FROM requests
@@ -27,6 +28,9 @@ FROM (
     WHERE ($since_ns::BIGINT IS NULL OR start_ns >= $since_ns)
       AND ($until_ns::BIGINT IS NULL OR start_ns < $until_ns)
       AND ($instance_id::VARCHAR IS NULL OR instance_id = $instance_id)
+      AND ($model::VARCHAR IS NULL OR model = $model)
+      AND ($session_id::VARCHAR IS NULL OR session_id = $session_id)
+      AND ($request_prefix::VARCHAR IS NULL OR starts_with(request_id, $request_prefix))
     ORDER BY start_ns DESC
     LIMIT $limit
 )
