@@ -14,6 +14,7 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace.analyzers.cache import analyze_cache, request_window
+from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.slowness import classify_slowness, load_slow_facts
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
@@ -79,11 +80,13 @@ def inter_token(steps: pl.DataFrame) -> dict[str, Any]:
             "p90": round(float(itl.quantile(0.9, "nearest")), 3), "max": round(float(itl.max()), 3)}
 
 
-def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
-    """Everything the request page shows; NotFound for an unknown id."""
+def request_detail(reader: TraceReader, request_id: str, slo: SloSpec | None = None) -> dict[str, Any]:
+    """Everything the request page shows; NotFound for an unknown id. With objectives (the
+    collector's --slo), the slowness verdict says which of them the request missed."""
     facts = load_slow_facts(reader, request_id)  # NotFound here when the store has no such request
     request_id = facts.request["request_id"]  # the request's own id, should an alias have been given
     slow = classify_slowness(facts)
+    slow.slo_missed = missed_objectives(facts.request, slo)
     # The slowness facts carry the cache verdict only for prefill-bound requests; the page shows both.
     cache = facts.cache or analyze_cache(reader, request_id)
     row = facts.request
@@ -98,6 +101,8 @@ def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
         "split": [{"phase": p, "ms": slow.breakdown_ms[p], "share": round((slow.breakdown_ms[p] or 0) / e2e, 5)
                    if e2e else 0.0} for p in PHASES],
         "slow": slow.as_dict(),
+        "slo": None if slo is None else {"spec": slo.text, "objectives": slo.objectives_for(row.get("model"),
+                                                                                           row.get("instance_id"))},
         "cache": cache.as_dict(),
         "spans": waterfall(reader.trace(row["trace_id"])),
         "batched_with": batched.to_dicts(),
@@ -112,4 +117,6 @@ def request_detail(reader: TraceReader, request_id: str) -> dict[str, Any]:
 @page("/requests/{request_id:path}", "request.html", "Request")
 def request_page(request: Request, request_id: str) -> dict[str, Any]:
     """One request's page and its twin ``/requests/{id}.json``."""
-    return request_detail(request.app.state.reader, request_id)
+    collector = getattr(request.app.state, "collector", None)
+    slo = getattr(collector.config, "slo", None) if collector is not None else None
+    return request_detail(request.app.state.reader, request_id, slo)

@@ -251,3 +251,23 @@ def test_both_ttfts_are_named_and_served(scraped):
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(
         r'^tokentrace_time_to_first_content_seconds_count\{.*instance_id="([^"]+)"\} (\d+)$', text, re.M)}
     assert counts == known and sum(counts.values()) == 5, (counts, known)
+
+
+def test_request_page_shows_the_objectives_a_request_missed(scraped):
+    """Issue 47 item 2: a request that missed an objective says so on its page (and its JSON twin), as
+    analyze slow does; one that met them all says that."""
+    collector = scraped["collector"]
+
+    def page(rid: str) -> tuple[dict, str]:
+        twin = httpx.get(f"{collector.url}/requests/{rid}.json", headers=collector.headers, timeout=60).json()
+        html = httpx.get(f"{collector.url}/requests/{rid}", headers=collector.headers, timeout=60).text
+        return twin, html
+
+    api = httpx.get(collector.url + "/api/requests/a-3/slow", headers=collector.headers, timeout=30).json()
+    twin, html = page("a-3")
+    assert twin["slow"]["slo_missed"] == api["slo_missed"] and [m["slo"] for m in api["slo_missed"]] == ["tpot"]
+    assert twin["slo"]["spec"] == SLO
+    assert 'data-missed="1"' in html and "missed 1 of 3 objectives" in html and '<li data-slo="tpot">tpot: ' in html
+    # engine-b's own tpot objective is 10 s: b-2 met every one.
+    twin, html = page("b-2")
+    assert twin["slow"]["slo_missed"] == [] and 'data-missed="0"' in html and "met every objective" in html
