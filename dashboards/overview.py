@@ -2,7 +2,8 @@
 to first token, the engine's, and time to first content, the client's), output tokens/s,
 requests per slowness category, cache reuse and miss causes (from the analyzers' window report),
 attainment of the collector's service-level objectives (``--slo``) and goodput,
-queue depth over time from heartbeats, and each instance's health.
+queue depth over time from heartbeats, each instance's health, and the requests that did not
+complete (rejected, failed, cancelled: the newest, with what they were answered).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ CAUSE_SAMPLE = 30
 #: Heartbeats kept per instance on the queue chart; older points are thinned evenly beyond this.
 MAX_POINTS = 600
 LIMIT = 1_000_000
+#: Requests that did not complete listed on the page (the newest first); their count is in outcomes.
+NOT_COMPLETED_LISTED = 50
 #: The latency percentiles shown: (column, label, what it measures). Both TTFTs, each named.
 LATENCY = (
     ("ttft_ms", "time to first token (engine)", "arrival to the first token the engine generated"),
@@ -72,7 +75,12 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None} for name, _, _ in LATENCY}
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
     errors = 0
+    not_completed: list[dict[str, Any]] = []
     if frame.height:
+        failed = frame.filter(pl.col("outcome") != COMPLETED).sort("start_ns", descending=True)
+        not_completed = failed.head(NOT_COMPLETED_LISTED).select(
+            "request_id", "instance_id", "outcome", "start_ns", "http_status", "error_type", "finish_reason",
+            "client_disconnected").to_dicts()
         # the report's rule: latency of completed only
         completed = with_first_content(frame.filter(pl.col("outcome") == COMPLETED))
         latency = {name: percentiles(completed[name]) for name in latency}
@@ -106,7 +114,8 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
-        "slowest": report["slowest"], "queue": queue, "slo": report["slo"], "routing": report["routing"],
+        "slowest": report["slowest"], "not_completed": not_completed,
+        "queue": queue, "slo": report["slo"], "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}

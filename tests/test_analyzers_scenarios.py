@@ -214,6 +214,13 @@ def test_report_counts_refused_requests_apart(scenario):
     assert "undecomposed" not in report["categories"]  # the MLX engine measures every part
     overview = _page(scenario, "/.json?since=all")
     assert overview["outcomes"]["rejected"] == 2 and overview["categories"]["cold_start"] == 1
+    # Issue 47 item 2: the overview lists the requests that did not complete, not only their count.
+    others = {rid: _outcome(row) for rid, row in _rows(scenario).items() if _outcome(row) != "completed"}
+    assert {row["request_id"]: row["outcome"] for row in overview["not_completed"]} == others and len(others) == 2
+    page = httpx.get(f"{scenario['collector'].url}/?since=all", timeout=60).text
+    listed = page[page.index('id="not-completed"'):]
+    for rid in others:
+        assert f'<a href="/requests/{rid}">{rid}</a>' in listed, rid
 
 
 def test_follow_up_turn_is_a_clean_hit(scenario):
