@@ -17,7 +17,8 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
-from tokentrace.analyzers.report import declared_parts, with_categories
+from tokentrace.analyzers.report import declared_parts, with_categories, with_first_content
+from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
@@ -35,8 +36,17 @@ def _ms(column: str, t0_ns: int) -> pl.Expr:
     return ((pl.col(column) - t0_ns) / 1e6).round(3)
 
 
-def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[str, list]:
+def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int, slo: SloSpec | None) -> dict[str, list]:
     codes = {label: i for i, label in enumerate(LABELS)}
+    if slo is not None:  # per request, the objectives it missed (analyzers.slo.judge: the report's rule)
+        judged = judge(with_first_content(frame), slo)
+        names = slo.names()
+        missed = pl.concat_list([pl.when(pl.col(f"slo_{name}").not_().fill_null(False)).then(pl.lit(name))
+                                 for name in names]).list.drop_nulls()
+        frame = judged.with_columns(pl.when(missed.list.len() > 0).then(missed.list.join(","))
+                                    .alias("slo_missed"))
+    else:
+        frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("slo_missed"))
     cols = frame.select(
         pl.col("request_id").alias("id"),
         pl.col("instance_id").fill_null("").replace_strict(lanes, return_dtype=pl.Int32).alias("lane"),
@@ -48,6 +58,7 @@ def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int) -> dict[st
         pl.col("e2e_ms").round(3).alias("e2e"),
         pl.col("prompt_tokens").alias("prompt"), pl.col("cached_tokens").alias("cached"),
         pl.col("completion_tokens").alias("completion"), pl.col("http_status").alias("status"),
+        pl.col("slo_missed"),  # "ttft,tpot": the objectives missed; null: none missed, or no --slo
     )
     return {name: cols[name].to_list() for name in cols.columns}
 
@@ -81,8 +92,10 @@ def _markers(evictions: pl.DataFrame, loads: pl.DataFrame, lanes: dict[str, int]
     }
 
 
-def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQUESTS) -> dict[str, Any]:
-    """The columnar timeline of requests that started in the last ``since``."""
+def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQUESTS,
+             slo: SloSpec | None = None) -> dict[str, Any]:
+    """The columnar timeline of requests that started in the last ``since`` (with ``slo``: the
+    objectives each one missed)."""
     window_ns = since_ns(since, now_ns, what="since")
     frame = reader.requests(since_ns=window_ns, limit=limit + 1)
     truncated = frame.height > limit
@@ -100,7 +113,8 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
         "t0_ns": t0_ns, "now": round((now_ns - t0_ns) / 1e6, 3), "unit": "ms",
         "lanes": list(lanes), "phases": list(PHASES), "categories": list(LABELS),
         "count": frame.height, "truncated": truncated,
-        "requests": _requests(frame, lanes, t0_ns),
+        "slo": None if slo is None else slo.text,
+        "requests": _requests(frame, lanes, t0_ns, slo),
         "chunks": _chunks(reader, rows, window_ns, t0_ns),
         **_markers(evictions, loads, lanes, t0_ns),
     }
@@ -109,4 +123,6 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
 @page("/timeline", "timeline.html", "Timeline")
 def timeline_page(request: Request, since: str = "15m") -> dict[str, Any]:
     """The timeline page (a canvas that loads ``/timeline.json``) and the twin itself."""
-    return timeline(request.app.state.reader, since, time.time_ns())
+    collector = getattr(request.app.state, "collector", None)
+    slo = getattr(collector.config, "slo", None) if collector is not None else None
+    return timeline(request.app.state.reader, since, time.time_ns(), slo=slo)

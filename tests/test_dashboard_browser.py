@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import polars as pl
@@ -200,6 +201,67 @@ def test_timeline_bar_hover_and_click_open_the_request(cluster, browser_page):
     page.wait_for_function("([a, b]) => { const v = window.tokentraceTimeline.timeline.view;"
                            " return v[1] - v[0] < (b - a) / 2; }", arg=before)
     browser_page.assert_clean()
+
+
+def test_timeline_marks_and_labels_bars_and_lists_them_in_a_sortable_filterable_table(cluster, browser_page):
+    """Issue 47 item 2: bars carry their id where it fits, their category, a gap at their start and a
+    mark when they missed an objective (the collector's --slo); the requests drawn are listed under the
+    canvas, newest first, sortable and filterable, each id a link to its page."""
+    collector, facts = cluster
+    requests = facts["requests"]
+    # The same store, served by a collector with an objective no engine-a request meets (tpot 1 us).
+    collector.stop()
+    judged = CollectorProcess(collector.workdir, "--slo", "tpot=0.001ms;instance=engine-b:tpot=10s",
+                              db=collector.db).start()
+    try:
+        page = browser_page.page
+        visit(browser_page, judged.url + "/timeline?since=1h", "timeline-table")
+        data = twin(page, judged.url + "/timeline.json?since=1h")
+        r = data["requests"]
+        table = page.locator("#tl-table")
+
+        def shown() -> list[str]:
+            return table.locator("tbody tr").evaluate_all("rows => rows.map(row => row.dataset.request)")
+
+        assert table.get_attribute("data-rows") == str(requests.height)
+        newest = sorted(range(len(r["id"])), key=lambda i: -r["start"][i])
+        assert shown() == [r["id"][i] for i in newest]
+        # Starts read as the store's clock (UTC), to the millisecond (float rounding: within 1 ms).
+        first = table.locator("tbody tr").first.locator("td").nth(3).inner_text()
+        start_ns = data["t0_ns"] + round(r["start"][newest[0]] * 1e6)
+        assert first in {time.strftime("%H:%M:%S", time.gmtime(ns / 1e9)) + f".{ns // 10**6 % 1000:03d} UTC"
+                         for ns in (start_ns - 10**6, start_ns, start_ns + 10**6)}, first
+        page.locator('#tl-table th[data-column="e2e"]').click()  # longest first
+        e2e = [r["e2e"][r["id"].index(rid)] for rid in shown()]
+        assert e2e == sorted(e2e, reverse=True)
+        page.locator('#tl-table th[data-column="e2e"]').click()  # again: shortest first
+        e2e = [r["e2e"][r["id"].index(rid)] for rid in shown()]
+        assert e2e == sorted(e2e)
+        page.fill("#tl-filter", "burst-3")
+        page.wait_for_function("document.getElementById('tl-table').dataset.rows === '1'")
+        assert shown() == ["burst-3"]
+        assert table.locator("tbody a").get_attribute("href") == "/requests/burst-3"
+        # Objectives: engine-a's requests with a TPOT missed tpot; engine-b's met their own.
+        missed = {rid for rid, m in zip(r["id"], r["slo_missed"], strict=True) if m}
+        lanes = data["lanes"]
+        expected = {rid for rid, lane, tpot in zip(r["id"], r["lane"], r["tpot"], strict=True)
+                    if lanes[lane] == "engine-a" and tpot is not None}
+        assert missed == expected and missed, (missed, expected)
+        canvas = page.locator("#timeline")
+        assert canvas.get_attribute("data-slo-missed") == str(len(missed))
+        page.fill("#tl-filter", "tpot")
+        page.wait_for_function(f"document.getElementById('tl-table').dataset.rows === '{len(missed)}'")
+        # Zoomed in on one request, its bar holds its id.
+        spot = page.evaluate("window.tokentraceTimeline.locate('burst-3')")
+        page.mouse.move(spot["x"], spot["y"])
+        for _ in range(3):
+            page.mouse.wheel(0, -300)
+        page.wait_for_function("Number(document.getElementById('timeline').dataset.labelled) > 0")
+        browser_page.screenshot("timeline-labelled")
+        browser_page.assert_clean()
+    finally:
+        judged.stop()
+        collector.start()
 
 
 def test_script_in_session_id_and_prompt_is_shown_as_text(cluster, browser_page):

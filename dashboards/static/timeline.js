@@ -13,6 +13,11 @@
                         decode: color("decode")};
   const CHUNK_ALT = "#78a6ec";
   const OTHER = color("other");
+  const PANEL = color("panel") || "#fff", BAD = color("bad") || "#d64545";
+  // A bar's category stripe: the colour of the phase it is named after (undecomposed: grey; a
+  // request that did not complete: red).
+  const CATEGORY_COLORS = {cold_start: color("load_wait"), queueing: color("queue"), prefill: color("prefill"),
+                           decode: color("decode"), undecomposed: color("other")};
   const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12, LANE_MIN = 42;
   const fmt = (v) => window.tokentraceCharts.fmt("ms", v);
 
@@ -150,6 +155,11 @@
       ctx.stroke();
       const visible = [];
       for (let i = 0; i < this.n; i++) if (this.end[i] >= v0 && this.start[i] <= v1) visible.push(i);
+      // Bars stay right of the gutter (the instance names), however far the view is zoomed.
+      ctx.save();
+      ctx.beginPath();
+      ctx.rect(GUTTER, 0, this.width - GUTTER, this.height);
+      ctx.clip();
       // Whole request first (what no phase covers shows as "other"), at least 1 px wide so none vanishes.
       ctx.fillStyle = OTHER;
       ctx.beginPath();
@@ -179,6 +189,7 @@
         ctx.rect(x0, this.y(i), Math.max(0.5, this.x(this.chunkEnd[c]) - x0), h);
       }
       ctx.fill();
+      this.paintMarks(ctx, visible, h);
       if (this.hover >= 0) {
         const i = this.hover, x0 = this.x(this.start[i]);
         ctx.strokeStyle = "#1d2330";
@@ -186,6 +197,7 @@
         ctx.strokeRect(x0 - 1, this.y(i) - 1, Math.max(1, this.x(this.end[i]) - x0) + 2, h + 2);
       }
       this.paintMarkers(ctx);
+      ctx.restore();
       this.paintAxis(ctx, ticks);
       if (!d.lanes.length) {
         ctx.fillStyle = "#667085";
@@ -291,6 +303,63 @@
       }
     }
 
+    /* Per bar, over its phases: a gap at its start (back-to-back requests stay apart), its category
+     * as a stripe along its top, a red corner when it missed an objective (--slo), and its id where
+     * the bar is wide enough to hold it. */
+    paintMarks(ctx, visible, h) {
+      const r = this.data.requests, d = this.data;
+      const stripe = Math.max(1, Math.min(3, Math.floor(h / 4)));
+      ctx.fillStyle = PANEL;
+      ctx.beginPath();
+      for (const i of visible) {
+        const x0 = this.x(this.start[i]);
+        if (this.x(this.end[i]) - x0 >= 4) ctx.rect(x0, this.y(i), 1, h);
+      }
+      ctx.fill();
+      const byCategory = new Map();
+      for (const i of visible) {
+        const name = d.categories[r.category[i]];
+        if (!byCategory.has(name)) byCategory.set(name, []);
+        byCategory.get(name).push(i);
+      }
+      for (const [name, list] of byCategory) {
+        ctx.fillStyle = CATEGORY_COLORS[name] || BAD;
+        ctx.beginPath();
+        for (const i of list) {
+          const x0 = this.x(this.start[i]) + 1, x1 = this.x(this.end[i]);
+          if (x1 - x0 >= 2) ctx.rect(x0, this.y(i), x1 - x0, stripe);
+        }
+        ctx.fill();
+      }
+      let missed = 0, labelled = 0;
+      ctx.fillStyle = BAD;
+      ctx.beginPath();
+      for (const i of visible) {
+        if (!r.slo_missed || !r.slo_missed[i]) continue;
+        missed++;
+        const x0 = Math.max(GUTTER, this.x(this.start[i])), y = this.y(i), s = Math.min(8, h);
+        ctx.moveTo(x0, y); ctx.lineTo(x0 + s, y); ctx.lineTo(x0, y + s); ctx.closePath();
+      }
+      ctx.fill();
+      if (h >= 10) {
+        ctx.font = "10px system-ui, sans-serif";
+        ctx.textAlign = "left";
+        ctx.textBaseline = "middle";
+        ctx.fillStyle = "#1d2330";
+        for (const i of visible) {
+          const x0 = Math.max(GUTTER, this.x(this.start[i])), x1 = Math.min(this.width - RIGHT, this.x(this.end[i]));
+          const id = r.id[i];
+          if (x1 - x0 < 24) continue;
+          const w = ctx.measureText(id).width;
+          if (w + 8 > x1 - x0) continue;
+          ctx.fillText(id, x0 + 4, this.y(i) + stripe + (h - stripe) / 2);
+          labelled++;
+        }
+      }
+      this.canvas.dataset.labelled = String(labelled);
+      this.canvas.dataset.sloMissed = String(missed);
+    }
+
     /* ---- interaction ----------------------------------------------------------------------- */
     hit(px, py) {
       if (!this.data || px < GUTTER) return -1;
@@ -349,6 +418,7 @@
       return [
         [r.id[i]],
         ["instance", d.lanes[r.lane[i]] || "(none)"], ["category", d.categories[r.category[i]]],
+        ...(r.slo_missed && r.slo_missed[i] ? [["missed objectives", r.slo_missed[i]]] : []),
         ["e2e", fmt(r.e2e[i])], ["ttft", fmt(r.ttft[i])], ["tpot", fmt(r.tpot[i])],
         ["load_wait", fmt(r.load_wait[i])], ["queue", fmt(r.queue[i])], ["prefill", fmt(r.prefill[i])],
         ["decode", fmt(r.decode[i])],
@@ -422,15 +492,109 @@
     }
   }
 
+  /* The requests drawn, as a table under the canvas: newest first, sortable by any column (click its
+   * header; again: the other way), filtered by a text (id, instance, category or missed objective),
+   * each id a link to its request page. At most TABLE_MAX rows are built. */
+  const TABLE_MAX = 500;
+  // A request's start as the store's clock shows it (UTC), to the millisecond.
+  const clock = (t0ns, ms) => new Date(t0ns / 1e6 + ms).toISOString().slice(11, 23) + " UTC";
+  const COLUMNS = [
+    ["request", (d, i) => d.requests.id[i], "text"], ["instance", (d, i) => d.lanes[d.requests.lane[i]] || "", "text"],
+    ["category", (d, i) => d.categories[d.requests.category[i]], "text"],
+    ["start", (d, i) => d.requests.start[i], "clock"], ["e2e", (d, i) => d.requests.e2e[i], "ms"],
+    ["ttft", (d, i) => d.requests.ttft[i], "ms"], ["queue", (d, i) => d.requests.queue[i], "ms"],
+    ["prefill", (d, i) => d.requests.prefill[i], "ms"], ["decode", (d, i) => d.requests.decode[i], "ms"],
+    ["output", (d, i) => d.requests.completion[i], "n"],
+    ["missed", (d, i) => (d.requests.slo_missed ? d.requests.slo_missed[i] || "" : ""), "text"],
+  ];
+
+  class RequestTable {
+    constructor(table, filter, count) {
+      this.table = table; this.filter = filter; this.count = count;
+      this.sortBy = 3; this.descending = true;  // newest first
+      this.data = null;
+      const head = table.tHead.rows[0];
+      COLUMNS.forEach(([name], k) => {
+        const th = document.createElement("th");
+        th.textContent = name;
+        th.dataset.column = name;
+        if (COLUMNS[k][2] !== "text") th.className = "n";
+        th.addEventListener("click", () => {
+          this.descending = this.sortBy === k ? !this.descending : COLUMNS[k][2] !== "text";
+          this.sortBy = k;
+          this.render();
+        });
+        head.append(th);
+      });
+      filter.addEventListener("input", () => this.render());
+    }
+
+    update(data) { this.data = data; this.render(); }
+
+    render() {
+      const d = this.data;
+      if (!d) return;
+      const query = this.filter.value.trim().toLowerCase();
+      let rows = Array.from({length: d.requests.id.length}, (_, i) => i);
+      if (query) {
+        rows = rows.filter((i) => [0, 1, 2, 10].some((k) => String(COLUMNS[k][1](d, i)).toLowerCase().includes(query)));
+      }
+      const [, value, kind] = COLUMNS[this.sortBy], sign = this.descending ? -1 : 1;
+      // (the start column sorts by its number, like every column that is not text)
+      rows.sort((a, b) => {
+        const x = value(d, a), y = value(d, b);
+        if (x === y) return 0;
+        if (x === null || x === undefined) return 1;  // unknown last, either way
+        if (y === null || y === undefined) return -1;
+        return (kind === "text" ? String(x).localeCompare(String(y)) : x - y) * sign;
+      });
+      const body = this.table.tBodies[0];
+      body.replaceChildren();
+      for (const i of rows.slice(0, TABLE_MAX)) {
+        const tr = document.createElement("tr");
+        tr.dataset.request = d.requests.id[i];
+        COLUMNS.forEach(([name, get, kind]) => {
+          const td = document.createElement("td"), v = get(d, i);
+          if (name === "request") {
+            const a = document.createElement("a");
+            a.href = "/requests/" + encodeURIComponent(v);
+            a.textContent = v;  // ids are user text: never markup
+            td.className = "mono";
+            td.append(a);
+          } else if (name === "category") {
+            const swatch = document.createElement("span");
+            swatch.className = "swatch c-" + v;
+            td.append(swatch, document.createTextNode(v));
+          } else {
+            td.textContent = kind === "ms" ? fmt(v) : kind === "clock" ? clock(d.t0_ns, v)
+              : v === null || v === undefined ? "n/a" : String(v);
+            if (kind !== "text") td.className = "n";
+          }
+          tr.append(td);
+        });
+        body.append(tr);
+      }
+      this.count.textContent = rows.length > TABLE_MAX ? `${rows.length.toLocaleString()} match; the first ` +
+        `${TABLE_MAX} in this order shown` : `${rows.length.toLocaleString()} shown`;
+      this.table.dataset.rows = String(Math.min(rows.length, TABLE_MAX));
+      this.table.dataset.matched = String(rows.length);
+    }
+  }
+
   const canvas = document.getElementById("timeline");
   const tl = new Timeline(canvas, document.getElementById("tooltip"), document.getElementById("tl-summary"));
   window.tokentraceTimeline = {timeline: tl, firstDrawMs: null, locate: (id) => tl.locate(id)};
-  tl.load(JSON.parse(document.getElementById("timeline-data").textContent));
+  const table = new RequestTable(document.getElementById("tl-table"), document.getElementById("tl-filter"),
+                                 document.getElementById("tl-table-count"));
+  window.tokentraceTimeline.table = table;
+  const first = JSON.parse(document.getElementById("timeline-data").textContent);
+  tl.load(first);
+  table.update(first);
   document.getElementById("zoom-in").addEventListener("click", () => tl.zoom(0.5));
   document.getElementById("zoom-out").addEventListener("click", () => tl.zoom(2));
   document.getElementById("zoom-reset").addEventListener("click", () => { tl.reset(); tl.draw(); });
   document.addEventListener("tokentrace:tick", async () => {
     const response = await fetch(canvas.dataset.src, {credentials: "same-origin"});
-    if (response.ok) tl.load(await response.json());
+    if (response.ok) { const data = await response.json(); tl.load(data); table.update(data); }
   });
 })();
