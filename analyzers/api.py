@@ -6,7 +6,8 @@
     GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
     GET /api/report?since=15m       the window report (or ?from=&until= absolute times; &instance=,
                                     &model=, &session=, &request_prefix= for a slice)
-    GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py)
+    GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py;
+                                    the report's window and slice parameters)
 
 ``?slo=ttft=2s,...`` on slow, verdict and report judges against those objectives instead of the
 collector's ``--slo`` (docs/metrics.md).
@@ -24,7 +25,7 @@ from tokentrace.analyzers.session import analyze_session
 from tokentrace.analyzers.slo import SloSpec, parse_slo
 from tokentrace.analyzers.slowness import analyze_slowness
 from tokentrace.analyzers.workload import load_workload
-from tokentrace.window import Slice, since_ns, window_ns
+from tokentrace.window import Slice, window_ns
 
 router = APIRouter(prefix="/api")
 #: Most cache misses one report explains (each costs a cache verdict).
@@ -80,6 +81,11 @@ def window_report(request: Request, since: str | None = None, start: str | None 
 
 
 @router.get("/workload")
-def window_workload(request: Request, since: str = "1h") -> dict:
-    """The requests that started in the last ``since`` with their prompt block ids, for whatif."""
-    return load_workload(request.app.state.reader, since_ns(since, what="since")).as_dict()
+def window_workload(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+                    until: str | None = None, instance: str | None = None, model: str | None = None,
+                    session: str | None = None, request_prefix: str | None = None) -> dict:
+    """The requests that started in the last ``since`` (default 1h), or from ``from`` until ``until``,
+    of one instance, model, session or request-id prefix, with their prompt block ids, for whatif."""
+    first, last = window_ns(since, start, until, default_since="1h", names=("since", "from", "until"))
+    return load_workload(request.app.state.reader, first, last,
+                         where=Slice(instance, model, session, request_prefix)).as_dict()

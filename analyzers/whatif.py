@@ -416,6 +416,9 @@ def recorded(workload: Workload) -> dict[str, Any] | None:
 def grid(workload: Workload, capacities: list[Capacity], instances: int | None, routes: list[str],
          model: str = "blocks") -> dict[str, Any]:
     """Every combination of ``capacities`` × ``routes`` on ``instances`` (default: as recorded, or 1)."""
+    if workload.source == "store" and not workload.requests:
+        raise ConfigError("nothing to replay: no request in this window (and slice) has a prompt fingerprint"
+                          + (f" ({workload.skipped} without one)" if workload.skipped else ""))
     recorded_n = len(workload.instances)
     n = instances if instances is not None else max(1, recorded_n)
     if n < 1:

@@ -17,9 +17,10 @@ import argparse
 import json
 import urllib.parse
 
-from tokentrace.analyzers.cli import add_source_options, fetch_json
+from tokentrace.analyzers.cli import add_slice_options, add_source_options, fetch_json, slice_of
 from tokentrace.analyzers.evidence import plural
 from tokentrace.errors import ConfigError
+from tokentrace.window import window_ns
 
 FORMATS = ("mooncake",)
 
@@ -27,7 +28,9 @@ FORMATS = ("mooncake",)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The whatif options (docs/whatif.md)."""
     add_source_options(parser)
-    parser.add_argument("--since", default="1h", help="window of recorded traffic: 30m, 1h, 2d or 'all' (default 1h)")
+    parser.add_argument("--since", default=None, help="window of recorded traffic, ending now: 30m, 1h, 2d or 'all' "
+                                                      "(default 1h, unless --from or --until is given)")
+    add_slice_options(parser)
     parser.add_argument("--trace", default=None, help="replay a trace file instead of the store")
     parser.add_argument("--format", default="mooncake", choices=FORMATS, help="the trace file's format (mooncake)")
     parser.add_argument("--block-size", type=int, default=None,
@@ -82,14 +85,18 @@ def recorded_workload(args: argparse.Namespace):
 
     if args.db:
         from tokentrace.collector.store_duckdb import DuckDBStore
-        from tokentrace.window import since_ns
+        from tokentrace.window import Slice
 
+        window = window_ns(args.since, args.start, args.until, default_since="1h")
         store = DuckDBStore(args.db, read_only=True)
         try:
-            return load_workload(store, since_ns(args.since))
+            return load_workload(store, *window, where=Slice(args.instance, args.model, args.session,
+                                                               args.request_prefix))
         finally:
             store.close()
-    query = urllib.parse.urlencode({"since": args.since})
+    window_ns(args.since, args.start, args.until, default_since="1h")  # a bad time fails here, in our words
+    given = {"since": args.since, "from": args.start, "until": args.until, **slice_of(args)}
+    query = urllib.parse.urlencode({k: v for k, v in given.items() if v is not None})
     return Workload.from_dict(fetch_json(args, "/api/workload?" + query))
 
 
@@ -99,6 +106,12 @@ def _workload(args: argparse.Namespace):
     if args.trace:
         if args.url or args.db:
             raise ConfigError("give either --trace FILE or a store (--url / --db), not both")
+        chosen = [f"--{name.replace('_', '-')}" for name in ("since", "start", "until", "instance", "model",
+                                                              "session", "request_prefix")
+                  if getattr(args, name) is not None]
+        if chosen:
+            raise ConfigError(f"{', '.join(chosen).replace('--start', '--from')} choose recorded traffic in the store; "
+                              "a --trace file is replayed whole")
         return read_mooncake(args.trace, args.block_size or MOONCAKE_BLOCK_SIZE, args.tpot_ms,
                              args.prefill_tokens_per_s, args.kv_bytes_per_token)
     workload = recorded_workload(args)

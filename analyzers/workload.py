@@ -22,6 +22,7 @@ from tokentrace.analyzers.session import once
 from tokentrace.analyzers.whatif import InstanceFacts, TraceRequest, Workload
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import ConfigError
+from tokentrace.window import Slice
 
 #: The block size of Mooncake's published traces.
 MOONCAKE_BLOCK_SIZE = 512
@@ -65,10 +66,22 @@ def _prefill_rates(requests: pl.DataFrame) -> dict[str, float]:
 
 
 def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | None = None,
-                  limit: int = LIMIT) -> Workload:
+                  limit: int = LIMIT, where: Slice | None = None) -> Workload:
     """The requests that started in [since, until) with a prompt fingerprint, in arrival order (the
-    latest ``limit`` of them)."""
-    requests = once(reader.requests(since_ns=since_ns, until_ns=until_ns, limit=limit))
+    latest ``limit`` of them), of the slice ``where`` (one instance, model, session or request-id
+    prefix: only that traffic is replayed)."""
+    where = where or Slice()
+    # The instance in the store's query (the latest ``limit`` are that instance's); the rest of the
+    # slice over what it returns.
+    requests = once(reader.requests(since_ns=since_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                    limit=limit))
+    if where:
+        wanted = {"model": where.model, "session_id": where.session_id}
+        for column, value in wanted.items():
+            if value is not None:
+                requests = requests.filter(pl.col(column) == value)
+        if where.request_prefix is not None:
+            requests = requests.filter(pl.col("request_id").str.starts_with(where.request_prefix))
     if requests.height:  # the lookups of older requests are not needed
         since_ns = max(since_ns or 0, requests["start_ns"].min())
     lookups = reader.bulk("lookups_in", since_ns=since_ns, until_ns=until_ns).unique("request_id", keep="last")

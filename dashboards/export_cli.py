@@ -23,7 +23,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from tokentrace.analyzers.cli import add_source_options, fetch_json
+from tokentrace.analyzers.cli import add_slice_options, add_source_options, fetch_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_options(perfetto)
     mooncake = sub.add_parser("mooncake", help="Mooncake's JSON-lines trace format (for KV-cache simulators)",
                               description="The window's requests in Mooncake's JSON-lines trace format.")
-    mooncake.add_argument("--since", default="1h", help="requests that started in this window: 30m, 1h, 'all' "
-                                                        "(default 1h)")
+    mooncake.add_argument("--since", default=None, help="requests that started in this window, ending now: 30m, "
+                                                         "1h, 'all' (default 1h, unless --from or --until is given)")
+    add_slice_options(mooncake)
     mooncake.add_argument("--block-size", type=int, default=None,
                           help="tokens per block, a multiple of the recorded block size (default: the recorded one)")
     mooncake.add_argument("-o", "--output", required=True, help="file to write, '-' for standard output")

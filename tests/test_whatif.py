@@ -298,6 +298,23 @@ def test_cache_page_replays_an_instance_at_every_limit_it_declares(entry_bound):
     assert f'data-metric="hit_at_capacity" data-value="{row["token_hit_ratio_at_capacity"]}"' in html
 
 
+def test_a_slice_replays_only_its_own_traffic(recorded):
+    """Issue 47 item 3: --instance, --session, --request-prefix (and --from/--until) choose what is
+    replayed; each count is the one made from the sequence sent."""
+    def replayed(*args: str) -> dict:
+        return json.loads(_cli("whatif", "--url", recorded.url, *args, "--capacity-tokens", "inf", "--json").stdout)
+
+    assert replayed("--since", "all", "--instance", "whatif-a")["requests"] == sum(d < DOCS // 2 for d in SEQUENCE)
+    assert replayed("--since", "all", "--session", "doc-0")["requests"] == SEQUENCE.count(0)
+    prefix = [i for i in range(len(SEQUENCE)) if f"whatif-{i}".startswith("whatif-1")]
+    assert replayed("--since", "all", "--request-prefix", "whatif-1")["requests"] == len(prefix) == 11
+    assert replayed("--from", "2020-01-01T00:00:00Z")["requests"] == len(SEQUENCE)
+    empty = _cli("whatif", "--url", recorded.url, "--until", "2020-01-01T00:00:00Z", check=False)
+    assert empty.returncode == 2 and "nothing to replay: no request in this window" in empty.stderr, empty.stderr
+    refused = _cli("whatif", "--trace", str(SAMPLE), "--since", "1h", check=False)
+    assert refused.returncode == 2 and "--since choose recorded traffic in the store" in refused.stderr
+
+
 def test_a_stopped_collectors_file_gives_the_same_replay(recorded):
     """Last in this module: it stops the collector."""
     args = ["--since", "all", "--capacity-tokens", "500,1100,inf", "--route", "recorded,round_robin,session,prefix",
