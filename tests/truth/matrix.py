@@ -185,6 +185,9 @@ class Topology:
     #: until a generation ends, so no signal from it says the slots are taken in time.
     burst: bool = False
     long_tokens: int = 120  #: output tokens of a generation that holds a slot while another waits
+    #: output tokens asked by the request the client hangs up on (it must still be generating then,
+    #: and its prompt plus these must fit the context, or it is refused rather than cancelled)
+    cancel_tokens: int = 2000
     prefix: str = ""  #: request and session ids start with it
     sent: list[str] = field(default_factory=list)  #: every request id sent
     cells: dict[str, dict] = field(default_factory=dict)  #: situation -> {rid, ...}
@@ -360,8 +363,10 @@ DECODE = 64
 
 # --- the situations ------------------------------------------------------------------------------------
 
-def before_restart(t: Topology) -> None:
-    """Every situation up to the restarts (cold start first: nothing may load the cold engine before)."""
+def before_restart(t: Topology, shared: bool = False) -> None:
+    """Every situation up to the restarts (cold start first: nothing may load the cold engine before);
+    with ``shared`` (another path's situations follow on the same engine), all but the restart's
+    first turn (``restart_first_turn``)."""
     declared = {s for s in SITUATIONS if CELLS[(t.path, s)].kind != "n/a"}
     if "cold_start" in declared:
         t.cells["cold_start"] = {"rid": t.prefix + "cold", "answered": {}}
@@ -451,14 +456,20 @@ def before_restart(t: Topology) -> None:
     t.cells["capacity"] = {"rid": t.prefix + "cap-2", "evictors": set(fillers)}
     t.chat("main", "cap-2", [*first, reply(answer), t.user(52)], 4, "s-cap")
 
-    thread, first_token = t.background("main", "cancelled", [t.user(90, 6)], 2000, hang_up=True)
+    thread, first_token = t.background("main", "cancelled", [t.user(90, 6)], t.cancel_tokens, hang_up=True)
     first_token.wait(120)
     thread.join(60)
     t.cells["cancelled"] = {"rid": t.prefix + "cancelled"}
     t.lap("capacity, cancelled")
+    if not shared:
+        restart_first_turn(t)
 
-    # The restart's first turn last, once the fillers are gone by: nothing evicts it before the restart.
-    if "restart" in declared:
+
+def restart_first_turn(t: Topology) -> None:
+    """The restart's first turn, last before the restart, once every filler is gone by: nothing evicts
+    it before the restart. Paths that share an engine call it for each path after every path's
+    ``before_restart(t, shared=True)`` (another path's fillers would evict it: capacity, rightly)."""
+    if CELLS[(t.path, "restart")].kind != "n/a":
         first = [t.system(7), t.user(8)]
         t.cells["restart"] = {"first": first, "answer": t.chat("main", "restart-1", first, 8, "s-restart")}
 
