@@ -174,7 +174,10 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
     # (no usage in the stream): the verdict reads the row's count, never 0 (issue 44: "capacity").
     repeat, edit = verdict(collector, "p-1")["cache"], verdict(collector, "p-edit")["cache"]
     collector.stop()
-    stored = dict(collector.sql("SELECT request_id, cached_tokens FROM requests WHERE request_id IN ('p-1', 'p-edit')"))
+    # The plugin's rows: the gateway's rows of the same ids have no cached tokens (dict() kept whichever
+    # row came last, the gateway's None half the time).
+    stored = dict(collector.sql("SELECT request_id, cached_tokens FROM requests WHERE request_id IN ('p-1', 'p-edit') "
+                                "AND observer = 'plugin'"))
     unmeasured = collector.sql("SELECT request_id, matched_tokens FROM cache_lookups "
                                "WHERE request_id IN ('p-1', 'p-edit')")
     assert sorted(unmeasured) == [("p-1", None), ("p-edit", None)], unmeasured
