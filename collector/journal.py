@@ -144,14 +144,24 @@ class Entry:
 class Log:
     """The append-only files of the journal (module docstring)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, read_only: bool = False):
         self.folder = folder
-        folder.mkdir(exist_ok=True)
-        for path in folder.glob("*.spill"):  # columns a stopped collector spilled: its log holds them
-            _unlink(path)
+        #: a ``tokentrace store check``'s: nothing is created, deleted or cut (``torn`` says what would be)
+        self.read_only = read_only
+        #: (file, start, end) of each record cut short at the end of the newest file that a read-only
+        #: log left in place (a writer cuts it: ``records_after``)
+        self.torn: list[tuple[Path, int, int]] = []
+        if not read_only:
+            folder.mkdir(exist_ok=True)
+            for path in self.spills():  # columns a stopped collector spilled: its log holds them
+                _unlink(path)
         self._file = None
         self._size = 0
         self._broken = False
+
+    def spills(self) -> list[Path]:
+        """The spill files in the folder (``Journal._spill``): a stopped collector's, deleted at the next open."""
+        return sorted(self.folder.glob("*.spill"))
 
     def _segments(self) -> list[tuple[int, Path]]:
         found = []
@@ -166,11 +176,12 @@ class Log:
 
         A record cut short at the very end of the newest file is a crash while writing it (never
         acknowledged: the fdatasync that would have made it so did not return): the file is cut
-        there. Anything else that does not read back (a checksum that fails, a header that makes no
-        sense, a file that ends inside a record or before the next file begins, sequence numbers
-        that skip) is damage: it is given to ``damaged`` with its byte range and the sequence
-        numbers it held (from the records around it, and ``expected``, the highest number known to
-        have been journaled), and every intact record after it is kept (issue 45)."""
+        there (a ``read_only`` log only records it in ``torn``). Anything else that does not read
+        back (a checksum that fails, a header that makes no sense, a file that ends inside a record
+        or before the next file begins, sequence numbers that skip) is damage: it is given to
+        ``damaged`` with its byte range and the sequence numbers it held (from the records around
+        it, and ``expected``, the highest number known to have been journaled), and every intact
+        record after it is kept (issue 45)."""
         segments = self._segments()
         previous = None  #: the number of the last record read back or known lost
         report = damaged or (lambda _damage: None)
@@ -179,7 +190,8 @@ class Log:
             view, newest = memoryview(data), index == len(segments) - 1
             if previous is not None and first > previous + 1:
                 report(Damage(path, 0, 0, previous + 1, first - 1,
-                              "journal records missing before this file (a file deleted or cut short)"))
+                              f"journal records missing between {segments[index - 1][1].name} and this file "
+                              f"(a file deleted or cut short)"))
             if previous is None or first > previous + 1:
                 previous = first - 1  # a file is named after its first record
             for kind, at, end, number in _scan(data):
@@ -191,7 +203,10 @@ class Log:
                     if number > seq:
                         yield number, view[at + _HEADER.size:end]
                 elif kind == "torn" and newest:
-                    self._cut(path, at)
+                    if self.read_only:
+                        self.torn.append((path, at, end))
+                    else:
+                        self._cut(path, at)
                 else:
                     high = _next_number(data, end)
                     high = (high - 1) if high is not None else None if newest else segments[index + 1][0] - 1

@@ -72,6 +72,11 @@ class Quarantine:
         log.error("quarantined %s: %s", kind, json.dumps(entry))
         return entry
 
+    def entries(self) -> list[dict]:
+        """Every entry of ``losses.jsonl``, oldest first (a copy)."""
+        with self._lock:
+            return list(self._entries)
+
     def snapshot(self) -> dict:
         """For /healthz: how many entries, and the latest."""
         with self._lock:

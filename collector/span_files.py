@@ -134,13 +134,15 @@ class SpanFiles:
             raise StoreError(f"{len(missing)} of the {len(self.files)} span files the store lists are missing from "
                              f"{self.folder} (first: {missing[0]}): a store is its file and the folders beside it")
 
-    def damaged(self, full: bool = True) -> list[tuple[SpanFile, str]]:
+    def damaged(self, full: bool = True, ranges: bool = False) -> list[tuple[SpanFile, str]]:
         """The listed files that do not read back, each with why (issue 45): missing, another size
         than when it was written, and, when ``full``, a footer that does not parse, another number
         of rows, or a page whose checksum fails or that does not decode (every page of every row
         group is read: 3.7 s for a file of 200k synthetic spans, 29 MiB, on a 2-core machine at load
         11; real spans take 35 bytes, not 150, so a real file reads faster, but a store of many
-        millions of spans makes the start take that long: issue 45 leaves this to a background check)."""
+        millions of spans makes the start take that long: issue 45 leaves this to a background check);
+        with ``ranges`` too (``tokentrace store check|repair``), spans that started outside the time
+        range listed for the file."""
         found = []
         for listed in self.files:
             path = self.folder / listed.name
@@ -153,7 +155,7 @@ class SpanFiles:
                 found.append((listed, f"the file has {size} bytes, {listed.bytes} when it was written (cut short "
                                       f"or overwritten)"))
             elif full:
-                why = _unreadable(path, listed.spans)
+                why = _unreadable(path, listed.spans, (listed.min_start_ns, listed.max_start_ns) if ranges else None)
                 if why is not None:
                     found.append((listed, why))
         return found
@@ -161,13 +163,16 @@ class SpanFiles:
     def clean(self) -> None:
         """Delete the files no transaction listed: a crash between writing and listing, or a
         compaction's inputs past their swap."""
+        for path in self.unlisted():
+            log.info("deleting %s: no transaction listed it (a collector stopped before)", path)
+            path.unlink(missing_ok=True)
+
+    def unlisted(self) -> list[Path]:
+        """The files in the folder that no transaction listed (``clean`` deletes them)."""
         if not self.folder.is_dir():
-            return
+            return []
         listed = {f.name for f in self.files}
-        for path in self.folder.iterdir():
-            if path.name not in listed:
-                log.info("deleting %s: no transaction listed it (a collector stopped before)", path)
-                path.unlink(missing_ok=True)
+        return sorted(path for path in self.folder.iterdir() if path.name not in listed)
 
     def literals(self, files: list[SpanFile] | None = None) -> list[str]:
         """The full paths of ``files`` (default: every listed one) as SQL string literals."""
@@ -329,10 +334,13 @@ class SpanFiles:
                         max(f.max_start_ns for f in group), path.stat().st_size, time.time_ns())
 
 
-def _unreadable(path: Path, spans: int) -> str | None:
-    """Why the Parquet file at ``path`` (listed with ``spans`` rows) does not read back, or None."""
+def _unreadable(path: Path, spans: int, bounds: tuple[int, int] | None = None) -> str | None:
+    """Why the Parquet file at ``path`` (listed with ``spans`` rows and, when given, spans that
+    started within ``bounds``, ns) does not read back, or None."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    low = high = None
     try:
         source = pq.ParquetFile(path, page_checksum_verification=True)
         if source.metadata.num_rows != spans:
@@ -340,9 +348,16 @@ def _unreadable(path: Path, spans: int) -> str | None:
         if source.schema_arrow.names != list(TABLES["spans"]):
             return f"its footer names the columns {source.schema_arrow.names}, not the spans table's"
         for index in range(source.num_row_groups):
-            source.read_row_group(index)  # every page: decompressed, decoded, its checksum verified
+            rows = source.read_row_group(index)  # every page: decompressed, decoded, its checksum verified
+            if bounds is not None and rows.num_rows:
+                found = pc.min_max(rows.column("start_ns"))
+                first, last = found["min"].as_py(), found["max"].as_py()
+                if first is not None:
+                    low, high = (first, last) if low is None else (min(low, first), max(high, last))
     except Exception as exc:  # whatever pyarrow says of a damaged file is the reason
         return f"it does not read back: {type(exc).__name__}: {exc}"
+    if bounds is not None and low is not None and (low < bounds[0] or high > bounds[1]):
+        return f"its spans started from {low} to {high} ns, the store lists {bounds[0]} to {bounds[1]}"
     return None
 
 

@@ -276,12 +276,60 @@ def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
     return found
 
 
+def check_columns(con: duckdb.DuckDBPyConnection, path: str) -> None:
+    """StoreError unless every table of the store ``con`` has attached has this version's columns
+    and types (TABLES, TYPES; the packed tables' lists too). One catalog query (1.4 ms; one
+    information_schema query per table took 36 ms of every CLI verdict)."""
+    listed: dict[str, list[tuple[str, str]]] = {}
+    for table, name, kind in con.execute(
+        "SELECT table_name, column_name, data_type FROM duckdb_columns() "
+        "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY table_name, column_index"
+    ).fetchall():
+        listed.setdefault(table, []).append((name, kind))
+    expected = {table: list(zip(columns, TYPES[table], strict=True)) for table, columns in TABLES.items()}
+    expected[SPAN_ROWS] = expected["spans"]
+    for table, stored in LISTS.items():
+        expected[stored] = [*zip(PACKED[table], PACKED_TYPES[table], strict=True), *LIST_EXTRA[table]]
+    for table, columns in expected.items():
+        if listed.get(table, []) != columns:
+            raise StoreError(f"table {table} of {path} has columns {listed.get(table, [])}, "
+                             f"expected {columns}: the file comes from another version")
+
+
+def listed_span_files(con: duckdb.DuckDBPyConnection) -> list:
+    """The span files the store lists (``span_files``, collector/span_files.py), oldest first."""
+    from tokentrace.collector import span_files as parquet_spans  # no pyarrow: a read-only open needs none
+
+    return [parquet_spans.SpanFile(*row) for row in con.execute(
+        "SELECT name, level, spans, min_start_ns, max_start_ns, bytes, written_ns FROM span_files "
+        "ORDER BY written_ns, name").fetchall()]
+
+
+_QUOTED = re.compile(r"'((?:[^']|'')*)'")
+
+
+def spans_view_paths(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The paths of the span files the view ``spans`` reads (its definition's string literals)."""
+    [(defined,)] = con.execute(
+        "SELECT sql FROM duckdb_views() WHERE database_name = current_database() AND view_name = 'spans'"
+    ).fetchall()
+    return {literal.replace("''", "'") for literal in _QUOTED.findall(defined)}
+
+
+def journal_loss(damage: journal.Damage, merged: int) -> bool:
+    """Whether damaged or missing journal records (``Log.records_after``) held acknowledged batches
+    that are not in the tables, whose merges went through record ``merged``."""
+    return damage.last_seq is None or damage.last_seq > merged
+
+
 class DuckDBStore(NamedQueryReader):
     """Both store roles over one DuckDB file (contracts in ``tokentrace.collector.store``)."""
 
-    def __init__(self, path: str | Path, read_only: bool = False):
+    def __init__(self, path: str | Path, read_only: bool = False, thorough: bool = False):
         self.path = str(path)
         self.read_only = read_only
+        #: span files are also checked against the time range listed for them (``tokentrace store repair``)
+        self.thorough = thorough
         self._search_path: str | None = None  #: a read-only store's view of moved span files comes first
         try:
             if read_only and not Path(self.path).exists():
@@ -359,23 +407,8 @@ class DuckDBStore(NamedQueryReader):
                 raise StoreError(f"migration {name} failed on {self.path}: {exc}") from exc
 
     def _columns(self) -> None:
-        """StoreError unless every table has this version's columns and types (TABLES, TYPES; the
-        packed tables' lists too). One catalog query (1.4 ms; one information_schema query per
-        table took 36 ms of every CLI verdict)."""
-        listed: dict[str, list[tuple[str, str]]] = {}
-        for table, name, kind in self._con.execute(
-            "SELECT table_name, column_name, data_type FROM duckdb_columns() "
-            "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY table_name, column_index"
-        ).fetchall():
-            listed.setdefault(table, []).append((name, kind))
-        expected = {table: list(zip(columns, TYPES[table], strict=True)) for table, columns in TABLES.items()}
-        expected[SPAN_ROWS] = expected["spans"]
-        for table, stored in LISTS.items():
-            expected[stored] = [*zip(PACKED[table], PACKED_TYPES[table], strict=True), *LIST_EXTRA[table]]
-        for table, columns in expected.items():
-            if listed.get(table, []) != columns:
-                raise StoreError(f"table {table} of {self.path} has columns {listed.get(table, [])}, "
-                                 f"expected {columns}: the file comes from another version")
+        """StoreError unless the file has this version's tables and columns (``check_columns``)."""
+        check_columns(self._con, self.path)
 
     def _open_span_files(self) -> span_files.SpanFiles:
         """The span files the store lists (collector/span_files.py), checked present; a writer deletes
@@ -384,12 +417,11 @@ class DuckDBStore(NamedQueryReader):
         view of its own in the session's catalog, searched first."""
         from tokentrace.collector import span_files as parquet_spans  # no pyarrow: a read-only open needs none
 
-        listed = [parquet_spans.SpanFile(*row) for row in self._con.execute(
-            "SELECT name, level, spans, min_start_ns, max_start_ns, bytes, written_ns FROM span_files "
-            "ORDER BY written_ns, name").fetchall()]
+        listed = listed_span_files(self._con)
         files = parquet_spans.SpanFiles(Path(self.path + ".spans"), listed, self._swap_span_files)
         files.check()
-        damaged = files.damaged(full=not self.read_only)  # a read-only open reads no file through pyarrow
+        # A read-only open reads no file through pyarrow.
+        damaged = files.damaged(full=not self.read_only, ranges=self.thorough)
         if damaged:
             files.files = [f for f in files.files if f.name not in {bad.name for bad, _ in damaged}]
             if self.read_only:
@@ -398,11 +430,9 @@ class DuckDBStore(NamedQueryReader):
                               self.path, why, bad.spans)
             else:
                 self._quarantine_span_files(files, damaged)
-        [(defined,)] = self._con.execute(
-            "SELECT sql FROM duckdb_views() WHERE database_name = current_database() AND view_name = 'spans'"
-        ).fetchall()
         # A read-only open cannot delist a damaged file: it reads the others through a view of its own.
-        current = not (damaged and self.read_only) and all(literal in defined for literal in files.literals())
+        current = not (damaged and self.read_only) and \
+            spans_view_paths(self._con) == {str(files.folder / f.name) for f in files.files}
         if not self.read_only:
             files.clean()
             if not current:
@@ -584,7 +614,7 @@ class DuckDBStore(NamedQueryReader):
         """What to do with a part of the journal that does not read back (``Log.records_after``)."""
 
         def damaged(damage: journal.Damage) -> None:
-            lost = damage.last_seq is None or damage.last_seq > merged
+            lost = journal_loss(damage, merged)
             facts = {"journal_file": str(damage.path), "first_seq": damage.first_seq, "last_seq": damage.last_seq,
                      "why": damage.why, "acknowledged_batches_lost": lost,
                      "note": "acknowledged batches not in the tables are lost" if lost
