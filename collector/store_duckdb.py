@@ -656,6 +656,11 @@ class DuckDBStore(NamedQueryReader):
             self._merger.execute("UPDATE journal_state SET merged_seq = ?", [entry.seq])
         return True
 
+    def losses(self) -> list[dict]:
+        """What the store set aside and lost (its quarantine's ``losses.jsonl`` entries, oldest first;
+        /metrics counts them)."""
+        return self._quarantine.entries()
+
     def limit_memory(self, limit_bytes: int) -> None:
         """Bound DuckDB's own memory (its cache of the file, data not yet checkpointed, query state;
         past it DuckDB evicts or spills to ``FILE.tmp``). Unbounded, it grows with what is stored

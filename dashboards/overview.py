@@ -114,7 +114,7 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
                            for k, v in categories.items()},
         "cache": {"requests_with_reuse": 0, "requests_without_reuse": 0, **report["cache"]},
         "causes": causes, "cause_sample": sampled, "instances": instances,
-        "slowest": report["slowest"], "not_completed": not_completed,
+        "slowest": report["slowest"], "not_completed": not_completed, "store_losses": store_losses(reader),
         "queue": queue, "slo": report["slo"], "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
                              "x_max": now_ns / 1e6,
@@ -122,6 +122,28 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
                                         for s in queue],
                              "empty": "no heartbeats in this window"}},
     }
+
+
+#: Quarantine entries the overview lists (the newest); /metrics counts them all.
+LOSSES_LISTED = 20
+
+
+def store_losses(reader: TraceReader) -> dict[str, Any] | None:
+    """What the store set aside and lost (its quarantine, ``DuckDBStore.losses``): the count and the
+    newest entries with what each held; None for a store that keeps no quarantine (ClickHouse)."""
+    losses = getattr(reader, "losses", None)
+    if losses is None:
+        return None
+    entries = losses()
+    shown = []
+    for entry in reversed(entries[-LOSSES_LISTED:]):
+        lost = entry.get("acknowledged_spans_lost")
+        shown.append({"kind": entry.get("kind"), "at_ns": entry.get("at_ns"), "file": entry.get("file"),
+                      "why": entry.get("why"), "note": entry.get("note"),
+                      "records": None if entry.get("first_seq") is None else
+                      [entry.get("first_seq"), entry.get("last_seq")],
+                      "lost": bool(entry.get("acknowledged_batches_lost") or lost), "spans_lost": lost})
+    return {"entries": len(entries), "shown": shown}
 
 
 @page("/", "overview.html", "Overview")

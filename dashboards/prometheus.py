@@ -110,6 +110,12 @@ SERIES = {
     "tokentrace_ingest_queue_batches": ("gauge", "Batches waiting for the writer."),
     "tokentrace_ingest_queue_capacity": ("gauge", "Batches the write queue holds before senders get 503."),
     "tokentrace_ingest_queue_bytes": ("gauge", "Bytes of the batches waiting for the writer."),
+    "tokentrace_store_quarantined": (
+        "counter", "What the store set aside in its quarantine (losses.jsonl) since it was created, by kind."),
+    "tokentrace_store_lost_spans": (
+        "counter", "Acknowledged spans the store lost: in damaged span files, or in batches its tables refused."),
+    "tokentrace_store_lost_journal_records": (
+        "counter", "Acknowledged journal records the store lost before merging them (damaged or missing)."),
     "tokentrace_receiver_request_seconds": (
         "histogram", "Seconds from receiving an OTLP request to acknowledging it (acknowledged requests)."),
     "tokentrace_receiver_stage_seconds": (
@@ -561,6 +567,8 @@ class MetricsState:
         for key in ("queue_batches", "queue_capacity", "queue_bytes"):
             if ingest.get(key) is not None:
                 samples[f"tokentrace_ingest_{key}"].append(_sample(f"tokentrace_ingest_{key}", (), ingest[key]))
+        for name, labels, value in _losses(ingest.get("losses")):
+            samples[name].append(_sample(name + "_total", labels, value))
         receiver = ingest.get("receiver")
         if receiver:  # collector/ingest.py: RECEIVER_STAGES, RECEIVER_BUCKETS
             bounds, counts, seconds = receiver["le"], receiver["counts"], receiver["seconds"]
@@ -600,6 +608,36 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+#: The quarantine's kinds (collector/store_duckdb.py) as label values.
+LOSS_KINDS = {"damaged span file": "span_file", "damaged journal bytes": "journal_bytes",
+              "missing journal records": "journal_records_missing",
+              "journal record the store cannot take": "batch_refused"}
+
+
+def _losses(entries: list[dict] | None) -> list[tuple[str, tuple, float]]:
+    """The store-loss series from its quarantine's entries (``DuckDBStore.losses``; none for a store
+    without one): entries by kind, acknowledged spans lost where an entry counts them, and journal
+    records lost where it numbers them. Counted from the entries, so they survive restarts."""
+    if entries is None:
+        return []
+    kinds: dict[str, int] = {kind: 0 for kind in LOSS_KINDS.values()}
+    spans = records = 0
+    for entry in entries:
+        kind = LOSS_KINDS.get(entry.get("kind"), str(entry.get("kind")).replace(" ", "_"))
+        kinds[kind] = kinds.get(kind, 0) + 1
+        lost = entry.get("acknowledged_spans_lost")
+        if lost is None and entry.get("acknowledged_batches_lost") and entry.get("spans") is not None:
+            lost = entry["spans"]
+        spans += int(lost or 0)
+        first, last = entry.get("first_seq"), entry.get("last_seq")
+        if entry.get("acknowledged_batches_lost") and entry.get("kind") != "journal record the store cannot take":
+            records += (last - first + 1) if first is not None and last is not None else 0
+        elif entry.get("kind") == "journal record the store cannot take":
+            records += 1
+    return ([("tokentrace_store_quarantined", (("kind", kind),), n) for kind, n in sorted(kinds.items())]
+            + [("tokentrace_store_lost_spans", (), spans), ("tokentrace_store_lost_journal_records", (), records)])
+
+
 @functools.lru_cache(maxsize=65_536)
 def _label_text(labels: tuple) -> str:
     return ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels)
@@ -617,6 +655,8 @@ def metrics(request: Request) -> Response:
     collector = request.app.state.collector
     state: MetricsState = request.app.state.metrics
     ingest = collector.counters.snapshot()
+    losses = getattr(request.app.state.reader, "losses", None)
+    ingest["losses"] = losses() if losses is not None else None
     queue = collector.queue
     if queue is not None:
         ingest.update(queue_batches=queue.depth(), queue_capacity=queue.capacity,

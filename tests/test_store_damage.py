@@ -11,9 +11,11 @@ is kept, and records that sequence numbers show missing are logged by number.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
+import httpx
 import pytest
 from harness_collector import wait_for
 from test_collector_errors import make_request
@@ -53,6 +55,8 @@ def test_a_flipped_byte_in_an_old_merged_record_loses_nothing(collector_factory)
 
     collector = collector_factory(db=first.db).start()
     health = collector.health()
+    # Set aside, and nothing lost: /metrics says so.
+    assert _loss_series(collector) == {"journal_bytes": 1, "spans": 0, "journal_records": 0}
     assert collector.stop() == 0
     assert collector.sql("SELECT count(*) FROM spans WHERE name = 'kept'") == [(BATCHES * SPANS,)]
     assert collector.sql("SELECT count(*) FROM spans WHERE name = 'old'") == [(1000,)]
@@ -87,7 +91,11 @@ def test_a_lost_journal_file_is_detected_and_its_records_named(collector_factory
 
     collector = collector_factory(db=first.db).start()
     health = collector.health()
+    lost_metrics = _loss_series(collector)
     assert collector.stop() == 0
+    # On /metrics too (issue 45 item 1): one record lost, no span counted (the record's spans are
+    # not known), the quarantine's entry by kind.
+    assert lost_metrics == {"journal_records_missing": 1, "spans": 0, "journal_records": 1}, lost_metrics
     for seq in range(2, 2 + BATCHES):
         expected = 0 if seq == missing else SPANS
         assert collector.sql(f"SELECT count(*) FROM spans WHERE name = 'batch{seq}'") == [(expected,)], seq
@@ -95,6 +103,17 @@ def test_a_lost_journal_file_is_detected_and_its_records_named(collector_factory
     assert entry["kind"] == "missing journal records" and entry["acknowledged_batches_lost"] is True
     assert (entry["first_seq"], entry["last_seq"]) == (missing, missing)
     assert "quarantined missing journal records" in collector.log_path.read_text()
+
+
+def _loss_series(collector) -> dict[str, int]:
+    """The store-loss series of the collector's /metrics: quarantined entries by kind (those above 0),
+    acknowledged spans and journal records lost."""
+    text = httpx.get(collector.url + "/metrics", headers=collector.headers, timeout=30).text
+    found = {m[1]: int(m[2]) for m in re.finditer(r'^tokentrace_store_quarantined_total\{kind="([a-z_]+)"\} (\d+)$',
+                                                   text, re.M) if int(m[2])}
+    found["spans"] = int(re.search(r"^tokentrace_store_lost_spans_total (\d+)$", text, re.M)[1])
+    found["journal_records"] = int(re.search(r"^tokentrace_store_lost_journal_records_total (\d+)$", text, re.M)[1])
+    return found
 
 
 # --- span files --------------------------------------------------------------------------------------
@@ -144,6 +163,12 @@ def test_a_damaged_span_file_is_quarantined_and_the_rest_served(collector_factor
     collector = collector_factory(db=first.db).start()
     health = collector.health()
     assert health["status"] == "ok", health["problems"]
+    assert _loss_series(collector) == {"span_file": 1, "spans": FILE_SPANS, "journal_records": 0}
+    # ... and on the overview page and its twin (issue 45 item 1).
+    losses = httpx.get(collector.url + "/.json", headers=collector.headers, timeout=60).json()["store_losses"]
+    assert losses["entries"] == 1 and losses["shown"][0]["spans_lost"] == FILE_SPANS
+    page = httpx.get(collector.url + "/", headers=collector.headers, timeout=60).text
+    assert 'id="store-losses"' in page and f"{FILE_SPANS:,} spans" in page
     assert collector.post(make_request(100, name="after").SerializeToString(),
                           "application/x-protobuf").status_code == 200
     assert collector.stop() == 0
