@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -472,6 +472,39 @@ def restart_first_turn(t: Topology) -> None:
     if CELLS[(t.path, "restart")].kind != "n/a":
         first = [t.system(7), t.user(8)]
         t.cells["restart"] = {"first": first, "answer": t.chat("main", "restart-1", first, 8, "s-restart")}
+
+
+def around_restart(paths: list[Topology], restart: Callable[[], None], gateways: dict, what: str) -> None:
+    """Every path's situations up to the restart (on an engine the paths share, each restart's first
+    turn after all of them: ``restart_first_turn``), ``restart()``, every gateway settled, then the
+    turns after it."""
+    shared = len(paths) > 1
+    for t in paths:
+        before_restart(t, shared=shared)
+    if shared:
+        for t in paths:
+            restart_first_turn(t)
+    restart()
+    settled(list(gateways.values()))
+    for t in paths:
+        t.lap(what)
+        after_restart(t)
+
+
+@contextlib.contextmanager
+def stopping(collector: CollectorProcess, *groups) -> Iterator[None]:
+    """A path's run: at its end every process of ``groups`` is stopped (dicts or lists, read then, so
+    they may be filled during the run; in the order given: gateways before their engines), and the
+    collector too when the run failed (a run that passed is read after it)."""
+    try:
+        yield
+    except BaseException:
+        collector.stop()
+        raise
+    finally:
+        for group in groups:
+            for process in group.values() if isinstance(group, dict) else group:
+                process.stop()
 
 
 def after_restart(t: Topology) -> None:

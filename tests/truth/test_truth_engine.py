@@ -11,8 +11,7 @@ from harness_engine import EngineProcess
 from harness_gateway import GatewayProcess
 from matrix import (
     Topology,
-    after_restart,
-    before_restart,
+    around_restart,
     cases,
     check_answer,
     check_surfaces,
@@ -20,6 +19,7 @@ from matrix import (
     marked,
     once,
     settled,
+    stopping,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def run_path(path: str, workdir, model) -> object:
         "c": EngineProcess(workdir, model, "--lazy-load", collector=collector, instance_id=prefix + "c"),
     }
     gateways: dict[str, GatewayProcess] = {}
-    try:
+    with stopping(collector, gateways, engines):
         engines["a"].start()
         engines["b"].start()
         engines["c"].start(ready=False)
@@ -51,11 +51,12 @@ def run_path(path: str, workdir, model) -> object:
                     "move": (engines["a"].url, engines["b"].url)}
         else:
             a, b, c = (engines[k].url for k in "abc")
-            gateways = {"main": GatewayProcess(workdir, {"a": a}, collector=collector),
-                        "narrow": GatewayProcess(workdir, {"a": a}, "--max-concurrency", "1", collector=collector),
-                        "rr": GatewayProcess(workdir, {"a": a, "b": b}, "--route", "round_robin",
-                                             collector=collector),
-                        "c": GatewayProcess(workdir, {"c": c}, collector=collector)}
+            gateways.update({"main": GatewayProcess(workdir, {"a": a}, collector=collector),
+                             "narrow": GatewayProcess(workdir, {"a": a}, "--max-concurrency", "1",
+                                                      collector=collector),
+                             "rr": GatewayProcess(workdir, {"a": a, "b": b}, "--route", "round_robin",
+                                                  collector=collector),
+                             "c": GatewayProcess(workdir, {"c": c}, collector=collector)})
             for name, gateway in gateways.items():
                 if name != "c":
                     gateway.start()
@@ -73,25 +74,17 @@ def run_path(path: str, workdir, model) -> object:
                 settled([gateways["c"]])
 
             topology.warm = warm
-        before_restart(topology)
-        engines["a"].stop()
-        engines["a"].start()
-        topology.lap("restarting the main engine")
-        engines["c"].stop()
-        engines["c"].args = [arg for arg in engines["c"].args if arg != "--lazy-load"]
-        engines["c"].args += ["--chat-template", OTHER_TEMPLATE]
-        engines["c"].start()
-        settled(list(gateways.values()))
-        topology.lap("restarting the template engine")
-        after_restart(topology)
-    except BaseException:
-        collector.stop()
-        raise
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        for engine in engines.values():
-            engine.stop()
+
+        def restart() -> None:
+            """The main engine restarted as it was; the template engine with another chat template."""
+            engines["a"].stop()
+            engines["a"].start()
+            engines["c"].stop()
+            engines["c"].args = [arg for arg in engines["c"].args if arg != "--lazy-load"]
+            engines["c"].args += ["--chat-template", OTHER_TEMPLATE]
+            engines["c"].start()
+
+        around_restart([topology], restart, gateways, "restarting the main and the template engine")
     return gather(topology)
 
 

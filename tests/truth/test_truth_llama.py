@@ -12,15 +12,14 @@ from harness_gateway import GatewayProcess
 from harness_llama import LlamaServer, tiny_gguf  # noqa: F401 - fixture
 from matrix import (
     Topology,
-    after_restart,
-    before_restart,
+    around_restart,
     cases,
     check_answer,
     check_surfaces,
     gather,
     marked,
     once,
-    settled,
+    stopping,
 )
 
 pytestmark = pytest.mark.slow
@@ -33,14 +32,15 @@ def run_path(workdir, gguf):
     collector = CollectorProcess(workdir).start()
     servers = {name: LlamaServer(workdir, gguf / "model.gguf", *SERVER_ARGS) for name in ("a", "b")}
     gateways: dict[str, GatewayProcess] = {}
-    try:
+    with stopping(collector, gateways, servers):
         for server in servers.values():
             server.start()
         a, b = servers["a"].url, servers["b"].url
-        gateways = {"main": GatewayProcess(workdir, {"llama-a": a}, collector=collector),
-                    "narrow": GatewayProcess(workdir, {"llama-a": a}, "--max-concurrency", "1", collector=collector),
-                    "rr": GatewayProcess(workdir, {"llama-a": a, "llama-b": b}, "--route", "round_robin",
-                                         collector=collector)}
+        gateways.update({"main": GatewayProcess(workdir, {"llama-a": a}, collector=collector),
+                         "narrow": GatewayProcess(workdir, {"llama-a": a}, "--max-concurrency", "1",
+                                                  collector=collector),
+                         "rr": GatewayProcess(workdir, {"llama-a": a, "llama-b": b}, "--route", "round_robin",
+                                              collector=collector)})
         for gateway in gateways.values():
             gateway.start()
         # One slot: one long generation fills the server; it holds one prompt, so one other evicts it.
@@ -49,20 +49,12 @@ def run_path(workdir, gguf):
         topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
                                               "move": (gateways["rr"].url, gateways["rr"].url)},
                             slots=1, fillers=2, prefix="tl-", long_tokens=1500)
-        before_restart(topology)
-        servers["a"].stop()
-        servers["a"].start()
-        settled(list(gateways.values()))
-        topology.lap("restarting llama-a")
-        after_restart(topology)
-    except BaseException:
-        collector.stop()
-        raise
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        for server in servers.values():
-            server.stop()
+
+        def restart() -> None:
+            servers["a"].stop()
+            servers["a"].start()
+
+        around_restart([topology], restart, gateways, "restarting llama-a")
     return gather(topology)
 
 

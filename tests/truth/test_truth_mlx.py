@@ -11,15 +11,14 @@ from harness_collector import CollectorProcess
 from harness_gateway import GatewayProcess, MlxLmServer
 from matrix import (
     Topology,
-    after_restart,
-    before_restart,
+    around_restart,
     cases,
     check_answer,
     check_surfaces,
     gather,
     marked,
     once,
-    settled,
+    stopping,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,16 +31,16 @@ def run_path(workdir, model):
     servers = {"a": MlxLmServer(workdir, model, "--prompt-cache-size", "4", "--decode-concurrency", "2"),
                "b": MlxLmServer(workdir, model)}
     gateways: dict[str, GatewayProcess] = {}
-    try:
+    with stopping(collector, gateways, servers):
         for server in servers.values():
             server.start()
         a, b = servers["a"].url, servers["b"].url
         tokenizer = ("--tokenizer", str(model))
-        gateways = {"main": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, collector=collector),
-                    "narrow": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, "--max-concurrency", "1",
-                                             collector=collector),
-                    "rr": GatewayProcess(workdir, {"mlx-a": a, "mlx-b": b}, *tokenizer, "--route", "round_robin",
-                                         collector=collector)}
+        gateways.update({"main": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, collector=collector),
+                         "narrow": GatewayProcess(workdir, {"mlx-a": a}, *tokenizer, "--max-concurrency", "1",
+                                                  collector=collector),
+                         "rr": GatewayProcess(workdir, {"mlx-a": a, "mlx-b": b}, *tokenizer, "--route",
+                                              "round_robin", collector=collector)})
         for gateway in gateways.values():
             gateway.start()
 
@@ -53,20 +52,12 @@ def run_path(workdir, model):
         topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
                                               "move": (gateways["rr"].url, gateways["rr"].url)},
                             model="default_model", refuse=refuse, prefix="tm-")
-        before_restart(topology)
-        servers["a"].stop()
-        servers["a"].start()
-        settled(list(gateways.values()))
-        topology.lap("restarting mlx-a")
-        after_restart(topology)
-    except BaseException:
-        collector.stop()
-        raise
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        for server in servers.values():
-            server.stop()
+
+        def restart() -> None:
+            servers["a"].stop()
+            servers["a"].start()
+
+        around_restart([topology], restart, gateways, "restarting mlx-a")
     return gather(topology)
 
 

@@ -15,16 +15,14 @@ from harness_collector import CollectorProcess, free_port, wait_for
 from harness_gateway import GatewayProcess
 from matrix import (
     Topology,
-    after_restart,
-    before_restart,
+    around_restart,
     cases,
     check_answer,
     check_surfaces,
     gather_all,
     marked,
     once,
-    restart_first_turn,
-    settled,
+    stopping,
 )
 from vllm_fixtures import MODEL, VLLM_PYTHON, healthy, make_model, require_vllm_python, stop
 
@@ -81,16 +79,17 @@ def run_paths(workdir):
     collector = CollectorProcess(workdir).start()
     engines = [Vllm(model_dir, workdir, collector, name) for name in ("vllm-1", "vllm-2")]
     gateways: dict[str, GatewayProcess] = {}
-    try:
+    with stopping(collector, gateways, engines):
         for engine in engines:  # both start at once: the start is mostly waiting
             engine.spawn()
         for engine in engines:
             engine.ready()
         one, two = engines[0].url, engines[1].url
-        gateways = {"main": GatewayProcess(workdir, {"vllm-1": one}, collector=collector),
-                    "narrow": GatewayProcess(workdir, {"vllm-1": one}, "--max-concurrency", "1", collector=collector),
-                    "rr": GatewayProcess(workdir, {"vllm-1": one, "vllm-2": two}, "--route", "round_robin",
-                                         collector=collector)}
+        gateways.update({"main": GatewayProcess(workdir, {"vllm-1": one}, collector=collector),
+                         "narrow": GatewayProcess(workdir, {"vllm-1": one}, "--max-concurrency", "1",
+                                                  collector=collector),
+                         "rr": GatewayProcess(workdir, {"vllm-1": one, "vllm-2": two}, "--route", "round_robin",
+                                              collector=collector)})
         for gateway in gateways.values():
             gateway.start()
         # vLLM's tokenizer makes ~5 tokens of one of the matrix's words: a long prompt of ~750 tokens
@@ -104,24 +103,13 @@ def run_paths(workdir):
                                                        "move": (gateways["rr"].url, gateways["rr"].url)},
                           prefix="tgv-", seed=0, **sizes),
                  Topology("vllm", collector, {"main": one, "move": (one, two)}, prefix="tv-", seed=5000, **sizes)]
-        for topology in paths:
-            before_restart(topology, shared=True)
-        for topology in paths:  # after both paths' fillers, which would evict it on the shared engine
-            restart_first_turn(topology)
-        engines[0].stop()
-        engines[0].spawn().ready()
-        settled(list(gateways.values()))
-        for topology in paths:
-            topology.lap("restarting vllm-1")
-            after_restart(topology)
-    except BaseException:
-        collector.stop()
-        raise
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        for engine in engines:
-            engine.stop()
+
+        def restart() -> None:
+            engines[0].stop()
+            engines[0].spawn().ready()
+
+        # Both paths share vllm-1: each restart's first turn comes after both paths' fillers.
+        around_restart(paths, restart, gateways, "restarting vllm-1")
     return gather_all(*paths)
 
 
