@@ -55,10 +55,22 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
                         help="only requests whose id starts with PREFIX (a benchmark's run)")
 
 
-def slice_of(args: argparse.Namespace) -> dict[str, str | None]:
-    """The slice options as the API's query parameters (None: not given)."""
-    return {"instance": args.instance, "model": args.model, "session": args.session,
-            "request_prefix": args.request_prefix}
+def window_and_slice(args: argparse.Namespace, default_since: str) -> tuple[tuple[int | None, int | None], dict]:
+    """The window of --since or --from/--until (bad input fails here, before any store is opened or
+    request sent), and those options with the slice's as the API's query parameters (those given)."""
+    from tokentrace.window import window_ns
+
+    window = window_ns(args.since, args.start, args.until, default_since=default_since)
+    given = {"since": args.since, "from": args.start, "until": args.until, "instance": args.instance,
+             "model": args.model, "session": args.session, "request_prefix": args.request_prefix}
+    return window, {key: value for key, value in given.items() if value is not None}
+
+
+def slice_from(args: argparse.Namespace):
+    """The slice options as a ``tokentrace.window.Slice``."""
+    from tokentrace.window import Slice
+
+    return Slice(args.instance, args.model, args.session, args.request_prefix)
 
 
 def _slo_option(parser: argparse.ArgumentParser) -> None:
@@ -108,9 +120,7 @@ def _from_db(args: argparse.Namespace) -> dict:
 
     slo = parse_slo(getattr(args, "slo", None))
     if args.analysis == "report":
-        from tokentrace.window import window_ns
-
-        window = window_ns(args.since, args.start, args.until, default_since="15m")  # bad input: before opening
+        window, _ = window_and_slice(args, "15m")
     store = DuckDBStore(args.db, read_only=True)
     try:
         if args.analysis == "slow":
@@ -127,10 +137,8 @@ def _from_db(args: argparse.Namespace) -> dict:
             result = analyze_session(store, args.session_id).as_dict()
         else:
             from tokentrace.analyzers.report import summarize
-            from tokentrace.window import Slice
 
-            where = Slice(args.instance, args.model, args.session, args.request_prefix)
-            result = summarize(store, *window, cause_sample=args.causes, slo=slo, where=where).as_dict()
+            result = summarize(store, *window, cause_sample=args.causes, slo=slo, where=slice_from(args)).as_dict()
     finally:
         store.close()
     return json.loads(json.dumps(result))  # the same types the HTTP path yields
@@ -139,12 +147,8 @@ def _from_db(args: argparse.Namespace) -> dict:
 def _from_url(args: argparse.Namespace) -> dict:
     slo = {"slo": args.slo} if getattr(args, "slo", None) is not None else {}
     if args.analysis == "report":
-        from tokentrace.window import window_ns
-
-        window_ns(args.since, args.start, args.until, default_since="15m")  # a bad time fails here, in our words
-        given = {"since": args.since, "from": args.start, "until": args.until, **slice_of(args)}
-        path = "/api/report?" + urllib.parse.urlencode(
-            {**{k: v for k, v in given.items() if v is not None}, "causes": args.causes, **slo})
+        _, given = window_and_slice(args, "15m")
+        path = "/api/report?" + urllib.parse.urlencode({**given, "causes": args.causes, **slo})
     elif args.analysis == "session":
         path = f"/api/sessions/{urllib.parse.quote(args.session_id, safe='')}"
     else:

@@ -17,10 +17,9 @@ import argparse
 import json
 import urllib.parse
 
-from tokentrace.analyzers.cli import add_slice_options, add_source_options, fetch_json, slice_of
+from tokentrace.analyzers.cli import add_slice_options, add_source_options, fetch_json, slice_from, window_and_slice
 from tokentrace.analyzers.evidence import plural
 from tokentrace.errors import ConfigError
-from tokentrace.window import window_ns
 
 FORMATS = ("mooncake",)
 
@@ -85,18 +84,15 @@ def recorded_workload(args: argparse.Namespace):
 
     if args.db:
         from tokentrace.collector.store_duckdb import DuckDBStore
-        from tokentrace.window import Slice
 
-        window = window_ns(args.since, args.start, args.until, default_since="1h")
+        window, _ = window_and_slice(args, "1h")
         store = DuckDBStore(args.db, read_only=True)
         try:
-            return load_workload(store, *window, where=Slice(args.instance, args.model, args.session,
-                                                               args.request_prefix))
+            return load_workload(store, *window, where=slice_from(args))
         finally:
             store.close()
-    window_ns(args.since, args.start, args.until, default_since="1h")  # a bad time fails here, in our words
-    given = {"since": args.since, "from": args.start, "until": args.until, **slice_of(args)}
-    query = urllib.parse.urlencode({k: v for k, v in given.items() if v is not None})
+    _, given = window_and_slice(args, "1h")
+    query = urllib.parse.urlencode(given)
     return Workload.from_dict(fetch_json(args, "/api/workload?" + query))
 
 
