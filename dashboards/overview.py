@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import polars as pl
-from fastapi import Request
+from fastapi import Query, Request
 
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
 from tokentrace.analyzers.report import (
@@ -29,7 +29,8 @@ from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
 from tokentrace.dashboards.instances import instance_health
 from tokentrace.dashboards.web import page
-from tokentrace.window import since_ns
+from tokentrace.window import Slice
+from tokentrace.window import window_ns as window_of
 
 #: Requests whose cache cause is computed (one cache verdict each), the latest of the window.
 CAUSE_SAMPLE = 30
@@ -66,11 +67,28 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
     return lines
 
 
-def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None = None) -> dict[str, Any]:
-    """The overview of requests that started in the last ``since`` (SLO attainment with ``slo``)."""
-    window_ns = since_ns(since, now_ns, what="since")
-    frame = with_categories(reader.requests(since_ns=window_ns, limit=LIMIT), declared_parts(reader))
-    report = summarize_frame(reader, frame, window_ns, cause_sample=0, slo=slo).as_dict()
+def sliced(frame: pl.DataFrame, where: Slice) -> pl.DataFrame:
+    """The rows of a requests frame in ``where`` (its instance already chosen by the store's query)."""
+    for column, value in (("model", where.model), ("session_id", where.session_id)):
+        if value is not None:
+            frame = frame.filter(pl.col(column) == value)
+    if where.request_prefix is not None:
+        frame = frame.filter(pl.col("request_id").str.starts_with(where.request_prefix))
+    return frame
+
+
+def overview(reader: TraceReader, since: str | None, now_ns: int, slo: SloSpec | None = None,
+             start: str | None = None, until: str | None = None, where: Slice | None = None) -> dict[str, Any]:
+    """The overview of requests that started in the last ``since`` (default 15m), or from ``start``
+    until ``until``, of the slice ``where`` (one instance, model, session or request-id prefix; the
+    report's: docs/analyzers.md), with SLO attainment with ``slo``."""
+    where = where or Slice()
+    window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
+                                    names=("since", "from", "until"))
+    frame = sliced(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                   limit=LIMIT), where)
+    frame = with_categories(frame, declared_parts(reader))
+    report = summarize_frame(reader, frame, window_ns, until_ns, cause_sample=0, slo=slo, where=where).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)
     latency: dict[str, Any] = {name: {"p50": None, "p95": None, "p99": None} for name, _, _ in LATENCY}
     throughput = {"output_tokens": 0, "input_tokens": 0, "output_tokens_per_s": None, "active_s": None}
@@ -93,10 +111,14 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
     categories = {label: report["categories"].get(label, 0) for label in [*(label for _, label in CATEGORIES),
                                                                            UNDECOMPOSED]}
     outcomes = {name: report["outcomes"].get(name, 0) for name in OUTCOMES}
-    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
-    queue = queue_series(beats)
-    chart_t0, _ = series.span(window_ns, now_ns, [beats["t_ns"]])
+    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=until_ns)
     health = instance_health(reader, now_ns)
+    if where.instance_id is not None:
+        beats = beats.filter(pl.col("instance_id") == where.instance_id)
+        health = [row for row in health if row["instance_id"] == where.instance_id]
+    queue = queue_series(beats)
+    chart_end = until_ns if until_ns is not None else now_ns
+    chart_t0, _ = series.span(window_ns, chart_end, [beats["t_ns"]])
     latency_of = {row["instance_id"]: row for row in report["instances"]}
     known = {row["instance_id"] for row in health}
     # One row per instance: its health, and its latency over the window when it served requests.
@@ -105,7 +127,9 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
                    "now": None, "latency": row}
                   for i, row in latency_of.items() if i not in known]
     return {
-        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "window": {"since": since, "since_ns": window_ns, "until_ns": until_ns, "now_ns": now_ns,
+                   "from": start, "until": until},
+        "slice": where.params(),
         "requests": report["requests"], "errors": errors, "outcomes": outcomes, "latency": latency,
         "latency_labels": LATENCY,
         "throughput": throughput,
@@ -117,7 +141,7 @@ def overview(reader: TraceReader, since: str, now_ns: int, slo: SloSpec | None =
         "slowest": report["slowest"], "not_completed": not_completed, "store_losses": store_losses(reader),
         "queue": queue, "slo": report["slo"], "routing": report["routing"],
         "charts": {"queue": {"kind": "line", "x_type": "time", "unit": "count", "x_min": chart_t0 / 1e6,
-                             "x_max": now_ns / 1e6,
+                             "x_max": chart_end / 1e6,
                              "series": [{"name": s["instance_id"], "x": s["t"], "y": s["queue_depth"]}
                                         for s in queue],
                              "empty": "no heartbeats in this window"}},
@@ -147,8 +171,11 @@ def store_losses(reader: TraceReader) -> dict[str, Any] | None:
 
 
 @page("/", "overview.html", "Overview")
-def overview_page(request: Request, since: str = "15m") -> dict[str, Any]:
-    """The overview page and its twin ``/.json``."""
+def overview_page(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+                  until: str | None = None, instance: str | None = None, model: str | None = None,
+                  session: str | None = None, request_prefix: str | None = None) -> dict[str, Any]:
+    """The overview page and its twin ``/.json`` (a window and a slice as ``/api/report`` takes them)."""
     collector = getattr(request.app.state, "collector", None)
     slo = getattr(collector.config, "slo", None) if collector is not None else None
-    return overview(request.app.state.reader, since, time.time_ns(), slo)
+    return overview(request.app.state.reader, since, time.time_ns(), slo, start, until,
+                    Slice(instance, model, session, request_prefix))

@@ -359,6 +359,18 @@ def test_a_report_of_an_absolute_window_and_a_slice_counts_those_requests_alone(
     api = httpx.get(f"{url}/api/report", params={"since": "1h", "from": _iso(first)}, timeout=60)
     assert api.status_code == 400 and "give since (a window ending now) or from/until" in api.text, api.text
 
+    # The overview page takes the same window and slice, and gives the same counts.
+    page = _page(scenario, f"/.json?request_prefix={prefix}&since=all")
+    assert page["requests"] == 2 and page["slice"]["request_prefix"] == prefix
+    assert page["throughput"]["output_tokens_per_s"] == pytest.approx(instance["output_tokens_per_s"], abs=0.01)
+    window = httpx.get(f"{url}/.json", params={"from": _iso(first), "until": _iso(last)}, timeout=60).json()
+    assert window["requests"] == len(inside) and window["outcomes"] == {**dict.fromkeys(window["outcomes"], 0),
+                                                                         **windowed["outcomes"]}
+    html = httpx.get(f"{url}/", params={"instance": "scen-b", "since": "all"}, timeout=60).text
+    assert 'id="slice"' in html and "instance <b>scen-b</b>" in html
+    assert _page(scenario, "/.json?instance=scen-b&since=all")["requests"] == report(
+        "--since", "all", "--instance", "scen-b")["requests"]
+
 
 def _outcome(row: dict) -> str:
     from tokentrace.analyzers.outcome import outcome_of
