@@ -60,3 +60,25 @@ def test_refuses_a_non_empty_directory_without_force(tmp_path):
     assert result.returncode == 2
     assert "exists and is not empty" in result.stderr
     assert _make(directory, "--force").returncode == 0
+
+
+def test_qwen2_loads_generates_and_can_be_split_between_ranks(tmp_path):
+    """Issue 46 item 1: --arch qwen2 writes a model mlx-lm loads as qwen2, whose layers a distributed
+    engine can split (PipelineMixin) as well as shard; llama stays the default."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    directory = tmp_path / "qwen2"
+    result = _make(directory, "--arch", "qwen2")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+    model, tokenizer = load(str(directory))
+    assert isinstance(model.model, PipelineMixin) and callable(model.shard)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    first = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=4)]
+    again = [r.token for r in stream_generate(*load(str(directory)), prompt, max_tokens=4)]
+    assert first == again and 1 <= len(first) <= 4
+    assert json.loads((directory / "tokentrace-model.json").read_text())["arch"] == "qwen2"
+    refused = _make(tmp_path / "gguf", "--arch", "qwen2", "--gguf")
+    assert refused.returncode == 2 and "--gguf writes the llama architecture only" in refused.stderr

@@ -1,7 +1,10 @@
-"""Write a random-weight llama model in mlx-lm format, with a BPE tokenizer trained on built-in text
-and a ChatML chat template, so that tests and the demo run a real engine without downloading
-anything. ``tiny`` steps in about a millisecond on a laptop CPU; ``small`` takes a few milliseconds
-per decode step so that phases are visible in traces.
+"""Write a random-weight llama (or qwen2) model in mlx-lm format, with a BPE tokenizer trained on
+built-in text and a ChatML chat template, so that tests and the demo run a real engine without
+downloading anything. ``tiny`` steps in about a millisecond on a laptop CPU; ``small`` takes a few
+milliseconds per decode step so that phases are visible in traces. ``--arch qwen2`` writes the same
+shape as mlx-lm's qwen2, whose model supports both distributed placements mlx-lm offers: tensor
+parallel (``Model.shard``) and a split of its layers between ranks (``PipelineMixin.pipeline``),
+which llama supports only the first of (issue 46).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class ModelSize:
     context: int  #: max_position_embeddings: longer prompts are rejected by the engine
 
 
+#: Architectures make-model writes: mlx-lm's model module and the Hugging Face class name.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, context=2048),
     "small": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, ffn=704, vocab=1024, context=4096),
@@ -52,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="directory to write the model into (created)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+                        help="architecture (default: llama); qwen2's layers can also be split between the ranks "
+                             "of a distributed engine (pipeline placement)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     parser.add_argument("--gguf", action="store_true",
                         help="also write the model as model.gguf, which llama.cpp's llama-server loads")
@@ -59,8 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the model and print where it went."""
-    out = write_model(args.dir, size=args.size, seed=args.seed, force=args.force)
-    print(f"wrote {args.size} model to {out}")
+    if args.gguf and args.arch != "llama":
+        raise ConfigError(f"--gguf writes the llama architecture only, not --arch {args.arch}")
+    out = write_model(args.dir, size=args.size, seed=args.seed, force=args.force, arch=args.arch)
+    print(f"wrote {args.size} {args.arch} model to {out}")
     if args.gguf:
         from tokentrace.engine_shim.mlx.make_gguf import write_gguf
 
@@ -68,29 +79,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_model(directory: Path | str, size: str = "tiny", seed: int = 0, force: bool = False) -> Path:
+def write_model(directory: Path | str, size: str = "tiny", seed: int = 0, force: bool = False,
+                arch: str = "llama") -> Path:
     """Write config, weights, tokenizer and chat template into ``directory``; deterministic in
-    (``size``, ``seed``). Returns the directory."""
+    (``size``, ``seed``, ``arch``). Returns the directory."""
     if size not in SIZES:
         raise ConfigError(f"--size must be one of {sorted(SIZES)}, got {size!r}")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"--arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     out = Path(directory)
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out} exists and is not empty (use --force to overwrite)")
     out.mkdir(parents=True, exist_ok=True)
     shape = SIZES[size]
     vocab_size = _write_tokenizer(out, shape)
-    config = _model_config(shape, vocab_size)
+    config = _model_config(shape, vocab_size, arch)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_weights(out, config, seed)
     meta = {"generator": "tokentrace make-model", "size": size, "seed": seed, **asdict(shape)}
+    if arch != "llama":  # a llama model's files stay byte for byte what they were
+        meta["arch"] = arch
     (out / "tokentrace-model.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def _model_config(shape: ModelSize, vocab_size: int) -> dict:
+def _model_config(shape: ModelSize, vocab_size: int, arch: str = "llama") -> dict:
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [ARCHITECTURES[arch]],
         "hidden_size": shape.hidden,
         "num_hidden_layers": shape.layers,
         "num_attention_heads": shape.heads,
@@ -142,15 +158,17 @@ def _write_tokenizer(out: Path, shape: ModelSize) -> int:
 
 
 def _write_weights(out: Path, config: dict, seed: int) -> None:
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     # Parameters are drawn in construction order from this key, so the weights depend on the
     # seed and the shape only.
     mx.random.seed(seed)
-    args = llama.ModelArgs.from_dict(config)
-    model = llama.Model(args)
+    args = module.ModelArgs.from_dict(config)
+    model = module.Model(args)
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
