@@ -40,6 +40,7 @@ from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_slow_facts
 from tokentrace.collector.store import TraceReader, as_columns
 from tokentrace.collector.tables import TABLES
+from tokentrace.contract import OBSERVER_GATEWAY
 from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.metrics")
@@ -166,6 +167,14 @@ ROUND = 256
 #: gateway's, merged into one by the store's queries; analyzers/observers.py) comes within a second
 #: or so of the first, and the verdict reads the merged row.
 PARTNER_WAIT_S = 2.0
+#: On an instance both a gateway and an observer inside the engine report (vLLM's plugin or our
+#: engine behind our gateway), a request's verdicts wait for its second row up to this long: an
+#: engine's exporter batches its spans (OpenTelemetry's default: every 5 s) and vLLM CPU starves
+#: its own exporter while it generates; judged on the first row alone, a request's counters named
+#: another category or cause than analyze slow (the truth matrix, vLLM behind the gateway).
+PARTNER_WAIT_LONG_S = 15.0
+#: Once the second row is folded, the verdicts wait this much more for the store to hold it.
+PARTNER_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -196,8 +205,13 @@ class MetricsState:
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
-        #: (folded at, request_id, instance_id, model, category of the folded row) of requests to judge
+        #: (due at, request_id, instance_id, model, category of the folded row) of requests to judge
         self._verdicts: deque = deque()
+        #: per instance, which sides reported it (True: a gateway; False: an observer inside)
+        self._sides: dict[str, set[bool]] = {}
+        #: request id -> when its second observer's row was folded (for queued verdicts only)
+        self._partnered: dict[str, float] = {}
+        self._queued: set[str] = set()  #: the request ids in ``_verdicts``
         self._judging = 0  #: requests taken by the verdict thread's round, not counted yet
         self._max_verdicts = max_pending_verdicts
         self._wake = threading.Condition(self._lock)
@@ -294,6 +308,7 @@ class MetricsState:
                 *((k, "" if v is None else str(v)) for k, v in extra.items()))
 
     def _fold_requests(self, frame: pl.DataFrame) -> None:
+        self._note_partners(frame)
         frame = self._sightings.first(frame)  # a request the gateway and its engine both reported: once
         frame = with_categories(frame, self._declared)
         for row in frame.select("instance_id", "model").unique().iter_rows():
@@ -412,6 +427,28 @@ class MetricsState:
                 else:
                     self.gauges[(name, labels)] = float(value)
 
+    def _note_partners(self, frame: pl.DataFrame) -> None:
+        """Which sides report each instance, and the queued requests whose second row this is (or
+        whose two rows came together)."""
+        if frame.height == 0:
+            return
+        outside = frame["observer"].eq_missing(OBSERVER_GATEWAY)
+        for instance, side in zip(frame["instance_id"].fill_null("unknown").to_list(), outside.to_list(),
+                                  strict=True):
+            self._sides.setdefault(instance, set()).add(side)
+        queued = self._queued
+        ids = frame["request_id"].to_list()
+        both = frame.with_columns(outside.alias("outside")).group_by("request_id").agg(
+            pl.col("outside").n_unique().alias("sides")).filter(pl.col("sides") > 1)["request_id"].to_list()
+        now = time.monotonic()
+        for rid in {rid for rid in ids if rid in queued} | set(both):
+            self._partnered.setdefault(rid, now)
+
+    def _wait_for(self, instance: str | None) -> float:
+        """How long a request of ``instance`` waits for its second row (PARTNER_WAIT_LONG_S where one
+        is expected)."""
+        return PARTNER_WAIT_LONG_S if len(self._sides.get(instance or "unknown", ())) > 1 else PARTNER_WAIT_S
+
     def _queue_verdicts(self, frame: pl.DataFrame) -> None:
         for instance, model, category in frame.select("instance_id", "model", "category").unique().iter_rows():
             # Present at 0 from the first request of a category on, as a client library's counter is.
@@ -421,7 +458,10 @@ class MetricsState:
         room = max(0, self._max_verdicts - len(self._verdicts))
         now = time.monotonic()
         rows = frame.select("request_id", "instance_id", "model", "category").head(room).rows()
-        self._verdicts.extend((now, *row) for row in rows)
+        self._verdicts.extend((now + self._wait_for(row[1]), *row) for row in rows)
+        self._queued.update(row[0] for row in rows)
+        for rid in [rid for rid in self._partnered if rid not in self._queued]:  # their two rows, both skipped
+            del self._partnered[rid]
         if frame.height > room:
             self.counters[("tokentrace_verdicts_skipped", ())] += frame.height - room
         self._wake.notify_all()
@@ -437,7 +477,7 @@ class MetricsState:
                     if self._pending and time.monotonic() - self._folded_at >= FOLD_EVERY_S:
                         self._fold()  # nothing scraped lately: the verdicts must not wait for it
                         continue
-                    due = self._verdicts[0][0] + PARTNER_WAIT_S - time.monotonic() if self._verdicts else None
+                    due = self._due() - time.monotonic() if self._verdicts else None
                     self._wake.wait(FOLD_EVERY_S if due is None else max(0.01, min(due, FOLD_EVERY_S)))
                 if self._stopping:
                     return
@@ -446,13 +486,22 @@ class MetricsState:
                 taken = []
                 while self._ripe() and len(taken) < ROUND:
                     taken.append(self._verdicts.popleft()[1:])
+                    self._partnered.pop(taken[-1][0], None)
+                    self._queued.discard(taken[-1][0])
                 self._judging = len(taken)
             if taken:
                 self._round(taken)
 
+    def _due(self) -> float:
+        """When the oldest queued verdict is ripe: its deadline, or PARTNER_SETTLE_S after its second
+        row was folded, whichever comes first (under the lock)."""
+        due, rid = self._verdicts[0][0], self._verdicts[0][1]
+        partnered = self._partnered.get(rid)
+        return due if partnered is None else min(due, partnered + PARTNER_SETTLE_S)
+
     def _ripe(self) -> bool:
-        """Whether the oldest queued verdict waited PARTNER_WAIT_S (under the lock)."""
-        return bool(self._verdicts) and time.monotonic() - self._verdicts[0][0] >= PARTNER_WAIT_S
+        """Whether the oldest queued verdict waited long enough (``_due``; under the lock)."""
+        return bool(self._verdicts) and time.monotonic() >= self._due()
 
     def _round(self, taken: list[tuple]) -> None:
         """Judge requests already written, after one wait for the store to hold them: each read of a

@@ -276,3 +276,50 @@ def test_requests_past_the_verdict_queues_room_are_counted_skipped(tmp_path):
     finally:
         state.close()
         store.close()
+
+
+def test_a_verdict_waits_for_the_second_observers_row(tmp_path, monkeypatch):
+    """Issue 44 (truth matrix, vLLM behind the gateway): on an instance that a gateway and an observer
+    inside the engine both report, a request's verdicts wait for its second row (up to
+    PARTNER_WAIT_LONG_S), so that /metrics counts the merged request's category; judged on the
+    gateway's row alone after PARTNER_WAIT_S, it was counted undecomposed where analyze slow says
+    prefill."""
+    monkeypatch.setattr(prometheus, "PARTNER_WAIT_LONG_S", 600.0)
+
+    def row(rid: str, observer: str) -> tuple:
+        values = dict(zip(TABLES["requests"], _request_row(rid, "i1", 50.0), strict=True))
+        values["observer"] = observer
+        if observer == "gateway":  # the client's view: no phase of the engine's known
+            values.update(queue_ms=0.0, load_wait_ms=None, prefill_ms=None, decode_ms=None, ttft_ms=None,
+                          tpot_ms=None, cached_tokens=None)
+        return tuple(values[name] for name in TABLES["requests"])
+
+    def hand_over(*rows: tuple) -> None:
+        batch = Batch()
+        batch.rows["requests"] += list(rows)
+        store.write(batch)
+        state.observe(batch)
+        state.render({"accepted_spans": 0, "rejected": {}})  # folds it: its verdicts are queued
+
+    store = DuckDBStore(tmp_path / "pair.duckdb")
+    state = MetricsState(store)
+    try:
+        hand_over(row("warm", "gateway"), row("warm", "engine"))  # both sides report i1
+        deadline = time.monotonic() + 60
+        while state.drain_verdicts() and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the state's own queue: nothing else to wait on
+        hand_over(row("late", "gateway"))
+        with state._lock:
+            assert state._verdicts[0][1] == "late" and state._due() - time.monotonic() > 500
+        hand_over(row("late", "engine"))  # its second row: judged half a second later, merged
+        with state._lock:
+            assert state._due() - time.monotonic() <= prometheus.PARTNER_SETTLE_S
+        _counted(state)
+        text = state.render({"accepted_spans": 0, "rejected": {}})
+    finally:
+        state.close()
+        store.close()
+    i1 = 'model_name="m",engine="0",instance_id="i1"'
+    assert f'tokentrace_requests_total{{{i1},outcome="completed",category="prefill"}} 2' in text.splitlines()
+    assert not [line for line in text.splitlines() if line.startswith("tokentrace_requests_total")
+                and "undecomposed" in line]
