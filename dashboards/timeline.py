@@ -14,15 +14,17 @@ import time
 from typing import Any
 
 import polars as pl
-from fastapi import Request
+from fastapi import Query, Request
 
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
 from tokentrace.analyzers.report import declared_parts, with_categories, with_first_content
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards.overview import sliced
 from tokentrace.dashboards.web import page
-from tokentrace.window import since_ns
+from tokentrace.window import Slice
+from tokentrace.window import window_ns as window_of
 
 PHASES = ("load_wait", "queue", "prefill", "decode")
 #: What a request's colour says: its category when it completed, else its outcome.
@@ -92,16 +94,23 @@ def _markers(evictions: pl.DataFrame, loads: pl.DataFrame, lanes: dict[str, int]
     }
 
 
-def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQUESTS,
-             slo: SloSpec | None = None) -> dict[str, Any]:
-    """The columnar timeline of requests that started in the last ``since`` (with ``slo``: the
-    objectives each one missed)."""
-    window_ns = since_ns(since, now_ns, what="since")
-    frame = reader.requests(since_ns=window_ns, limit=limit + 1)
+def timeline(reader: TraceReader, since: str | None, now_ns: int, limit: int = MAX_REQUESTS,
+             slo: SloSpec | None = None, start: str | None = None, until: str | None = None,
+             where: Slice | None = None) -> dict[str, Any]:
+    """The columnar timeline of requests that started in the last ``since`` (default 15m), or from
+    ``start`` until ``until``, of the slice ``where`` (with ``slo``: the objectives each one missed)."""
+    where = where or Slice()
+    window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
+                                    names=("since", "from", "until"))
+    frame = sliced(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                   limit=limit + 1), where)
     truncated = frame.height > limit
     frame = with_categories(frame.tail(limit), declared_parts(reader))
-    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=None)
-    loads = reader.frame("loads_in", since_ns=window_ns, until_ns=None)
+    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=until_ns)
+    loads = reader.frame("loads_in", since_ns=window_ns, until_ns=until_ns)
+    if where.instance_id is not None:
+        evictions = evictions.filter(pl.col("instance_id") == where.instance_id)
+        loads = loads.filter(pl.col("instance_id") == where.instance_id)
     instances = set(frame["instance_id"].fill_null("").to_list())
     for markers in (evictions, loads):
         instances |= set(markers["instance_id"].drop_nulls().to_list())
@@ -109,7 +118,8 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
     t0_ns = window_ns if window_ns is not None else (frame["start_ns"].min() if frame.height else now_ns)
     rows = {rid: i for i, rid in enumerate(frame["request_id"].to_list())}
     return {
-        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "window": {"since": since, "since_ns": window_ns, "until_ns": until_ns, "now_ns": now_ns},
+        "slice": where.params(),
         "t0_ns": t0_ns, "now": round((now_ns - t0_ns) / 1e6, 3), "unit": "ms",
         "lanes": list(lanes), "phases": list(PHASES), "categories": list(LABELS),
         "count": frame.height, "truncated": truncated,
@@ -121,8 +131,12 @@ def timeline(reader: TraceReader, since: str, now_ns: int, limit: int = MAX_REQU
 
 
 @page("/timeline", "timeline.html", "Timeline")
-def timeline_page(request: Request, since: str = "15m") -> dict[str, Any]:
-    """The timeline page (a canvas that loads ``/timeline.json``) and the twin itself."""
+def timeline_page(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+                  until: str | None = None, instance: str | None = None, model: str | None = None,
+                  session: str | None = None, request_prefix: str | None = None) -> dict[str, Any]:
+    """The timeline page (a canvas that loads ``/timeline.json``) and the twin itself (a window and a
+    slice as the overview takes them)."""
     collector = getattr(request.app.state, "collector", None)
     slo = getattr(collector.config, "slo", None) if collector is not None else None
-    return timeline(request.app.state.reader, since, time.time_ns(), slo=slo)
+    return timeline(request.app.state.reader, since, time.time_ns(), slo=slo, start=start, until=until,
+                    where=Slice(instance, model, session, request_prefix))

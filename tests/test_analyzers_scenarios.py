@@ -370,6 +370,11 @@ def test_a_report_of_an_absolute_window_and_a_slice_counts_those_requests_alone(
     assert 'id="slice"' in html and "instance <b>scen-b</b>" in html
     assert _page(scenario, "/.json?instance=scen-b&since=all")["requests"] == report(
         "--since", "all", "--instance", "scen-b")["requests"]
+    # ... and so does the timeline, whose live refresh keeps the slice.
+    drawn = _page(scenario, f"/timeline.json?request_prefix={prefix}&since=all")
+    assert sorted(drawn["requests"]["id"]) == sorted(rid for rid in rows if rid.startswith(prefix))
+    assert f'data-src="/timeline.json?request_prefix={prefix}&amp;since=all"' in httpx.get(
+        f"{url}/timeline", params={"request_prefix": prefix, "since": "all"}, timeout=60).text
 
 
 def _outcome(row: dict) -> str:
