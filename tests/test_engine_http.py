@@ -110,6 +110,9 @@ BAD = [
 
 def test_response_format_text_is_the_default_and_accepted(engine):
     assert engine.chat(HELLO, max_tokens=1, response_format={"type": "text"}).status_code == 200
+    refused = engine.post("/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                              "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format", refused.text
 
 
 @pytest.mark.parametrize(("case", "body", "message"), BAD, ids=[case for case, _, _ in BAD])

@@ -80,6 +80,9 @@ class _Generation(_Strict):
     ignore_eos: bool = False  #: vLLM extra: generate through EOS up to max_tokens
     min_tokens: int = 0  #: vLLM extra: suppress EOS before this many tokens
     chat_template_kwargs: dict[str, Any] | None = None  #: extra arguments for the chat template
+    #: only {"type": "text"} (the default); JSON modes need constrained decoding, which this engine
+    #: does not do: refused with a 400 rather than answered with text that may not be JSON
+    response_format: dict[str, Any] | None = None
 
 
 class ChatRequest(_Generation):
@@ -89,9 +92,6 @@ class ChatRequest(_Generation):
     tools: list[dict[str, Any]] | None = None  #: tool definitions, rendered by the chat template
     logprobs: bool = False  #: return the log-probability of each generated token
     top_logprobs: int | None = None  #: alternatives per token (needs logprobs)
-    #: only {"type": "text"} (the default); JSON modes need constrained decoding, which this engine
-    #: does not do: refused with a 400 rather than answered with text that may not be JSON
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Generation):
@@ -197,7 +197,16 @@ _RANGES = (
 )
 
 
+def _check_format(request: ChatRequest | CompletionRequest) -> None:
+    kind = (request.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise BadRequest(f"'response_format': type {kind!r:.40} is not supported: this engine does not constrain "
+                         "its output to JSON (no guided decoding); only {\"type\": \"text\"} is accepted",
+                         param="response_format")
+
+
 def _check_values(request: ChatRequest | CompletionRequest) -> None:
+    _check_format(request)
     limit = max_tokens_of(request)
     if limit is not None and limit <= 0:
         raise BadRequest(f"'max_tokens' must be at least 1, got {limit}", param="max_tokens")
@@ -237,11 +246,7 @@ def _check_chat(request: ChatRequest) -> None:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not request.messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise BadRequest(f"'response_format': type {kind!r:.40} is not supported: this engine does not constrain "
-                         "its output to JSON (no guided decoding); only {\"type\": \"text\"} is accepted",
-                         param="response_format")
+
     for i, message in enumerate(request.messages):
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text":
