@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_slow_facts
 from tokentrace.collector.store import TraceReader, as_columns
 from tokentrace.collector.tables import TABLES
-from tokentrace.contract import OBSERVER_GATEWAY
+from tokentrace.contract import OBSERVER, OBSERVER_GATEWAY
 from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.metrics")
@@ -175,6 +176,8 @@ PARTNER_WAIT_S = 2.0
 PARTNER_WAIT_LONG_S = 15.0
 #: Once the second row is folded, the verdicts wait this much more for the store to hold it.
 PARTNER_SETTLE_S = 0.5
+#: The gateway's service name (engine_shim/gateway/observe.py), for a resource that names no observer.
+GATEWAY_SERVICE = "tokentrace-gateway"
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,9 @@ class MetricsState:
                 self._info[r["instance_id"]] = (r["engine"] or "unknown", r["engine_version"] or "",
                                                 r["host_name"] or "")
                 self._declared[r["instance_id"]] = measures_of(r["attributes"])
+                # Which sides report the instance, known from their first batch (a gateway sends its
+                # upstreams' lifecycle at start): the first request's verdicts wait for its partner too.
+                self._sides.setdefault(r["instance_id"], set()).add(_from_gateway(r))
         if "requests" in tables:
             # One chunk a column: polars converts an Arrow table chunk by chunk, then joins them (one
             # chunk a batch took 0.37 instead of 0.09 us of fold CPU a span; issue 17, fifteenth round).
@@ -661,6 +667,18 @@ def _escape(value: str) -> str:
 LOSS_KINDS = {"damaged span file": "span_file", "damaged journal bytes": "journal_bytes",
               "missing journal records": "journal_records_missing",
               "journal record the store cannot take": "batch_refused"}
+
+
+def _from_gateway(resource: dict) -> bool:
+    """Whether a ``resources`` row is a gateway's (its observer attribute, else its service name)."""
+    attributes = resource.get("attributes")
+    if isinstance(attributes, str):
+        try:
+            attributes = json.loads(attributes)
+        except ValueError:
+            attributes = None
+    observer = (attributes or {}).get(OBSERVER) if isinstance(attributes, dict) else None
+    return observer == OBSERVER_GATEWAY or (observer is None and resource.get("service_name") == GATEWAY_SERVICE)
 
 
 def _losses(entries: list[dict] | None) -> list[tuple[str, tuple, float]]:
