@@ -579,6 +579,11 @@ class MetricsState:
         c[("tokentrace_requests", (*labels, ("outcome", outcome), ("category", category)))] += 1
         for verdict, error in judged.errors:
             c[("tokentrace_verdict_errors", (*labels, ("verdict", verdict), ("error", error)))] += 1
+        if outcome != COMPLETED:
+            # The first row folded said completed, the merged one does not (an engine that generated
+            # to the end for a client that had hung up at the gateway): like the report, cache and
+            # abnormal counts are completed requests'.
+            return
         if judged.cache is not None:
             # result None: the request never reached the cache (the analyzer's rule); not one here,
             # since only completed requests are judged, but named if it happens.

@@ -314,6 +314,11 @@ def test_a_verdict_waits_for_the_second_observers_row(tmp_path, monkeypatch):
         hand_over(row("late", "engine"))  # its second row: judged half a second later, merged
         with state._lock:
             assert state._due() - time.monotonic() <= prometheus.PARTNER_SETTLE_S
+        # The engine generated to the end for a client that had hung up at the gateway: the merged
+        # request is cancelled, counted so, and not among the cache lookups (vLLM behind the gateway).
+        gone = dict(zip(TABLES["requests"], row("gone", "gateway"), strict=True))
+        gone.update(client_disconnected=True, http_status=200)
+        hand_over(row("gone", "engine"), tuple(gone[name] for name in TABLES["requests"]))
         _counted(state)
         text = state.render({"accepted_spans": 0, "rejected": {}})
     finally:
@@ -321,5 +326,9 @@ def test_a_verdict_waits_for_the_second_observers_row(tmp_path, monkeypatch):
         store.close()
     i1 = 'model_name="m",engine="0",instance_id="i1"'
     assert f'tokentrace_requests_total{{{i1},outcome="completed",category="prefill"}} 2' in text.splitlines()
+    assert f'tokentrace_requests_total{{{i1},outcome="cancelled",category="cancelled"}} 1' in text.splitlines()
+    lookups = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("tokentrace_cache_lookups_total{"))
+    assert lookups == 2, text
     assert not [line for line in text.splitlines() if line.startswith("tokentrace_requests_total")
                 and "undecomposed" in line]
