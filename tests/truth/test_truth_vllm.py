@@ -144,7 +144,6 @@ WRONG_ANSWER: dict[tuple[str, str], str] = {
     ("vllm", "restart"): "completed, category prefill, cache miss, cause unknown",
     ("vllm", "too_short"): "completed, category prefill, cache miss, cause unknown",
     ("vllm", "refused"): "tv-refused was never stored",
-    ("vllm", "cancelled"): "tv-cancelled was never stored",
 }
 #: The short request must reach vLLM's scheduler after the long generations that fill its four
 #: slots. vLLM CPU on two cores starves its own API server while it generates, so nothing it says
@@ -154,13 +153,18 @@ WRONG_ANSWER: dict[tuple[str, str], str] = {
 #: that set these marks the short request queued behind the long ones on the direct path and was
 #: admitted at once behind the gateway (queue 0.03 ms: decode); with the previous harness (sent at
 #: the long ones' first content) the direct path's passed on this machine and failed in CI.
+#: The client hangs up at its first content; vLLM CPU, starving its API server, may have generated
+#: (and sent) the whole answer by then: the request then completed, behind the gateway and direct
+#: (where, when it was cancelled, the plugin stored nothing of it). Seen both ways here.
+CANCELLED = "vLLM CPU may finish the answer before the client's hang-up reaches it (see CANCELLED)"
 UNRELIABLE: dict[tuple[str, str], str] = {
-    (path, "queueing_engine"): "vLLM CPU may admit the burst's short request before a long one (see UNRELIABLE)"
-    for path in PATHS}
+    **{(path, "queueing_engine"): "vLLM CPU may admit the burst's short request before a long one (see UNRELIABLE)"
+       for path in PATHS},
+    **{(path, "cancelled"): CANCELLED for path in PATHS}}
 WRONG_SURFACES: dict[tuple[str, str], str] = {
     ("vllm", "refused"): "tv-refused was never stored",
-    ("vllm", "cancelled"): "tv-cancelled was never stored",
 }
+UNRELIABLE_SURFACES: dict[tuple[str, str], str] = {("vllm", "cancelled"): CANCELLED}
 
 
 @pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_ANSWER, UNRELIABLE))
@@ -168,6 +172,6 @@ def test_answer(truth, path, situation):
     check_answer(truth(path), situation)
 
 
-@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_SURFACES))
+@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_SURFACES, UNRELIABLE_SURFACES))
 def test_surfaces(truth, path, situation):
     check_surfaces(truth(path), situation)
