@@ -12,6 +12,17 @@ from harness_store import chdb_dir  # noqa: F401
 from vllm_fixtures import add_options, skip_if_asked, vllm_run  # noqa: F401
 
 
+def pytest_configure(config):
+    """Ctrl-C works in every process the tests start, however the suite itself was started: a suite
+    run as a background job of a non-interactive shell (``bash tests/run &``) inherits SIGINT
+    ignored, every process it starts inherits that, and the tests that stop an engine or the demo
+    with Ctrl-C (SIGINT to the group) then wait for a process that never hears it."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_addoption(parser):
     """Command-line options of the test suite."""
     add_options(parser)
