@@ -208,7 +208,7 @@ class MetricsState:
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
-        #: (due at, request_id, instance_id, model, category of the folded row) of requests to judge
+        #: (due at, not before, request_id, instance_id, model, category of the folded row) of requests to judge
         self._verdicts: deque = deque()
         #: per instance, which sides reported it (True: a gateway; False: an observer inside)
         self._sides: dict[str, set[bool]] = {}
@@ -464,7 +464,7 @@ class MetricsState:
         room = max(0, self._max_verdicts - len(self._verdicts))
         now = time.monotonic()
         rows = frame.select("request_id", "instance_id", "model", "category").head(room).rows()
-        self._verdicts.extend((now + self._wait_for(row[1]), *row) for row in rows)
+        self._verdicts.extend((now + self._wait_for(row[1]), now + PARTNER_WAIT_S, *row) for row in rows)
         self._queued.update(row[0] for row in rows)
         for rid in [rid for rid in self._partnered if rid not in self._queued]:  # their two rows, both skipped
             del self._partnered[rid]
@@ -491,7 +491,7 @@ class MetricsState:
                     self._fold()
                 taken = []
                 while self._ripe() and len(taken) < ROUND:
-                    taken.append(self._verdicts.popleft()[1:])
+                    taken.append(self._verdicts.popleft()[2:])
                     self._partnered.pop(taken[-1][0], None)
                     self._queued.discard(taken[-1][0])
                 self._judging = len(taken)
@@ -500,10 +500,13 @@ class MetricsState:
 
     def _due(self) -> float:
         """When the oldest queued verdict is ripe: its deadline, or PARTNER_SETTLE_S after its second
-        row was folded, whichever comes first (under the lock)."""
-        due, rid = self._verdicts[0][0], self._verdicts[0][1]
+        row was folded if that comes first, but never before PARTNER_WAIT_S (under the lock)."""
+        due, floor, rid = self._verdicts[0][:3]
         partnered = self._partnered.get(rid)
-        return due if partnered is None else min(due, partnered + PARTNER_SETTLE_S)
+        # Never before PARTNER_WAIT_S: facts besides the two rows (a model load, an eviction) come
+        # in their senders' later batches (truth matrix: a template change judged 0.5 s after its
+        # second row was counted new_prefix).
+        return due if partnered is None else max(floor, min(due, partnered + PARTNER_SETTLE_S))
 
     def _ripe(self) -> bool:
         """Whether the oldest queued verdict waited long enough (``_due``; under the lock)."""
