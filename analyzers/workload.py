@@ -75,13 +75,7 @@ def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | Non
     # slice over what it returns.
     requests = once(reader.requests(since_ns=since_ns, until_ns=until_ns, instance_id=where.instance_id,
                                     limit=limit))
-    if where:
-        wanted = {"model": where.model, "session_id": where.session_id}
-        for column, value in wanted.items():
-            if value is not None:
-                requests = requests.filter(pl.col(column) == value)
-        if where.request_prefix is not None:
-            requests = requests.filter(pl.col("request_id").str.starts_with(where.request_prefix))
+    requests = where.keep(requests)
     if requests.height:  # the lookups of older requests are not needed
         since_ns = max(since_ns or 0, requests["start_ns"].min())
     lookups = reader.bulk("lookups_in", since_ns=since_ns, until_ns=until_ns).unique("request_id", keep="last")

@@ -91,3 +91,15 @@ class Slice:
 
     def __bool__(self) -> bool:
         return any(value is not None for value in self.params().values())
+
+    def keep(self, frame):
+        """The rows of a requests frame (polars) in the slice beyond its instance (the store's query
+        chooses the instance): model, session and request-id prefix."""
+        import polars as pl
+
+        for column, value in (("model", self.model), ("session_id", self.session_id)):
+            if value is not None:
+                frame = frame.filter(pl.col(column) == value)
+        if self.request_prefix is not None:
+            frame = frame.filter(pl.col("request_id").str.starts_with(self.request_prefix))
+        return frame

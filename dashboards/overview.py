@@ -67,16 +67,6 @@ def queue_series(beats: pl.DataFrame) -> list[dict[str, Any]]:
     return lines
 
 
-def sliced(frame: pl.DataFrame, where: Slice) -> pl.DataFrame:
-    """The rows of a requests frame in ``where`` (its instance already chosen by the store's query)."""
-    for column, value in (("model", where.model), ("session_id", where.session_id)):
-        if value is not None:
-            frame = frame.filter(pl.col(column) == value)
-    if where.request_prefix is not None:
-        frame = frame.filter(pl.col("request_id").str.starts_with(where.request_prefix))
-    return frame
-
-
 def overview(reader: TraceReader, since: str | None, now_ns: int, slo: SloSpec | None = None,
              start: str | None = None, until: str | None = None, where: Slice | None = None) -> dict[str, Any]:
     """The overview of requests that started in the last ``since`` (default 15m), or from ``start``
@@ -85,8 +75,8 @@ def overview(reader: TraceReader, since: str | None, now_ns: int, slo: SloSpec |
     where = where or Slice()
     window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
                                     names=("since", "from", "until"))
-    frame = sliced(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
-                                   limit=LIMIT), where)
+    frame = where.keep(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                   limit=LIMIT))
     frame = with_categories(frame, declared_parts(reader))
     report = summarize_frame(reader, frame, window_ns, until_ns, cause_sample=0, slo=slo, where=where).as_dict()
     causes, sampled = window_causes(reader, frame, CAUSE_SAMPLE)

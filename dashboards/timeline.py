@@ -21,7 +21,6 @@ from tokentrace.analyzers.report import declared_parts, with_categories, with_fi
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
-from tokentrace.dashboards.overview import sliced
 from tokentrace.dashboards.web import page
 from tokentrace.window import Slice
 from tokentrace.window import window_ns as window_of
@@ -102,8 +101,8 @@ def timeline(reader: TraceReader, since: str | None, now_ns: int, limit: int = M
     where = where or Slice()
     window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
                                     names=("since", "from", "until"))
-    frame = sliced(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
-                                   limit=limit + 1), where)
+    frame = where.keep(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                   limit=limit + 1))
     truncated = frame.height > limit
     frame = with_categories(frame.tail(limit), declared_parts(reader))
     evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=until_ns)
