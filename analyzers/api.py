@@ -6,6 +6,8 @@
     GET /api/sessions/{id}          the session verdict: turns, gaps, whether the cache survived
     GET /api/report?since=15m       the window report (or ?from=&until= absolute times; &instance=,
                                     &model=, &session=, &request_prefix= for a slice)
+    GET /api/advice?since=1h        the changes that would save the most (analyzers/advise.py; the
+                                    report's window and slice parameters, &verdicts=)
     GET /api/workload?since=1h      the window's traffic as whatif replays it (analyzers/workload.py;
                                     the report's window and slice parameters)
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 
+from tokentrace.analyzers.advise import MAX_VERDICTS, advise
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
 from tokentrace.analyzers.session import analyze_session
@@ -78,6 +81,19 @@ def window_report(request: Request, since: str | None = None, start: str | None 
     where = Slice(instance, model, session, request_prefix)
     return summarize(request.app.state.reader, first, last, cause_sample=causes, slo=objectives(request, slo),
                      where=where).as_dict()
+
+
+@router.get("/advice")
+def window_advice(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+                  until: str | None = None, instance: str | None = None, model: str | None = None,
+                  session: str | None = None, request_prefix: str | None = None,
+                  verdicts: int = Query(MAX_VERDICTS, ge=0, le=MAX_CAUSE_SAMPLE), slo: str | None = None) -> dict:
+    """The advice over requests that started in the last ``since`` (default 1h), or from ``from``
+    until ``until``, of one instance, model, session or request-id prefix, explaining at most
+    ``verdicts`` cache misses."""
+    first, last = window_ns(since, start, until, default_since="1h", names=("since", "from", "until"))
+    return advise(request.app.state.reader, first, last, Slice(instance, model, session, request_prefix),
+                  objectives(request, slo), verdicts)
 
 
 @router.get("/workload")

@@ -15,6 +15,8 @@ import urllib.parse
 from tokentrace.errors import ConfigError, TokentraceError, error_for_status
 
 DEFAULT_URL = "http://127.0.0.1:4318"
+#: The window of a report and of advice when none is given.
+_DEFAULT_SINCE = {"report": "15m", "advise": "1h"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--causes", type=int, default=25, help="latest misses to compute causes for (default 25)")
     _analysis_options(report)
     _slo_option(report)
+    advise = sub.add_parser("advise", help="the changes that would save the most: context, routing, capacity, "
+                                           "concurrency, cold starts; what each would have saved",
+                            description="Over the window, the few changes that would matter most (the prompt's "
+                                        "context, routing, cache capacity, concurrency, cold starts and restarts), "
+                                        "ranked by the waiting before the first token each would have saved, with "
+                                        "evidence and the requests it rests on (docs/analyzers.md).")
+    advise.add_argument("--since", default=None, help="window length, ending now: 30s, 15m, 1h, 2d or 'all' "
+                                                      "(default 1h, unless --from or --until is given)")
+    add_slice_options(advise)
+    advise.add_argument("--verdicts", type=int, default=None,
+                        help="latest cache misses to explain (default 400; each costs a cache verdict)")
+    _analysis_options(advise)
+    _slo_option(advise)
 
 
 def add_slice_options(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     """Compute or fetch the verdict, then print it."""
     if args.analysis == "report" and args.causes < 0:
         raise ConfigError(f"--causes must be 0 or more, received {args.causes}")
+    if args.analysis == "advise" and args.verdicts is not None and args.verdicts < 0:
+        raise ConfigError(f"--verdicts must be 0 or more, received {args.verdicts}")
     if getattr(args, "slo", None) is not None:
         from tokentrace.analyzers.slo import parse_slo
 
@@ -119,8 +136,8 @@ def _from_db(args: argparse.Namespace) -> dict:
     from tokentrace.collector.store_duckdb import DuckDBStore
 
     slo = parse_slo(getattr(args, "slo", None))
-    if args.analysis == "report":
-        window, _ = window_and_slice(args, "15m")
+    if args.analysis in ("report", "advise"):
+        window, _ = window_and_slice(args, _DEFAULT_SINCE[args.analysis])
     store = DuckDBStore(args.db, read_only=True)
     try:
         if args.analysis == "slow":
@@ -135,6 +152,11 @@ def _from_db(args: argparse.Namespace) -> dict:
             from tokentrace.analyzers.session import analyze_session
 
             result = analyze_session(store, args.session_id).as_dict()
+        elif args.analysis == "advise":
+            from tokentrace.analyzers.advise import MAX_VERDICTS, advise
+
+            result = advise(store, *window, where=slice_from(args), slo=slo,
+                            max_verdicts=MAX_VERDICTS if args.verdicts is None else args.verdicts)
         else:
             from tokentrace.analyzers.report import summarize
 
@@ -149,6 +171,10 @@ def _from_url(args: argparse.Namespace) -> dict:
     if args.analysis == "report":
         _, given = window_and_slice(args, "15m")
         path = "/api/report?" + urllib.parse.urlencode({**given, "causes": args.causes, **slo})
+    elif args.analysis == "advise":
+        _, given = window_and_slice(args, _DEFAULT_SINCE["advise"])
+        verdicts = {} if args.verdicts is None else {"verdicts": args.verdicts}
+        path = "/api/advice?" + urllib.parse.urlencode({**given, **verdicts, **slo})
     elif args.analysis == "session":
         path = f"/api/sessions/{urllib.parse.quote(args.session_id, safe='')}"
     else:

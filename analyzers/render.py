@@ -8,9 +8,9 @@ _BAR = 24
 
 
 def render(kind: str, result: dict) -> str:
-    """Text for ``slow``, ``cache``, ``session`` or ``report``."""
+    """Text for ``slow``, ``cache``, ``session``, ``report`` or ``advise``."""
     return {"slow": render_slow, "cache": render_cache, "session": render_session,
-            "report": render_report}[kind](result)
+            "report": render_report, "advise": render_advice}[kind](result)
 
 
 def _abnormal(verdict: dict) -> str:
@@ -200,4 +200,46 @@ def render_session(verdict: dict) -> str:
                      f"({row['warm']} warm, {row['cold']} cold (evicted or restarted), {row['changed']} with a "
                      f"changed prompt, {row['unknown']} unknown, of {row['follow_ups']}; longest warm gap "
                      f"{_gap(row['longest_warm_gap_ms'])})")
+    return "\n".join(lines)
+
+
+#: What each kind of advice is called.
+ADVICE_KINDS = {"context": "context", "routing": "routing", "capacity": "cache capacity",
+                "concurrency": "concurrency", "cold_start": "cold starts and restarts", "objectives": "objectives"}
+
+
+def _saving(item: dict) -> str:
+    if item["saved_ms"] is None:
+        return f"saving not computed: {item['why_not']}" if item.get("why_not") else "saving not computed"
+    per_hour = "" if item.get("saved_ms_per_hour") is None else \
+        f" ({fmt_ms(abs(item['saved_ms_per_hour']))} per hour)"
+    tokens = "" if not item.get("prefill_tokens") else f", {abs(item['prefill_tokens']):,} prefill tokens"
+    verb = "saves" if item["saved_ms"] >= 0 else "costs"
+    return f"{verb} {fmt_ms(abs(item['saved_ms']))} of waiting before the first token{per_hour}{tokens}, " \
+           f"{plural(item['requests'], 'request')}"
+
+
+def render_advice(result: dict) -> str:
+    """The advice, best first: each kind's finding, its best change and what it saves, the others
+    after it, evidence, and the requests it rests on."""
+    where = _slice_text({**result["window"], "slice": result["slice"]})
+    if not result["advice"]:
+        lines = [f"No advice over {plural(result['requests'], 'request')}" + (f" ({where})" if where else "") + "."]
+    else:
+        lines = [f"Advice over {plural(result['requests'], 'request')}" + (f" ({where})" if where else "")
+                 + f", {result['span_s']:,.1f} s of traffic; cache causes over {result['sample']}:"]
+    for rank, item in enumerate(result["advice"], 1):
+        best, *others = item["changes"]
+        lines.append(f"{rank}. {ADVICE_KINDS[item['kind']]}: {best['change']}.")
+        lines.append(f"   {_saving(best)}.")
+        lines.append(f"   why: {item['finding']}")
+        for evidence in item["evidence"]:
+            lines.append(f"   - {evidence['text']}")
+        for other in others:
+            lines.append(f"   or: {other['change']}: {_saving(other)}.")
+        if item["request_ids"]:
+            more = item["requests"] - len(item["request_ids"])
+            lines.append("   requests: " + ", ".join(item["request_ids"]) + (f" and {more} more" if more > 0 else ""))
+    for kind, why in result["nothing"].items():
+        lines.append(f"nothing to change in {ADVICE_KINDS[kind]}: {why}")
     return "\n".join(lines)

@@ -57,7 +57,7 @@ def read_mooncake(path: str | Path, block_size: int, tpot_ms: float | None = Non
     return Workload(requests, block_size, "mooncake", {}, prefill_tokens_per_s, kv_bytes_per_token)
 
 
-def _prefill_rates(requests: pl.DataFrame) -> dict[str, float]:
+def prefill_rates(requests: pl.DataFrame) -> dict[str, float]:
     """Per instance: Σ uncached prompt tokens / Σ prefill seconds over requests that computed some."""
     uncached = (pl.col("prompt_tokens").fill_null(0) - pl.col("cached_tokens").fill_null(0)).clip(0)
     done = requests.filter((pl.col("prefill_ms") > 0) & (uncached > 0))
@@ -90,7 +90,7 @@ def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | Non
     if len(sizes) > 1:
         raise ConfigError(f"the window mixes block sizes {sorted(sizes)}; choose a window (--since) of one")
     block = int(sizes[0]) if sizes else 16
-    rates = _prefill_rates(requests)
+    rates = prefill_rates(requests)
     beats = {row["instance_id"]: row for row in reader.frame("latest_heartbeats").iter_rows(named=True)}
     ids: dict[int, int] = {}
     t0 = joined["start_ns"].min() if joined.height else 0
@@ -108,7 +108,7 @@ def load_workload(reader: TraceReader, since_ns: int | None, until_ns: int | Non
         instances[name] = InstanceFacts(rates.get(name), beat.get("kv_bytes_per_token") or None,
                                         beat.get("cache_max_bytes"), beat.get("cache_max_entries"),
                                         beat.get("cache_unit"))
-    total = _prefill_rates(requests.with_columns(pl.lit("all").alias("instance_id"))).get("all")
+    total = prefill_rates(requests.with_columns(pl.lit("all").alias("instance_id"))).get("all")
     return Workload(out, block, "store", instances, total, None, skipped)
 
 
