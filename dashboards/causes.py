@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import polars as pl
 
-from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
+from tokentrace.analyzers.cache import NO_CAUSE, CacheVerdict, analyze_cache
 from tokentrace.analyzers.report import cause_candidates
 from tokentrace.collector.store import TraceReader
 
@@ -25,30 +25,36 @@ MAX_REMEMBERED = 10_000
 
 
 class CauseMemo:
-    """request id -> (when computed, cause), least recently used first; safe from many threads."""
+    """request id -> (when computed, cache verdict), least recently used first; safe from many threads."""
 
     def __init__(self, ttl_s: float = TTL_S, size: int = MAX_REMEMBERED):
         self.ttl_s, self.size = ttl_s, size
-        self._items: OrderedDict[tuple[int, str], tuple[float, str]] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], tuple[float, CacheVerdict]] = OrderedDict()
         self._lock = threading.Lock()
 
     def cause(self, reader: TraceReader, request_id: str) -> str:
         """The request's cache cause (NO_CAUSE when everything reusable was reused)."""
+        return self.verdict(reader, request_id).cause or NO_CAUSE
+
+    def verdict(self, reader: TraceReader, request_id: str) -> CacheVerdict:
+        """The request's cache verdict, remembered for ``ttl_s`` (the advice panel reads the same)."""
         key, now = (id(reader), request_id), time.monotonic()
         with self._lock:
             hit = self._items.get(key)
             if hit and now - hit[0] < self.ttl_s:
                 self._items.move_to_end(key)
                 return hit[1]
-        cause = analyze_cache(reader, request_id).cause or NO_CAUSE
+        verdict = analyze_cache(reader, request_id)
         with self._lock:
-            self._items[key] = (now, cause)
+            self._items[key] = (now, verdict)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
-        return cause
+        return verdict
 
 
 _MEMO = CauseMemo()
+#: The cache verdicts the live pages share (the overview's causes, the advice).
+remembered_verdict = _MEMO.verdict
 
 
 def window_causes(reader: TraceReader, frame: pl.DataFrame, sample: int) -> tuple[dict[str, int], int]:

@@ -26,6 +26,7 @@ from tokentrace.analyzers.slo import SloSpec
 from tokentrace.analyzers.slowness import CATEGORIES
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards import series
+from tokentrace.dashboards.advice_page import remembered_advice
 from tokentrace.dashboards.causes import window_causes
 from tokentrace.dashboards.instances import instance_health
 from tokentrace.dashboards.web import page
@@ -34,6 +35,8 @@ from tokentrace.window import window_ns as window_of
 
 #: Requests whose cache cause is computed (one cache verdict each), the latest of the window.
 CAUSE_SAMPLE = 30
+#: Pieces of advice on the overview's panel (the best; the advice page has them all).
+ADVICE_SHOWN = 3
 #: Heartbeats kept per instance on the queue chart; older points are thinned evenly beyond this.
 MAX_POINTS = 600
 LIMIT = 1_000_000
@@ -116,7 +119,9 @@ def overview(reader: TraceReader, since: str | None, now_ns: int, slo: SloSpec |
     instances += [{"instance_id": i, "status": "unknown", "stage": "unknown", "heartbeat": None, "live": False,
                    "now": None, "latency": row}
                   for i, row in latency_of.items() if i not in known]
+    advice = {**remembered_advice(reader, since, start, until, where, slo, CAUSE_SAMPLE), "shown": ADVICE_SHOWN}
     return {
+        "advice": advice,
         "window": {"since": since, "since_ns": window_ns, "until_ns": until_ns, "now_ns": now_ns,
                    "from": start, "until": until},
         "slice": where.params(),

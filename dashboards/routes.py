@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import Request, Response
 
 from tokentrace.dashboards import (  # noqa: F401 (pages)
+    advice_page,
     cache_page,
     instances,
     overview,

@@ -29,7 +29,8 @@ _STATIC = resources.files("tokentrace.dashboards") / "static"
 _MAX_NAME_BYTES = 255
 _MEDIA = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 #: Pages in the navigation bar: (path, label).
-NAV = (("/", "Overview"), ("/timeline", "Timeline"), ("/cache", "Cache"), ("/instances", "Instances"))
+NAV = (("/", "Overview"), ("/advice", "Advice"), ("/timeline", "Timeline"), ("/cache", "Cache"),
+       ("/instances", "Instances"))
 #: Window lengths offered by the window picker.
 WINDOWS = ("5m", "15m", "1h", "6h", "1d", "all")
 

@@ -1,0 +1,334 @@
+"""``tokentrace analyze advise`` (issue 47 item 1): on a workload built with one known lever of each
+kind, on real engines, the advice ranks that lever's change first within its kind, and its figures
+agree within 10 % with a computation made here, independently, from the same requests' rows:
+
+- context (``ctx-``, engine adv-ctx): sessions whose system prompt begins with a fresh request id;
+- routing (``rr-``, engines adv-rr-1 and adv-rr-2 behind the gateway's round robin): sessions spread
+  over both instances turn by turn;
+- capacity (``cap-``, engine adv-cap): six documents asked in turn on a cache with room for three;
+- concurrency (``q-``, engine adv-q with --max-batch 1): short requests behind long generations.
+
+The same answer is read from the CLI (text and JSON, through the collector and from its stopped file),
+the API, the advice page and the overview's Advice panel.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import uuid
+
+import httpx
+import pytest
+from harness_collector import CollectorProcess, wait_for
+from harness_engine import EngineProcess
+from harness_gateway import GatewayProcess
+
+from tokentrace.analyzers.advise import fifo_waits, reusable_if_stable
+from tokentrace.demo_workload import _words, chat, reply, stream_in_background
+
+BLOCK = 16
+SESSIONS, TURNS = 4, 3
+#: The capacity part: six documents in turn, three times, on a cache with room for about three.
+DOCS = [0, 1, 2, 3, 4, 5] * 3
+#: The tiny model's KV bytes per token (2 x 2 layers x 2 KV heads x 16 dims x 4 bytes).
+KV = 512
+CAP_BYTES = KV * 1100
+LONG, ROUNDS, SHORT = 400, 2, 3
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "tokentrace", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def _system(seed: int) -> dict:
+    """A system prompt that begins with a fresh request id (the lever), then the same instructions."""
+    return {"role": "system", "content": f"Request {uuid.uuid4().hex}. " + _words(100 + seed, 60)}
+
+
+def _context(url: str) -> None:
+    for s in range(SESSIONS):
+        messages = [{"role": "user", "content": _words(200 + s, 30)}]
+        for turn in range(TURNS):
+            answer = chat(url, f"ctx-{s}-{turn}", [_system(s), *messages], 4, session=f"ctx-{s}")
+            messages += [reply(answer), {"role": "user", "content": _words(300 + 10 * s + turn, 12)}]
+
+
+def _routing(gateway: GatewayProcess) -> None:
+    for s in range(SESSIONS):
+        messages = [{"role": "system", "content": _words(400 + s, 60)},
+                    {"role": "user", "content": _words(500 + s, 20)}]
+        for turn in range(TURNS):
+            seen = gateway.chat(messages, f"rr-{s}-{turn}", session=f"rr-{s}", max_tokens=4, ignore_eos=True)
+            assert seen["status"] == 200, seen
+            messages += [{"role": "assistant", "content": seen["text"]},
+                         {"role": "user", "content": _words(600 + 10 * s + turn, 12)}]
+
+
+def _capacity(url: str) -> None:
+    for i, doc in enumerate(DOCS):
+        chat(url, f"cap-{i}", [{"role": "user", "content": "document " + _words(700 + doc, 90)}], 1)
+
+
+def _concurrency(url: str) -> None:
+    """Each round: a long generation holds the only slot (its first token arrived), then short
+    requests arrive together and queue behind it."""
+    for r in range(ROUNDS):
+        thread, first = stream_in_background(url, f"q-long-{r}", [{"role": "user", "content": _words(800 + r, 10)}],
+                                             LONG)
+        assert first.wait(120)
+        shorts = [threading.Thread(target=chat, args=(url, f"q-short-{r}-{k}",
+                                                      [{"role": "user", "content": _words(900 + 10 * r + k, 8)}], 2))
+                  for k in range(SHORT)]
+        for short in shorts:
+            short.start()
+        for short in [*shorts, thread]:
+            short.join(300)
+
+
+@pytest.fixture(scope="module")
+def advised(tmp_path_factory, tiny_model):
+    workdir = tmp_path_factory.mktemp("advise")
+    spool = workdir / "spool"
+    collector = CollectorProcess(workdir, "--spool-dir", str(spool)).start()
+    beat = ["--heartbeat-interval", "0.5"]
+    flags = {"adv-ctx": beat, "adv-rr-1": beat, "adv-rr-2": beat,
+             "adv-cap": [*beat, "--cache-max-entries", "1000", "--cache-max-bytes", str(CAP_BYTES)],
+             "adv-q": [*beat, "--max-batch", "1"]}
+    engines = {name: EngineProcess(workdir, tiny_model, *args, collector=collector, spool_dir=spool, instance_id=name)
+               for name, args in flags.items()}
+    gateway = None
+    try:
+        for engine in engines.values():
+            engine.start()
+        gateway = GatewayProcess(workdir, {name: engines[name].url for name in ("adv-rr-1", "adv-rr-2")},
+                                 "--route", "round_robin", collector=collector).start()
+        _context(engines["adv-ctx"].url)
+        _routing(gateway)
+        _capacity(engines["adv-cap"].url)
+        _concurrency(engines["adv-q"].url)
+    finally:
+        if gateway is not None:
+            assert gateway.stop() == 0, gateway.log_path.read_text()
+        for engine in engines.values():
+            assert engine.stop() == 0, engine.log_path.read_text()
+    wait_for(lambda: not list(spool.glob("*.pb*")), 120, "the collector to ingest the spool")
+    # The rows the independent computations use, and the advice from the stopped collector's file;
+    # then the collector serves the same file again.
+    assert collector.stop() == 0
+    collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-")}
+    collector.from_file = json.loads(_cli("analyze", "advise", "--db", str(collector.db), "--since", "all",
+                                          "--request-prefix", "cap-", "--json").stdout)
+    collector.start()
+    yield collector
+    collector.stop()
+
+
+def _advice(collector: CollectorProcess, **params) -> dict:
+    response = httpx.get(f"{collector.url}/api/advice", params={"since": "all", **params}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _kind(result: dict, kind: str, instance: str | None = None) -> dict:
+    found = [a for a in result["advice"] if a["kind"] == kind and (instance is None or a["instance_id"] == instance)]
+    assert found, (kind, instance, result["nothing"], [(a["kind"], a["instance_id"]) for a in result["advice"]])
+    return found[0]
+
+
+def _rows(collector: CollectorProcess, prefix: str) -> list[dict]:
+    rows = collector.sql(
+        "SELECT request_id, instance_id, start_ns, end_ns, prompt_tokens, cached_tokens, completion_tokens, "
+        "queue_ms, prefill_ms, load_wait_ms, tpot_ms FROM requests WHERE starts_with(request_id, ?) "
+        "AND observer IS DISTINCT FROM 'gateway' ORDER BY start_ns", [prefix])
+    names = ("request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "cached_tokens", "completion_tokens",
+             "queue_ms", "prefill_ms", "load_wait_ms", "tpot_ms")
+    return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def _rate(rows: list[dict]) -> float:
+    """Prefill tokens per second, computed here: uncached prompt tokens over prefill time."""
+    done = [r for r in rows if (r["prefill_ms"] or 0) > 0 and r["prompt_tokens"] - (r["cached_tokens"] or 0) > 0]
+    return sum(r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in done) / sum(r["prefill_ms"] for r in done) * 1e3
+
+
+def _close(figure: float, expected: float, share: float = 0.10) -> bool:
+    return abs(figure - expected) <= share * abs(expected)
+
+
+# --- by hand ---------------------------------------------------------------------------------------
+def test_what_a_stable_segment_would_have_reused_is_counted_up_to_the_next_difference():
+    def seg(role, h, start, end):
+        return {"role": role, "hash": h, "token_start": start, "token_end": end}
+
+    earlier = [seg("system", 1, 0, 40), seg("user", 2, 40, 70)]
+    # the system message changed (the lever), the user message is the same, then the prompt goes on
+    ours = [seg("system", 9, 0, 41), seg("user", 2, 41, 71), seg("assistant", 3, 71, 80), seg("user", 4, 80, 99)]
+    assert reusable_if_stable(ours, earlier, 16, 99) == 64  # through the shared user message, whole blocks
+    # a second difference ends it: only the forgiven segment counts
+    # (the system message alone: 41 tokens, 2 whole blocks)
+    assert reusable_if_stable(ours, [seg("system", 1, 0, 40), seg("user", 5, 40, 70)], 16, 99) == 32
+    assert reusable_if_stable(ours, earlier, 16, 20) == 19  # at most the prompt less one token
+
+
+def test_the_slot_model_is_first_come_first_served():
+    # one slot: the second waits for the first, the third for both
+    assert fifo_waits([0, 1, 2], [10, 5, 5], 1) == [0, 9, 13]
+    assert fifo_waits([0, 1, 2], [10, 5, 5], 2) == [0, 0, 4]
+    # two instances of one slot: the second goes to the empty one; the third finds one request in
+    # each and goes to the first (ties: the lowest index), not to the one that frees first
+    assert fifo_waits([0, 1, 2], [10, 5, 5], 1, 2) == [0, 0, 8]
+
+
+# --- the built workload ---------------------------------------------------------------------------
+def test_context_advice_names_the_system_message_and_prices_what_it_cost(advised):
+    result = _advice(advised, request_prefix="ctx-")
+    advice = _kind(result, "context")
+    best = advice["changes"][0]
+    assert (best["segment_role"], best["segment_index"]) == ("system", 0), best
+    assert best["requests"] == SESSIONS * (TURNS - 1)
+    rows = {r["request_id"]: r for r in advised.rows["ctx-"]}
+    # Independently: each follow-up would have reused its previous turn's prompt, in whole blocks.
+    lost = sum(rows[f"ctx-{s}-{t - 1}"]["prompt_tokens"] // BLOCK * BLOCK - (rows[f"ctx-{s}-{t}"]["cached_tokens"] or 0)
+               for s in range(SESSIONS) for t in range(1, TURNS))
+    assert lost > 0 and _close(best["prefill_tokens"], lost), (best["prefill_tokens"], lost)
+    rate = _rate(list(rows.values()))
+    assert _close(best["saved_ms"], lost / rate * 1e3), (best["saved_ms"], lost / rate * 1e3)
+    assert set(best["request_ids"]) == {f"ctx-{s}-{t}" for s in range(SESSIONS) for t in range(1, TURNS)}
+    assert result["nothing"]["routing"].startswith("one instance")
+
+
+def test_routing_advice_replays_sticky_sessions_against_round_robin(advised):
+    result = _advice(advised, request_prefix="rr-")
+    advice = _kind(result, "routing")
+    best = advice["changes"][0]
+    assert best["route"] in ("session", "prefix"), advice["changes"]
+    assert "round_robin" not in [c["route"] for c in advice["changes"]]  # the current policy is not advised
+    assert advice["requests"] >= SESSIONS  # the instance changes it rests on
+    assert any(e["kind"] == "instance_change" for e in advice["evidence"])
+    rows = {r["request_id"]: r for r in advised.rows["rr-"]}
+    # Independently: sticky sessions reuse each previous turn's prompt (whole blocks); the recorded
+    # placement reused what the engines reported.
+    sticky = sum(rows[f"rr-{s}-{t - 1}"]["prompt_tokens"] // BLOCK * BLOCK
+                 for s in range(SESSIONS) for t in range(1, TURNS))
+    recorded = sum(r["cached_tokens"] or 0 for r in rows.values())
+    assert sticky - recorded > 0 and _close(best["prefill_tokens"], sticky - recorded), \
+        (best["prefill_tokens"], sticky, recorded)
+
+
+def test_capacity_advice_sizes_the_cache_that_keeps_the_working_set(advised):
+    result = _advice(advised, request_prefix="cap-")
+    advice = _kind(result, "capacity", "adv-cap")
+    best = advice["changes"][0]
+    rows = advised.rows["cap-"]
+    # Independently: the six documents' entries (prompt + answer) are the working set, and with room
+    # for them every repeat reuses its document's prompt in whole blocks, less what the engine did.
+    first = {DOCS[i]: r for i, r in enumerate(rows) if DOCS.index(DOCS[i]) == i}
+    working = sum(r["prompt_tokens"] + r["completion_tokens"] for r in first.values())
+    assert best["capacity_tokens"] >= working > CAP_BYTES // KV, (best["capacity_tokens"], working)
+    gain = sum(min(r["prompt_tokens"] // BLOCK * BLOCK, r["prompt_tokens"] - 1) for r in rows[len(first):]) \
+        - sum(r["cached_tokens"] or 0 for r in rows)
+    assert gain > 0 and _close(best["prefill_tokens"], gain), (best["prefill_tokens"], gain)
+    assert advice["requests"] > 0 and all(rid.startswith("cap-") for rid in advice["request_ids"])
+    assert best["extra_kv_bytes"] == (best["capacity_tokens"] - CAP_BYTES // KV) * KV
+
+
+def test_concurrency_advice_models_the_queue_it_measured(advised):
+    result = _advice(advised, request_prefix="q-", slo="first_token=20ms")
+    advice = _kind(result, "concurrency", "adv-q")
+    model = next(e for e in advice["evidence"] if e["kind"] == "queue_model")
+    rows = advised.rows["q-"]
+    measured = sum(r["queue_ms"] for r in rows)
+    assert model["batch_limit"] == 1 and _close(model["measured_wait_ms"], measured, 0.001)
+    # The model at the current limit reproduces the waiting that was measured.
+    assert _close(model["model_wait_ms"], measured), (model, measured)
+    # The long generations held the slot longest while others waited (a short one held it a little).
+    blockers = [e["request_id"] for e in advice["evidence"] if e["kind"] == "blocker"]
+    assert set(blockers[:ROUNDS]) == {f"q-long-{r}" for r in range(ROUNDS)}, blockers
+    best = advice["changes"][0]
+    assert best.get("batch_limit") == 2 or best.get("instances") == 2, advice["changes"]
+    two = next(c for c in advice["changes"] if c.get("batch_limit") == 2)
+    # Independently: the same requests through two slots, computed here.
+    arrivals = [(r["start_ns"] - rows[0]["start_ns"]) / 1e6 + (r["load_wait_ms"] or 0) for r in rows]
+    holds = [max(0.0, (r["end_ns"] - r["start_ns"]) / 1e6 - (r["load_wait_ms"] or 0) - r["queue_ms"]) for r in rows]
+    free, waits = [0.0, 0.0], []
+    for a, h in zip(arrivals, holds, strict=True):
+        slot = min(range(2), key=lambda k: free[k])
+        start = max(a, free[slot])
+        waits.append(start - a)
+        free[slot] = start + h
+    assert _close(two["saved_ms"], model["model_wait_ms"] - sum(waits)), (two, sum(waits))
+    assert best["saved_ms"] >= two["saved_ms"] > 0
+    # The objective it misses points at this lever.
+    objectives = _kind(result, "objectives")
+    assert objectives["changes"][0]["lever"] == "concurrency" and result["advice"][-1]["kind"] == "objectives"
+
+
+def test_the_whole_workload_ranks_each_levers_change_first_on_every_surface(advised, tmp_path):
+    result = _advice(advised)
+    assert _kind(result, "context")["changes"][0]["segment_role"] == "system"
+    assert _kind(result, "routing")["changes"][0]["route"] in ("session", "prefix")
+    assert _kind(result, "capacity")["instance_id"] == "adv-cap"
+    assert _kind(result, "concurrency")["instance_id"] == "adv-q"
+    savings = [a["saved_ms"] for a in result["advice"] if a["saved_ms"] is not None]
+    assert savings == sorted(savings, reverse=True)  # ranked by what they would save
+    # The command line says the same, as JSON and as text.
+    cli = json.loads(_cli("analyze", "advise", "--url", advised.url, "--since", "all", "--json").stdout)
+    assert [(a["kind"], a["instance_id"], a["changes"][0]["change"]) for a in cli["advice"]] == \
+        [(a["kind"], a["instance_id"], a["changes"][0]["change"]) for a in result["advice"]]
+    text = _cli("analyze", "advise", "--url", advised.url, "--since", "all").stdout
+    assert text.startswith("Advice over ") and "1. " in text
+    for item in result["advice"]:
+        assert item["changes"][0]["change"] in text
+    # The advice page and its twin; request ids are links.
+    page = httpx.get(f"{advised.url}/advice.json", params={"since": "all"}, timeout=300).json()
+    assert [a["changes"][0]["change"] for a in page["advice"]["advice"]] == \
+        [a["changes"][0]["change"] for a in result["advice"]]
+    html = httpx.get(f"{advised.url}/advice", params={"since": "all"}, timeout=300).text
+    assert 'href="/requests/ctx-1-1"' in html and "data-kind=\"context\"" in html
+    overview = httpx.get(f"{advised.url}/.json", params={"since": "all"}, timeout=300).json()
+    assert overview["advice"]["advice"], overview["advice"]
+    assert 'id="advice"' in httpx.get(f"{advised.url}/", params={"since": "all"}, timeout=300).text
+
+
+def test_a_stopped_collectors_file_gives_the_same_advice(advised):
+    through = _advice(advised, request_prefix="cap-")
+    assert advised.from_file["advice"] == through["advice"] and through["advice"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--verdicts", "-1"], "--verdicts must be 0 or more"),
+    (["--since", "soon"], "--since must be a duration"),
+    (["--since", "1h", "--from", "2026-12-05T00:00:00Z"], "not both"),
+])
+def test_bad_advise_options_exit_2_with_a_clear_message(args, message):
+    result = _cli("analyze", "advise", "--db", "/nonexistent.duckdb", *args, check=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_advice_page_and_overview_panel_in_a_browser(advised, browser_page):
+    """The page a user reads: each kind in rank order with its change, saving and evidence; request
+    ids are links that open the request's page; the overview's panel shows the best changes."""
+    result = _advice(advised)
+    browser_page.open(f"{advised.url}/advice?since=all")
+    page = browser_page.page
+    sections = page.locator("section.advice")
+    assert sections.count() == len(result["advice"])
+    for k, item in enumerate(result["advice"]):
+        section = sections.nth(k)
+        assert section.get_attribute("data-kind") == item["kind"]
+        assert item["changes"][0]["change"] in section.inner_text()
+    browser_page.screenshot("advice")
+    page.locator('section.advice[data-kind="capacity"] a.request-link').first.click()
+    page.wait_for_url("**/requests/cap-*")
+    assert "cap-" in page.locator("h1").inner_text()
+    browser_page.open(f"{advised.url}/?since=all")
+    panel = page.locator("#advice")
+    assert result["advice"][0]["changes"][0]["change"] in panel.inner_text()
+    browser_page.screenshot("overview-advice")
+    browser_page.assert_clean()
