@@ -27,10 +27,12 @@ definitions (docs/analyzers.md, "Advice"):
   95th percentile of the instance's answers (answers beyond it end early, at the request's own TPOT),
   and a second instance (arrivals to the one with fewer requests in it). Saving: the model's total
   wait now less under the change. A larger batch also makes each step slower: not modelled, said so.
-- **cold_start**: the window's model loads; the requests that waited on each (load wait); for loads
-  triggered by a request (an engine that unloads when idle), the idle gap before each and the
-  keep-alive that would have covered them; for loads at start, the waits that readiness gating would
-  have spared; restarts (the ``restart`` cache cause) and the prefill they cost.
+- **cold_start**: the window's model loads; the requests that waited on each (load wait); a load
+  that reloaded a model its process had loaded before (no process start between the two: an engine
+  that unloads when idle) gets a keep-alive as long as the longest idle gap before such reloads,
+  saving the waits on them; a process's first load, at start or on its first request, gets loading
+  before taking traffic (a readiness check), saving the waits on it; restarts (the ``restart`` cache
+  cause) the prefill they cost.
 - **objectives**: with objectives (``--slo``), which is missed most, by which requests, and the
   slowness categories and cache causes of those requests, pointing at the kind above that addresses
   the most of them. It is not a change itself: no saving.
@@ -47,6 +49,7 @@ from typing import Any
 
 import polars as pl
 
+from tokentrace import contract as c
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, plural
 from tokentrace.analyzers.outcome import COMPLETED
@@ -65,8 +68,6 @@ MAX_VERDICTS = 400
 #: Savings are also given per hour only over a window with at least this much traffic: an hour's
 #: figure extrapolated from seconds would be noise.
 PER_HOUR_MIN_S = 300.0
-#: Request ids listed per piece of advice (all of them are counted).
-SHOWN = 20
 #: Capacity sizes replayed, as multiples of an instance's own limits.
 CAPACITY_FACTORS = (1.25, 1.5, 2, 3, 4, 8, 16)
 #: The share of an unlimited cache's extra saving the recommended size keeps.
@@ -100,9 +101,11 @@ class Change:
     data: dict[str, Any] = field(default_factory=dict)  #: the figures behind it
 
     def as_dict(self, span_s: float | None) -> dict[str, Any]:
-        per_hour = _per_hour(self.saved_ms, span_s)
+        tokens_per_hour = _per_hour(self.prefill_tokens, span_s)
         return {"change": self.change, "saved_ms": None if self.saved_ms is None else round(self.saved_ms, 3),
-                "saved_ms_per_hour": per_hour, "requests": self.requests, "prefill_tokens": self.prefill_tokens,
+                "saved_ms_per_hour": _per_hour(self.saved_ms, span_s), "requests": self.requests,
+                "prefill_tokens": self.prefill_tokens,
+                "prefill_tokens_per_hour": None if tokens_per_hour is None else round(tokens_per_hour),
                 "why_not": self.why_not, **self.data}
 
 
@@ -114,7 +117,7 @@ class Advice:
     finding: str  #: what the window shows, one sentence
     changes: list[Change] = field(default_factory=list)
     evidence: list[Evidence] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)  #: the requests it rests on (the first SHOWN)
+    request_ids: list[str] = field(default_factory=list)  #: the requests it rests on
     requests: int = 0  #: how many requests it rests on
     instance_id: str | None = None  #: the instance it is about, when one
 
@@ -130,7 +133,7 @@ class Advice:
                 "saved_ms_per_hour": _per_hour(best, span_s),
                 "changes": [c.as_dict(span_s) for c in self.changes],
                 "evidence": [e.as_dict() for e in self.evidence],
-                "request_ids": self.request_ids[:SHOWN], "requests": self.requests}
+                "request_ids": self.request_ids, "requests": self.requests}
 
 
 def _per_hour(saved_ms: float | None, span_s: float | None) -> float | None:
@@ -182,21 +185,23 @@ def context_advice(reader: TraceReader, verdicts: list[CacheVerdict], rows: dict
         item = next((e.data for e in verdict.evidence if e.kind == "divergence"), None)
         earlier = reader.request(item["earlier_request_id"]) if item else None
         row = rows.get(verdict.request_id)
-        if earlier is None or row is None:
-            continue
-        would = reusable_if_stable(_segments(reader, row), _segments(reader, earlier), verdict.block_size,
-                                   verdict.prompt_tokens or 0)
-        lost = max(0, would - (verdict.cached_tokens or 0))
+        lost = None  # the earlier request's rows are gone (another window, a damaged file): unpriced
+        if earlier is not None and row is not None:
+            would = reusable_if_stable(_segments(reader, row), _segments(reader, earlier), verdict.block_size,
+                                       verdict.prompt_tokens or 0)
+            lost = max(0, would - (verdict.cached_tokens or 0))
         key = (verdict.divergence.segment_role, verdict.divergence.segment_index)
         groups.setdefault(key, []).append({"request_id": verdict.request_id, "instance_id": verdict.instance_id,
                                            "lost": lost, "token": verdict.divergence.token_index,
-                                           "snippet": item.get("snippet"), "earlier": item["earlier_request_id"]})
+                                           "snippet": item.get("snippet") if item else None,
+                                           "earlier": item["earlier_request_id"] if item else None})
     if not groups:
         return None
     changes = []
     for (role, index), hits in groups.items():
-        tokens = sum(h["lost"] for h in hits)
-        times = [_time_of(h["lost"], _rate(rates, h["instance_id"])) for h in hits]
+        priced = [h for h in hits if h["lost"] is not None]
+        tokens = sum(h["lost"] for h in priced)
+        times = [_time_of(h["lost"], _rate(rates, h["instance_id"])) for h in priced]
         unknown = sum(t is None for t in times)
         where = _segment_name(role, index)
         token = median(h["token"] for h in hits)
@@ -210,7 +215,8 @@ def context_advice(reader: TraceReader, verdicts: list[CacheVerdict], rows: dict
             why_not=(f"{plural(unknown, 'request')} ran on an instance whose prefill rate is unknown (no prefill "
                      "time measured)") if unknown else None,
             data={"segment_role": role, "segment_index": index, "token_index_median": token,
-                  "snippet": snippet, "request_ids": [h["request_id"] for h in hits][:SHOWN]}))
+                  "snippet": snippet, "request_ids": [h["request_id"] for h in hits],
+                  "unpriced": len(hits) - len(priced)}))
     changes = _ranked(changes)
     everyone = [h for hits in groups.values() for h in hits]
     top = changes[0]
@@ -218,10 +224,10 @@ def context_advice(reader: TraceReader, verdicts: list[CacheVerdict], rows: dict
                                "prompt changed before a part an earlier prompt shares "
                                f"({_segment_name(top.data['segment_role'], top.data['segment_index'])} most).",
                     changes, request_ids=[h["request_id"] for h in everyone], requests=len(everyone))
-    for hit in sorted(everyone, key=lambda h: -h["lost"])[:3]:
+    for hit in sorted((h for h in everyone if h["lost"] is not None), key=lambda h: -h["lost"])[:3]:
         advice.evidence.append(Evidence(
-            "divergence", f"Request {hit['request_id']} recomputed {hit['lost']:,} tokens that request "
-                          f"{hit['earlier']} had cached: their prompts differ from token {hit['token']:,} on.",
+            "divergence", f"Request {hit['request_id']} recomputed {hit['lost']:,} tokens it shares with request "
+                          f"{hit['earlier']}'s prompt: their prompts differ from token {hit['token']:,} on.",
             {"request_id": hit["request_id"], "earlier_request_id": hit["earlier"], "lost_tokens": hit["lost"],
              "token_index": hit["token"]}))
     return advice
@@ -525,6 +531,20 @@ def _blockers(rows: pl.DataFrame, queued: pl.DataFrame) -> list[Evidence]:
 
 
 # --- cold starts and restarts --------------------------------------------------------------------
+def _process_starts(reader: TraceReader) -> dict[str, list[int]]:
+    """instance -> the times its engine processes started (``instance.started``), ascending."""
+    starts: dict[str, list[int]] = {}
+    for row in reader.frame("lifecycle").filter(pl.col("event") == c.EVENT_STARTED).iter_rows(named=True):
+        starts.setdefault(row["instance_id"], []).append(row["t_ns"])
+    return {name: sorted(times) for name, times in starts.items()}
+
+
+def _reload(load: dict, previous: dict | None, starts: list[int]) -> bool:
+    """Whether a load reloaded a model its process had already loaded (an engine that unloads when
+    idle): an earlier load of the instance, and no process start between the two."""
+    return previous is not None and not any(previous["start_ns"] < t <= load["start_ns"] for t in starts)
+
+
 def cold_start_advice(reader: TraceReader, frame: pl.DataFrame, verdicts: list[CacheVerdict],
                       rates: dict[str, float], since_ns: int | None, until_ns: int | None,
                       where: Slice) -> list[Advice]:
@@ -533,6 +553,7 @@ def cold_start_advice(reader: TraceReader, frame: pl.DataFrame, verdicts: list[C
     if where.instance_id is not None:
         stages = stages.filter(pl.col("instance_id") == where.instance_id)
     instances = set(frame["instance_id"].drop_nulls().to_list())
+    process_starts = _process_starts(reader)
     out = []
     loads: dict[tuple[str, str], dict] = {}
     for row in stages.iter_rows(named=True):
@@ -548,63 +569,69 @@ def cold_start_advice(reader: TraceReader, frame: pl.DataFrame, verdicts: list[C
         restarts = [v for v in verdicts if v.cause == "restart" and v.instance_id == name]
         if not mine and waits.is_empty() and not restarts:
             continue
+        starts = [t for t in process_starts.get(name, []) if since_ns is None or t >= since_ns]
         served = frame.filter(pl.col("instance_id") == name).sort("end_ns")
         per_load: dict[str, list[dict]] = {}
         for row in waits.iter_rows(named=True):
             # the load that ended first at or after the request arrived
             load = next((v for v in mine if v["end_ns"] >= row["start_ns"]), None)
             per_load.setdefault(load["load_id"] if load else "", []).append(row)
-        lazy = [v for v in mine if v["lazy"]]
-        start = [v for v in mine if not v["lazy"]]
+        reloads = [v for k, v in enumerate(mine) if v["lazy"] and _reload(v, mine[k - 1] if k else None,
+                                                                           process_starts.get(name, []))]
+        first = [v for v in mine if v not in reloads]
         durations = [(v["end_ns"] - v["start_ns"]) / 1e6 for v in mine]
-        slowest_stage = Counter()
-        for v in mine:
-            if v["stages"]:
-                slowest_stage[max(v["stages"], key=lambda s: s[1])[0]] += 1
+        slowest_stage = Counter(max(v["stages"], key=lambda s: s[1])[0] for v in mine if v["stages"])
         stage_text = (f"; the slowest stage was {slowest_stage.most_common(1)[0][0]} in "
                       f"{plural(slowest_stage.most_common(1)[0][1], 'load')}") if slowest_stage else ""
         finding = (f"{name} loaded its model {plural(len(mine), 'time')} in the window "
-                   f"({len(lazy)} triggered by a request, {len(start)} at start; median "
-                   f"{fmt_ms(median(durations))}{stage_text}); {plural(waits.height, 'request')} waited on a load"
+                   f"({len(reloads)} reloaded after it had unloaded, {len(first)} a process's first; median "
+                   f"{fmt_ms(median(durations))}{stage_text}); {plural(len(starts), 'process start')}; "
+                   f"{plural(waits.height, 'request')} waited on a load"
                    + (f", and {plural(len(restarts), 'request')} found the cache emptied by a restart" if restarts
                       else "") + ".")
         advice = Advice("cold_start", finding, request_ids=waits["request_id"].to_list()
                         + [v.request_id for v in restarts], requests=waits.height + len(restarts), instance_id=name)
         for v in mine[:3]:
+            how = "reloaded after unloading" if v in reloads else "triggered by a request" if v["lazy"] else "at start"
             advice.evidence.append(Evidence(
-                "load", f"Load {v['load_id']} ({'triggered by a request' if v['lazy'] else 'at start'}) took "
-                        f"{fmt_ms((v['end_ns'] - v['start_ns']) / 1e6)}"
+                "load", f"Load {v['load_id']} ({how}) took {fmt_ms((v['end_ns'] - v['start_ns']) / 1e6)}"
                         + (f"; {plural(len(per_load.get(v['load_id'], [])), 'request')} waited on it." if
                            per_load.get(v["load_id"]) else "."),
-                {"load_id": v["load_id"], "lazy": v["lazy"], "load_ms": round((v["end_ns"] - v["start_ns"]) / 1e6, 3),
+                {"load_id": v["load_id"], "lazy": v["lazy"], "reload": v in reloads,
+                 "load_ms": round((v["end_ns"] - v["start_ns"]) / 1e6, 3),
                  "stages": [{"name": s, "ms": round(d, 3)} for s, d in v["stages"]]}))
-        lazy_rows = [row for v in lazy for row in per_load.get(v["load_id"], [])]
-        if lazy:
+        reload_rows = [row for v in reloads for row in per_load.get(v["load_id"], [])]
+        if reload_rows:
             gaps = []
-            for v in lazy:
+            for v in reloads:
                 before = served.filter(pl.col("end_ns") <= v["start_ns"])
                 gaps.append(None if before.is_empty() else (v["start_ns"] - before["end_ns"].max()) / 1e6)
             known = [g for g in gaps if g is not None]
             keep = max(known) if known else None
             text = (f"Keep {name}'s model loaded for at least {fmt_ms(keep)} after its last request (keep-alive): "
-                    f"the idle gaps before its {plural(len(lazy), 'load')} triggered by a request were at most that"
+                    f"the idle gaps before its {plural(len(reloads), 'reload')} were at most that"
                     if keep is not None else f"Keep {name}'s model loaded between requests (keep-alive)")
-            advice.changes.append(Change(text, sum(r["load_wait_ms"] for r in lazy_rows), len(lazy_rows),
+            advice.changes.append(Change(text, sum(r["load_wait_ms"] for r in reload_rows), len(reload_rows),
                                          data={"keep_alive_ms": None if keep is None else round(keep, 3),
-                                               "loads": len(lazy)}))
-        start_rows = [row for v in start for row in per_load.get(v["load_id"], [])] + per_load.get("", [])
-        if start_rows:
+                                               "loads": len(reloads)}))
+        first_rows = [row for v in first for row in per_load.get(v["load_id"], [])] + per_load.get("", [])
+        if first_rows:
+            lazy = any(v["lazy"] for v in first)
             advice.changes.append(Change(
-                f"Send {name} no traffic until its model has loaded (readiness check; warm it up before it joins)",
-                sum(r["load_wait_ms"] for r in start_rows), len(start_rows), data={"loads": len(start)}))
+                f"Load {name}'s model before it takes traffic"
+                + (" (at start, not on its first request)" if lazy else "")
+                + ", and send it no request until it is ready (a readiness check)",
+                sum(r["load_wait_ms"] for r in first_rows), len(first_rows), data={"loads": len(first)}))
         if restarts:
             tokens = sum(max(0, (v.seen_tokens or 0) - (v.cached_tokens or 0)) // v.block_size * v.block_size
                          for v in restarts)
             rate = _rate(rates, name)
             advice.changes.append(Change(
-                f"Avoid restarting {name}: {plural(len(restarts), 'request')} recomputed prefixes its cache held "
-                "before the restart", _time_of(tokens, rate), len(restarts), tokens,
-                why_not=None if rate else f"{name}'s prefill rate is unknown (no prefill time measured)"))
+                f"Avoid restarting {name} ({plural(len(starts), 'process start')} in the window): "
+                f"{plural(len(restarts), 'request')} recomputed prefixes its cache held before a restart",
+                _time_of(tokens, rate), len(restarts), tokens,
+                why_not=None if rate else f"{name}'s prefill rate is unknown (no prefill time measured)",
+                data={"process_starts": len(starts)}))
         if not advice.changes:
             continue
         advice.changes = _ranked(advice.changes)

@@ -203,6 +203,8 @@ def render_session(verdict: dict) -> str:
     return "\n".join(lines)
 
 
+#: Request ids listed per piece of advice (the JSON has them all).
+SHOWN = 20
 #: What each kind of advice is called.
 ADVICE_KINDS = {"context": "context", "routing": "routing", "capacity": "cache capacity",
                 "concurrency": "concurrency", "cold_start": "cold starts and restarts", "objectives": "objectives"}
@@ -213,7 +215,8 @@ def _saving(item: dict) -> str:
         return f"saving not computed: {item['why_not']}" if item.get("why_not") else "saving not computed"
     per_hour = "" if item.get("saved_ms_per_hour") is None else \
         f" ({fmt_ms(abs(item['saved_ms_per_hour']))} per hour)"
-    tokens = "" if not item.get("prefill_tokens") else f", {abs(item['prefill_tokens']):,} prefill tokens"
+    tokens = "" if not item.get("prefill_tokens") else f", {abs(item['prefill_tokens']):,} prefill tokens" + (
+        "" if item.get("prefill_tokens_per_hour") is None else f" ({abs(item['prefill_tokens_per_hour']):,} per hour)")
     verb = "saves" if item["saved_ms"] >= 0 else "costs"
     return f"{verb} {fmt_ms(abs(item['saved_ms']))} of waiting before the first token{per_hour}{tokens}, " \
            f"{plural(item['requests'], 'request')}"
@@ -238,8 +241,9 @@ def render_advice(result: dict) -> str:
         for other in others:
             lines.append(f"   or: {other['change']}: {_saving(other)}.")
         if item["request_ids"]:
-            more = item["requests"] - len(item["request_ids"])
-            lines.append("   requests: " + ", ".join(item["request_ids"]) + (f" and {more} more" if more > 0 else ""))
+            shown = item["request_ids"][:SHOWN]
+            more = item["requests"] - len(shown)
+            lines.append("   requests: " + ", ".join(shown) + (f" and {more} more" if more > 0 else ""))
     for kind, why in result["nothing"].items():
         lines.append(f"nothing to change in {ADVICE_KINDS[kind]}: {why}")
     return "\n".join(lines)
