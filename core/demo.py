@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tokentrace.analyzers.evidence import fmt_ms
 from tokentrace.errors import TokentraceError
 
 INSTANCES = {"A": "demo-a", "B": "demo-b"}
@@ -170,6 +171,25 @@ def render_table(shown: list, verdicts: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+#: Pieces of advice the demo prints (the best; ``analyze advise`` and /advice give them all).
+ADVICE_SHOWN = 3
+
+
+def render_advice(collector_url: str) -> str:
+    """The best changes over the demo's traffic, one line each, as ``analyze advise`` ranks them."""
+    from tokentrace.analyzers.render import ADVICE_KINDS
+
+    status, advice = _get(f"{collector_url}/api/advice?since=all", timeout=120)
+    if status != 200 or not advice or not advice.get("advice"):
+        return "\nno advice over this traffic" + ("" if status == 200 else f" (the collector answered {status})")
+    lines = ["\nwhat would have saved the most (analyze advise):"]
+    for rank, item in enumerate(advice["advice"][:ADVICE_SHOWN], 1):
+        best = item["changes"][0]
+        saved = "" if best["saved_ms"] is None else f" [{fmt_ms(best['saved_ms'])} less waiting]"
+        lines.append(f"  {rank}. {ADVICE_KINDS[item['kind']]}: {best['change']}{saved}")
+    return "\n".join(lines)
+
+
 def _wait_for_interrupt() -> None:
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -214,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
         held = all(verdict_holds(item, verdicts[item.request_id]) for item in shown)
         print(f"\n{sum(verdict_holds(i, verdicts[i.request_id]) for i in shown)} of {len(shown)} verdicts as "
               f"expected ({len(verdicts)} requests), in {time.monotonic() - began:.0f} s.")
+        print(render_advice(stack.collector_url))
         print(f"dashboard: {stack.collector_url}/   ·   try: tokentrace analyze slow --request-id demo-queued "
-              f"--url {stack.collector_url}")
+              f"--url {stack.collector_url}   ·   tokentrace analyze advise --since all --url {stack.collector_url}")
         if not args.exit:
             print("the engines have stopped; the collector and its dashboard keep running until Ctrl-C"
                   + (" (then the demo's temporary directory is removed)." if temporary else "."), flush=True)

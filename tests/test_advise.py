@@ -6,7 +6,9 @@ agree within 10 % with a computation made here, independently, from the same req
 - routing (``rr-``, engines adv-rr-1 and adv-rr-2 behind the gateway's round robin): sessions spread
   over both instances turn by turn;
 - capacity (``cap-``, engine adv-cap): six documents asked in turn on a cache with room for three;
-- concurrency (``q-``, engine adv-q with --max-batch 1): short requests behind long generations.
+- concurrency (``q-``, engine adv-q with --max-batch 1): short requests behind long generations;
+- cold starts (``cold-``, engine adv-cold with --lazy-load): the first request waits for the load, and
+  after a restart a repeated prompt finds the cache emptied and waits again.
 
 The same answer is read from the CLI (text and JSON, through the collector and from its stopped file),
 the API, the advice page and the overview's Advice panel.
@@ -91,6 +93,16 @@ def _concurrency(url: str) -> None:
             short.join(300)
 
 
+def _cold(engine: EngineProcess) -> None:
+    """Two requests on a lazily loading engine, a restart, then the second prompt again."""
+    document = [{"role": "user", "content": "document " + _words(990, 60)}]
+    chat(engine.url, "cold-0", [{"role": "user", "content": _words(991, 8)}], 2)
+    chat(engine.url, "cold-1", document, 2)
+    assert engine.stop() == 0, engine.log_path.read_text()
+    engine.start(ready=False)  # the same instance, port and flags: a restart
+    chat(engine.url, "cold-2", document, 2)
+
+
 @pytest.fixture(scope="module")
 def advised(tmp_path_factory, tiny_model):
     workdir = tmp_path_factory.mktemp("advise")
@@ -99,19 +111,20 @@ def advised(tmp_path_factory, tiny_model):
     beat = ["--heartbeat-interval", "0.5"]
     flags = {"adv-ctx": beat, "adv-rr-1": beat, "adv-rr-2": beat,
              "adv-cap": [*beat, "--cache-max-entries", "1000", "--cache-max-bytes", str(CAP_BYTES)],
-             "adv-q": [*beat, "--max-batch", "1"]}
+             "adv-q": [*beat, "--max-batch", "1"], "adv-cold": [*beat, "--lazy-load"]}
     engines = {name: EngineProcess(workdir, tiny_model, *args, collector=collector, spool_dir=spool, instance_id=name)
                for name, args in flags.items()}
     gateway = None
     try:
-        for engine in engines.values():
-            engine.start()
+        for name, engine in engines.items():
+            engine.start(ready=name != "adv-cold")  # a lazy engine is not ready before its first request
         gateway = GatewayProcess(workdir, {name: engines[name].url for name in ("adv-rr-1", "adv-rr-2")},
                                  "--route", "round_robin", collector=collector).start()
         _context(engines["adv-ctx"].url)
         _routing(gateway)
         _capacity(engines["adv-cap"].url)
         _concurrency(engines["adv-q"].url)
+        _cold(engines["adv-cold"])
     finally:
         if gateway is not None:
             assert gateway.stop() == 0, gateway.log_path.read_text()
@@ -121,7 +134,7 @@ def advised(tmp_path_factory, tiny_model):
     # The rows the independent computations use, and the advice from the stopped collector's file;
     # then the collector serves the same file again.
     assert collector.stop() == 0
-    collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-")}
+    collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-", "cold-")}
     collector.from_file = json.loads(_cli("analyze", "advise", "--db", str(collector.db), "--since", "all",
                                           "--request-prefix", "cap-", "--json").stdout)
     collector.start()
@@ -269,6 +282,26 @@ def test_concurrency_advice_models_the_queue_it_measured(advised):
     assert objectives["changes"][0]["lever"] == "concurrency" and result["advice"][-1]["kind"] == "objectives"
 
 
+def test_cold_start_advice_prices_the_lazy_loads_and_the_restart(advised):
+    result = _advice(advised, request_prefix="cold-")
+    advice = _kind(result, "cold_start", "adv-cold")
+    changes = {("restart" if "restarting" in c["change"] else "ready"): c for c in advice["changes"]}
+    rows = {r["request_id"]: r for r in advised.rows["cold-"]}
+    # Independently: the two requests that arrived at a loading engine waited this long in all.
+    waited = [r for r in rows.values() if (r["load_wait_ms"] or 0) > 0]
+    assert {r["request_id"] for r in waited} == {"cold-0", "cold-2"}, waited
+    ready = changes["ready"]
+    assert "before it takes traffic" in ready["change"] and ready["requests"] == 2
+    assert _close(ready["saved_ms"], sum(r["load_wait_ms"] for r in waited)), (ready, waited)
+    # The restart emptied the cache that held cold-1's prompt: cold-2 recomputed it.
+    restart = changes["restart"]
+    assert restart["requests"] == 1 and restart["process_starts"] == 2
+    expected = rows["cold-1"]["prompt_tokens"] // BLOCK * BLOCK
+    assert _close(restart["prefill_tokens"], expected), (restart, expected)
+    assert "cold-2" in advice["request_ids"]
+    assert not any("keep-alive" in c["change"] for c in advice["changes"])  # nothing unloaded when idle
+
+
 def test_the_whole_workload_ranks_each_levers_change_first_on_every_surface(advised, tmp_path):
     result = _advice(advised)
     assert _kind(result, "context")["changes"][0]["segment_role"] == "system"
@@ -327,6 +360,9 @@ def test_advice_page_and_overview_panel_in_a_browser(advised, browser_page):
     page.locator('section.advice[data-kind="capacity"] a.request-link').first.click()
     page.wait_for_url("**/requests/cap-*")
     assert "cap-" in page.locator("h1").inner_text()
+    browser_page.screenshot("advice-request")
+    browser_page.open(f"{advised.url}/timeline?since=all")
+    browser_page.screenshot("advice-timeline")
     browser_page.open(f"{advised.url}/?since=all")
     panel = page.locator("#advice")
     assert result["advice"][0]["changes"][0]["change"] in panel.inner_text()

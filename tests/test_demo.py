@@ -28,6 +28,11 @@ def test_demo_prints_every_scenario_with_the_expected_verdict(tmp_path):
         assert any(cause in row for row in rows), cause
     assert re.search(rf"(\d+) of \1 verdicts as expected \({len(rows)} requests\)", out), out
     assert "demo-long-gen-" in out and "demo-interloper" in out  # a blocker and the interleaved prefill
+    # Then what to change: the advice over the demo's traffic, as analyze advise ranks it.
+    advice = out.split("what would have saved the most (analyze advise):\n", 1)[1].split("\ndashboard:", 1)[0]
+    lines = advice.splitlines()
+    assert lines and lines[0].startswith("  1. ") and len(lines) <= 3, advice
+    assert any("concurrency" in line or "cold starts" in line for line in lines), advice
 
 
 def check_table(out: str) -> None:
