@@ -535,6 +535,8 @@ class Gathered:
     report_db: dict
     metrics: dict[str, Counter]  #: series -> Counter(label value tuple)
     missing: list[str]  #: request ids the store never got
+    advice_url: dict  #: analyze advise --since all, every miss explained
+    advice_db: dict
 
 
 def cli(*args: str) -> tuple[int, str, str]:
@@ -555,6 +557,12 @@ def _cli_verdicts(rid: str, where: list[str]) -> dict:
 
 def _report(where: list[str]) -> dict:
     code, out, err = cli("report", "--since", "all", "--causes", "100000", *where, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _advice(where: list[str]) -> dict:
+    code, out, err = cli("advise", "--since", "all", "--verdicts", "100000", *where, "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -630,11 +638,13 @@ def gather_all(*paths: Topology) -> dict[str, Gathered]:
     where = ["--url", collector.url]
     cli_url = {rid: _cli_verdicts(rid, where) for rid in judged}
     report_url = _report(where)
+    advice_url = _advice(where)
     lap("CLI --url")
     assert collector.stop() == 0, collector.log_path.read_text()[-3000:]
     where = ["--db", str(collector.db)]
     cli_db = {rid: _cli_verdicts(rid, where) for rid in judged}
     report_db = _report(where)
+    advice_db = _advice(where)
     lap("CLI --db")
     out = {}
     for t in paths:
@@ -642,7 +652,7 @@ def gather_all(*paths: Topology) -> dict[str, Gathered]:
         print(f"truth matrix, {t.path}: " + ", ".join(f"{what} {s} s" for what, s in t.laps)
               + " (" + ", ".join(reads) + ")")
         out[t.path] = Gathered(t.path, t.cells, api, dashboard, cli_url, cli_db, report_url, report_db, metrics,
-                               pending)
+                               pending, advice_url, advice_db)
     return out
 
 
@@ -753,3 +763,29 @@ def check_surfaces(g: Gathered, situation: str) -> None:
             want = sum(1 for c in candidates if (c["cause"] or "none") == cause)
             for report_name, report in (("report --url", g.report_url), ("report --db", g.report_db)):
                 assert report["causes"].get(cause, 0) == want, (report_name, cause, report["causes"])
+        check_advice(g, rid, verdict)
+
+
+#: The kind of advice a request with each cache cause rests on (analyzers/advise.py); the advice of
+#: these kinds lists the requests whose verdicts it counted.
+CAUSE_KINDS = {"prefix_change": "context", "instance_change": "routing", "capacity": "capacity",
+               "restart": "cold_start"}
+
+
+def check_advice(g: Gathered, rid: str, verdict: dict) -> None:
+    """``analyze advise`` (through the collector and from its file) never rests a piece of advice on
+    a request whose verdict says otherwise: the request appears only in the advice of the kind its
+    cache cause calls for, and in that kind's advice wherever there is one for its instance."""
+    assert g.advice_url["advice"] == g.advice_db["advice"], "analyze advise --url and --db differ"
+    cause, instance = verdict["cache"]["cause"], verdict["cache"]["instance_id"]
+    for item in g.advice_url["advice"]:
+        listed = rid in item["request_ids"]
+        ours = item["instance_id"] in (None, instance)
+        if item["kind"] == "cold_start":  # it also lists the requests that waited on a load, whatever their cause
+            assert listed or not (cause == "restart" and ours), f"advice cold_start leaves out {rid}, a restart's miss"
+            continue
+        if item["kind"] not in CAUSE_KINDS.values():
+            continue
+        right = CAUSE_KINDS.get(cause) == item["kind"] and ours
+        assert listed == right, (f"advice {item['kind']} ({item['instance_id']}) "
+                                 f"{'lists' if listed else 'leaves out'} {rid}, whose cache cause is {cause}")
