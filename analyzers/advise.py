@@ -51,11 +51,11 @@ import polars as pl
 
 from tokentrace import contract as c
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache
-from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, plural
+from tokentrace.analyzers.evidence import Evidence, fmt_bytes, fmt_ms, median, plural
 from tokentrace.analyzers.outcome import COMPLETED
 from tokentrace.analyzers.report import cause_candidates, declared_parts, routing_by_policy, with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
-from tokentrace.analyzers.whatif import Capacity, Workload, own_model, replay
+from tokentrace.analyzers.whatif import Capacity, Workload, own_model, recorded, replay
 from tokentrace.analyzers.workload import load_workload, prefill_rates
 from tokentrace.collector.store import TraceReader
 from tokentrace.threads import name_os_thread
@@ -354,10 +354,10 @@ def capacity_advice(workload: Workload, verdicts: list[CacheVerdict], memory: di
                   "own": {"capacity_tokens": tokens, "capacity_entries": entries, "cache_model": model,
                           "token_hit_ratio": base["token_hit_ratio"],
                           "prefill_tokens_saved": base["prefill_tokens_saved"]}})
-        recorded_ratio = _recorded_ratio(mine)
+        achieved = (recorded(mine) or {}).get("token_hit_ratio")
         advice = Advice("capacity", f"{len(missed)} of {sample} were on {name} and found their prefix "
                                     f"evicted; at its own limits its traffic replays to a token hit ratio of "
-                                    f"{_pct(base['token_hit_ratio'])} (the engine achieved {_pct(recorded_ratio)}), "
+                                    f"{_pct(base['token_hit_ratio'])} (the engine achieved {_pct(achieved)}), "
                                     f"unlimited to {_pct(unlimited['token_hit_ratio'])}.",
                         [change], request_ids=[v.request_id for v in missed], requests=len(missed), instance_id=name)
         for verdict in missed[:3]:
@@ -386,12 +386,6 @@ def _sizes(tokens: int | None, entries: int | None, factor: float) -> list[Capac
     return sizes
 
 
-def _recorded_ratio(workload: Workload) -> float | None:
-    known = [r for r in workload.requests if r.cached_tokens is not None]
-    total = sum(r.input_length for r in known)
-    return round(sum(min(r.cached_tokens, r.input_length) for r in known) / total, 6) if total else None
-
-
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
@@ -403,26 +397,18 @@ def _size_text(point: dict, tokens: int | None, entries: int | None, kv: int | N
     if point["capacity_tokens"] is not None and point["capacity_tokens"] != tokens:
         size = f"{point['capacity_tokens']:,} tokens"
         if kv:
-            size += f" ({_bytes(point['capacity_tokens'] * kv)} of KV)"
+            size += f" ({fmt_bytes(point['capacity_tokens'] * kv)} of KV)"
         parts.append(size + f" instead of {tokens:,}")
     if point["capacity_entries"] is not None and point["capacity_entries"] != entries:
         parts.append(f"{point['capacity_entries']:,} entries instead of {entries:,}")
     return " and ".join(parts)
 
 
-def _bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:,.1f} GiB"
-
-
 def _memory_text(name: str, extra: int | None, held: int | None) -> str:
     if extra is None:
         return f"How many bytes this takes is unknown: {name} reports no KV bytes per token."
-    held_text = f"it holds {_bytes(held)} now" if held else "it reports no memory figure"
-    return (f"This takes {_bytes(extra)} more KV memory on {name}; {held_text}, and no engine here reports its "
+    held_text = f"it holds {fmt_bytes(held)} now" if held else "it reports no memory figure"
+    return (f"This takes {fmt_bytes(extra)} more KV memory on {name}; {held_text}, and no engine here reports its "
             "free memory, so whether it fits is for the operator to check.")
 
 

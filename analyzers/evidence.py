@@ -44,6 +44,19 @@ def fmt_ms(value: float | None) -> str:
     return f"{value:.1f} ms"
 
 
+def fmt_bytes(value: float | None) -> str:
+    """1536 -> '1.5 KiB'; None -> 'n/a'."""
+    if value is None:
+        return "n/a"
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB"):
+        value /= 1024
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} GiB"
+
+
 def plural(count: int | float | None, one: str, many: str | None = None) -> str:
     """'1 request', '3 requests', 'an unknown number of requests': a count and its noun, agreeing."""
     many = many or one + "s"

@@ -21,7 +21,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup, escape
 
 from tokentrace import __version__, wire
-from tokentrace.analyzers.evidence import baseline_text, fmt_ms, plural
+from tokentrace.analyzers.evidence import baseline_text, fmt_bytes, fmt_ms, plural
 from tokentrace.errors import ConfigError, NotFound, TokentraceError
 
 router = APIRouter()
@@ -33,19 +33,6 @@ NAV = (("/", "Overview"), ("/advice", "Advice"), ("/timeline", "Timeline"), ("/c
        ("/instances", "Instances"))
 #: Window lengths offered by the window picker.
 WINDOWS = ("5m", "15m", "1h", "6h", "1d", "all")
-
-
-def fmt_bytes(value: float | None) -> str:
-    """1536 -> '1.5 KiB'; None -> 'n/a'."""
-    if value is None:
-        return "n/a"
-    if abs(value) < 1024:
-        return f"{value:.0f} B"
-    for unit in ("KiB", "MiB"):
-        value /= 1024
-        if abs(value) < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} GiB"
 
 
 def fmt_pct(value: float | None) -> str:
