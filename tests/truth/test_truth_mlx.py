@@ -49,9 +49,12 @@ def run_path(workdir, model):
             return httpx.post(gateways["main"].url + "/v1/chat/completions", json=body,
                               headers={"X-Request-Id": rid}, timeout=60)
 
+        # mlx_lm.server makes 120 tokens of the tiny model in ~150 ms: once in CI the gateway's queued
+        # request arrived when the long one had 10 ms left (queue 10 ms, nothing decomposed: the
+        # situation was not built). 1,000 hold the slot ~1 s here (the model's context is 2,048).
         topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
                                               "move": (gateways["rr"].url, gateways["rr"].url)},
-                            model="default_model", refuse=refuse, prefix="tm-")
+                            model="default_model", refuse=refuse, prefix="tm-", long_tokens=1000)
 
         def restart() -> None:
             servers["a"].stop()
