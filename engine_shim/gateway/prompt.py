@@ -12,10 +12,13 @@ Three sources of token ids, best first (docs/gateway.md "Fingerprints"):
    shared, not how many model tokens; token counts on the lookup are bytes and the matched count
    is the engine's cached-token share of them (inferred).
 
-Segments: one per chat message (role, token span, content hash of its tokens); a completion prompt
-is one ``prompt`` segment. Chat segment spans come from rendering growing prefixes of the message
-list (``messages[:k]`` without a generation prompt); the span of message k ends where the
-rendering of ``messages[:k+1]`` stops sharing tokens with the whole prompt.
+Segments: one per chat message (role, token span, content hash of its tokens), then one of role
+``assistant`` for the generation prompt that opens the answer's turn, as ``tokentrace engine`` cuts
+them; a completion prompt is one ``prompt`` segment. Chat segment spans come from rendering growing
+prefixes of the message list (``messages[:k]`` without a generation prompt, k = 1..n); the span of
+message k ends where the rendering of ``messages[:k]`` stops sharing tokens with the whole prompt.
+The last message's segment must not take the generation prompt in: as the last message it would
+hash differently from the same message one turn later, and no later turn would be seen to share it.
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ async def _with_upstream(adapter: Adapter, route: Route, body: dict[str, Any],
         return None
     prefixes: list[list[int] | None] = []
     if messages is not None and len(messages) <= MAX_SEGMENTED_MESSAGES:
-        for k in range(1, len(messages)):
+        for k in range(1, len(messages) + 1):
             prefixes.append(await adapter.tokenize(route, body, messages[:k], add_generation_prompt=False))
     return _printed(whole, prefixes, messages, route, body, block_size, capture, UNIT_TOKENS, "upstream")
 
@@ -174,7 +177,7 @@ def _with_tokenizer(tokenizer: LocalTokenizer, route: Route, body: dict[str, Any
     whole = tokenizer.chat(messages, True, body)
     prefixes: list[list[int] | None] = []
     if len(messages) <= MAX_SEGMENTED_MESSAGES:
-        prefixes = [tokenizer.chat(messages[:k], False, body) for k in range(1, len(messages))]
+        prefixes = [tokenizer.chat(messages[:k], False, body) for k in range(1, len(messages) + 1)]
     return _printed(whole, prefixes, messages, route, body, block_size, capture, UNIT_TOKENS, "tokenizer")
 
 
@@ -187,7 +190,7 @@ def _with_bytes(route: Route, body: dict[str, Any], messages: list[dict[str, Any
     parts = [render_bytes(m) for m in messages]
     whole = list(b"".join(parts))
     prefixes, end = [], 0
-    for part in parts[:-1]:
+    for part in parts:
         end += len(part)
         prefixes.append(whole[:end])
     return _printed(whole, prefixes, messages, route, body, block_size, capture, UNIT_BYTES, "bytes")
@@ -204,15 +207,16 @@ def _printed(whole: list[int], prefixes: list[list[int] | None], messages: list[
         if whole:
             printed.segments.append(Segment(c.ROLE_PROMPT, 0, len(whole), segment_hash(whole), snippet))
         return printed
-    if len(prefixes) != len(messages) - 1 or any(p is None for p in prefixes):
+    if len(prefixes) != len(messages) or any(p is None for p in prefixes):
         return printed  # segments unknown: one fingerprint only
-    ends = [_shared(p, whole) for p in prefixes] + [len(whole)]
     start = 0
-    for message, end in zip(messages, ends, strict=True):
-        end = max(end, start)
+    for message, prefix in zip(messages, prefixes, strict=True):
+        end = max(_shared(prefix, whole), start)  # type: ignore[arg-type]
         snippet = message_text(message)[:SNIPPET_CHARS] if capture else None
         printed.segments.append(Segment(role_of(message), start, end, segment_hash(whole[start:end]), snippet))
         start = end
+    if start < len(whole):  # the generation prompt (e.g. "<|im_start|>assistant\n")
+        printed.segments.append(Segment(c.ROLE_ASSISTANT, start, len(whole), segment_hash(whole[start:]), None))
     return printed
 
 
