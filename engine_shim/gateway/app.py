@@ -29,7 +29,13 @@ import httpx
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.gateway.adapters import adapter_class, detect
-from tokentrace.engine_shim.gateway.adapters.base import CHAT, COMPLETIONS, FRAMING_SSE, Route
+from tokentrace.engine_shim.gateway.adapters.base import (
+    CHAT,
+    COMPLETIONS,
+    FRAMING_SSE,
+    Route,
+    StaleConnectionRetry,
+)
 from tokentrace.engine_shim.gateway.observe import Observer
 from tokentrace.engine_shim.gateway.prompt import routing_blocks
 from tokentrace.engine_shim.gateway.records import Exchange
@@ -89,7 +95,8 @@ class Gateway:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         keys = {u.base_url: key for u in self.upstreams for name, key in self.settings.upstream_key
                 if u.name == name}
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+        transport = StaleConnectionRetry(httpx.AsyncHTTPTransport(limits=limits, trust_env=False))
+        self.client = httpx.AsyncClient(timeout=timeout, transport=transport, trust_env=False,
                                         auth=UpstreamKeys(keys) if keys else None)
         await asyncio.gather(*(self._detect(u) for u in self.upstreams))
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())

@@ -31,6 +31,41 @@ import httpx
 
 from tokentrace import contract as c
 
+#: Request extension that marks a POST as safe to send twice (``/tokenize``, ``/apply-template``:
+#: they change nothing), so that ``StaleConnectionRetry`` may repeat it. GET and HEAD always are.
+REPEATABLE = "tokentrace.repeatable"
+#: ``extensions=`` for such a POST.
+REPEATABLE_POST = {REPEATABLE: True}
+
+
+class StaleConnectionRetry(httpx.AsyncBaseTransport):
+    """The gateway's transport to its upstreams: a request that is safe to repeat and failed before
+    any response because the pooled keep-alive connection it went out on had just been closed by the
+    upstream ("Server disconnected without sending a response": llama.cpp's server did it to about
+    one ``/apply-template`` in twenty of the truth matrix's) is sent once more, on a fresh
+    connection. Without it such a poll marks a healthy upstream down, and such a tokenization falls
+    back to a byte-level fingerprint (segments in bytes, not tokens: a prefix change read as a new
+    prompt). Generation requests are never repeated: they are not safe to send twice."""
+
+    RETRIED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner = inner
+        self.retried = 0  #: requests sent a second time
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except self.RETRIED:
+            if request.method not in ("GET", "HEAD") and not request.extensions.get(REPEATABLE):
+                raise
+            self.retried += 1
+            return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 #: Who observed a row (the ``observer`` column; docs/telemetry.md): a tokentrace engine measured it
 #: inside, the vLLM plugin inside vLLM, the engine's own OpenTelemetry spans, or the gateway outside.
 OBSERVER_ENGINE = c.OBSERVER_ENGINE

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import httpx
 
 from tokentrace.engine_shim.gateway.adapters.base import (
+    REPEATABLE_POST,
     Adapter,
     Facts,
     InstanceState,
@@ -238,7 +239,7 @@ class LlamaCppAdapter(Adapter):
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         try:
-            response = await self.client.post(self.base_url + path, json=body)
+            response = await self.client.post(self.base_url + path, json=body, extensions=REPEATABLE_POST)
             return response.json() if response.is_success else None
         except (httpx.HTTPError, ValueError):
             return None

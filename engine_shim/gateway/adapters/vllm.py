@@ -24,6 +24,7 @@ import httpx
 
 from tokentrace.engine_shim.gateway.adapters.base import (
     OBSERVER_PLUGIN,
+    REPEATABLE_POST,
     Adapter,
     InstanceState,
     Probe,
@@ -77,7 +78,7 @@ class VllmAdapter(Adapter):
                 return None
             request["prompt"] = prompt
         try:
-            response = await self.client.post(self.base_url + "/tokenize", json=request)
+            response = await self.client.post(self.base_url + "/tokenize", json=request, extensions=REPEATABLE_POST)
             tokens = response.json().get("tokens") if response.is_success else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
