@@ -13,7 +13,10 @@ Definitions (the contract; tests check them):
   ``instance_change`` a longer prefix was never cached on this instance but was cached on another;
   ``prefix_change``   an earlier request shares later segments (same content hashes) but diverges
                       before them, where this prompt's reuse stopped: the first segment that
-                      differs (or ``template`` when no message differs) and a token inside it;
+                      differs (or ``template`` when no message differs) and a token inside it; or
+                      everything an earlier prompt had was reused, and it had the message this
+                      prompt's reuse stopped in, shared at least a block of it and differs inside
+                      it, with more input after it here (an edited system prompt, one-shot);
   ``model_change``, ``template_change``  the session's previous turn was served by another model
                       revision / chat template and its prompt differs from this one inside the
                       first segment;
@@ -114,6 +117,10 @@ class CacheFacts:
     #: tokens per cache block of this instance where it reuses whole blocks coarser than the
     #: fingerprint's (vLLM: its heartbeat's entry size); None: the fingerprint's block
     granularity: int | None = None
+    #: the earlier *prompt* (a lookup, not an entry) that shared the most blocks with this one, and
+    #: its segments: read only when this prompt's reuse ended inside a message that input follows
+    seen_prompt: dict | None = None
+    seen_prompt_segments: list[dict] = field(default_factory=list)
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -147,23 +154,34 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
         return CacheFacts(request, lookup, [], segments, None, [], None, set(), [], {})
     hashes = [row["hash"] for row in blocks]
     # Only a lookup that reused less than a block can be a model or template change.
-    (seen, cached_on, eviction, loads, evicted_elsewhere, granularity), (matches, divergences, earlier), \
-        (identity, previous) = \
+    (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity), \
+        (matches, divergences, earlier), (identity, previous) = \
         reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
                         lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
                         lambda: _turns(reader, request, hashes, block) if cached < block else ({}, None))
+    prompt_segments: list[dict] = []
+    if seen_prompt is not None and _edited_at(segments, seen_prompt["diverge"]) is not None:
+        prompt_segments = _earlier_segments(reader, {seen_prompt["request_id"]: seen_prompt["t_ns"]},
+                                            [seen_prompt["request_id"]]).get(seen_prompt["request_id"], [])
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
-                      divergences, earlier, loads, previous, identity, granularity)
+                      divergences, earlier, loads, previous, identity, granularity, seen_prompt, prompt_segments)
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
            cached: int) -> tuple:
-    """(seen, cached_on, eviction, loads, evicted_elsewhere, granularity): the deepest block of this
-    prompt any earlier prompt or entry had, per instance the deepest cached, what ended this
+    """(seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity): the deepest
+    block of this prompt any earlier prompt or entry had, the earlier prompt (lookup) that had the
+    deepest and where it leaves this one (``diverge``), per instance the deepest cached, what ended this
     instance's longer entry (an eviction, else model loads since) and the other instances' entries,
     and the tokens per block this instance reuses in (``cache_granularity_at``)."""
     reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
+    prompts = [row for row in reach if row["source"] == "lookup" and row["request_id"] is not None]
+    seen_prompt = None
+    if prompts:
+        row = _first_of_deepest(prompts)
+        seen_prompt = {"request_id": row["request_id"], "t_ns": row["t_ns"], "instance_id": row["instance_id"],
+                       "diverge": (row["block_index"] + 1) * block}
     here_key = request["instance_id"]
     sizes = reader.rows("cache_granularity_at", instance_id=here_key, t_ns=t) if reach else []
     granularity = sizes[0]["block_tokens"] if sizes and (sizes[0]["block_tokens"] or 0) > block else None
@@ -181,7 +199,8 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []
-    return seen, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}, granularity
+    return seen, seen_prompt, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}, \
+        granularity
 
 
 def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict], hashes: list[int], t: int,
@@ -722,12 +741,60 @@ def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None
                           "its segments: a first-time prompt.",
             {"seen_tokens": verdict.seen_tokens},
         ))
-    else:
+    elif not _edited_message(verdict, facts, block):
         verdict.evidence.append(Evidence(
             "reused", f"Reused {verdict.cached_tokens} of {verdict.prompt_tokens} prompt tokens: everything an "
                       "earlier request had was reused; the rest is new.",
             {"new_tokens": verdict.prompt_tokens - verdict.cached_tokens},
         ))
+
+
+#: Segment roles that are input: a message of these after another means the prompt goes on past it.
+_INPUT_ROLES = frozenset({c.ROLE_SYSTEM, c.ROLE_USER, c.ROLE_TOOL, c.ROLE_TOOLS, c.ROLE_PROMPT})
+
+
+def _edited_at(segments: list[dict], diverge: int) -> dict | None:
+    """The segment of this prompt that holds token ``diverge`` (where an earlier prompt's shared
+    blocks end); None when no segment holds it or no input message follows it (a prompt's last
+    message differing from an earlier one's is a new question, not an edit in front of the rest)."""
+    ordered = sorted(segments, key=lambda row: row["segment_index"])
+    for n, row in enumerate(ordered):
+        if row["token_start"] <= diverge < row["token_end"]:
+            return row if any(later["role"] in _INPUT_ROLES for later in ordered[n + 1:]) else None
+    return None
+
+
+def _edited_message(verdict: CacheVerdict, facts: CacheFacts, block: int) -> bool:
+    """prefix_change without a shared later segment: everything an earlier prompt had was reused, but
+    that prompt had the same message at the same place, shared at least a block of it with this one
+    and then differs inside it, and more input follows the message here (a one-shot request behind a
+    system message edited in its middle or at its end: what follows it is new anyway, but the rest
+    of the message had to be computed again)."""
+    earlier = facts.seen_prompt
+    ours = _edited_at(facts.segments, earlier["diverge"]) if earlier else None
+    if ours is None or earlier is None:
+        return False
+    diverge = earlier["diverge"]
+    theirs = next((row for row in facts.seen_prompt_segments if row["segment_index"] == ours["segment_index"]), None)
+    if (theirs is None or (theirs["role"], theirs["token_start"]) != (ours["role"], ours["token_start"])
+            or theirs["hash"] == ours["hash"] or theirs["token_end"] <= diverge
+            or diverge - ours["token_start"] < block or verdict.cached_tokens >= ours["token_end"]):
+        return False
+    role, index = ours["role"], ours["segment_index"]
+    verdict.cause = "prefix_change"
+    verdict.divergence = Divergence(diverge, role, index)
+    shared, rest = diverge - ours["token_start"], ours["token_end"] - max(verdict.cached_tokens, diverge)
+    verdict.evidence.append(Evidence(
+        "divergence", f"Request {earlier['request_id']} had the same {role} segment {index} for its first {shared} "
+                      f"tokens, but it differs from this one inside that message (from token {diverge} on, "
+                      f"at block granularity): the message was edited; its {rest} tokens after the change had to "
+                      "be computed again, and so did everything after them.",
+        {"earlier_request_id": earlier["request_id"], "earlier_instance_id": earlier["instance_id"],
+         "shared_segment_index": index, "shared_segment_role": role, "shared_tokens": shared,
+         "token_index": diverge, "block_token_index": diverge, "segment_role": role, "segment_index": index,
+         "snippet": ours.get("snippet")},
+    ))
+    return True
 
 
 def _too_short(verdict: CacheVerdict, facts: CacheFacts, block: int) -> dict | None:

@@ -148,3 +148,93 @@ def test_every_registered_adapter_loads_and_a_forced_kind_says_whether_it_report
     assumed = {kind: adapter_class(kind).forced_probe() for kind in kinds()}
     assert all(probe.kind == kind for kind, probe in assumed.items())
     assert {kind for kind, probe in assumed.items() if probe.reports_itself} == {"tokentrace", "vllm-plugin"}
+
+
+class _DroppingPeer:
+    """An HTTP/1.1 server on 127.0.0.1 that answers the first request on each connection with
+    keep-alive and then closes that connection when the next request arrives on it, without a
+    response: what llama.cpp's server did to the gateway's pooled connections."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.answered = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.answered += 1
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n"
+                         b"Connection: keep-alive\r\n\r\n{\"ok\":true}")
+            conn.recv(65536)  # the next request on this connection: dropped unanswered
+
+
+def test_a_request_safe_to_repeat_is_sent_again_when_its_kept_alive_connection_was_dropped():
+    import httpx
+
+    from tokentrace.engine_shim.gateway.adapters.base import REPEATABLE_POST, StaleConnectionRetry
+
+    peer = _DroppingPeer()
+    url = f"http://127.0.0.1:{peer.port}"
+
+    async def scenario():
+        transport = StaleConnectionRetry(httpx.AsyncHTTPTransport())
+        async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+            assert (await client.get(url + "/health")).json() == {"ok": True}
+            # The pooled connection is reused and dropped: a poll and a tokenization go out again.
+            assert (await client.get(url + "/health")).json() == {"ok": True}
+            assert (await client.post(url + "/tokenize", json={}, extensions=REPEATABLE_POST)).status_code == 200
+            assert transport.retried == 2
+            # A generation request is never sent twice.
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await client.post(url + "/v1/chat/completions", json={"messages": []})
+            assert transport.retried == 2
+        async with httpx.AsyncClient(timeout=10) as plain:  # the failure itself, without the retry
+            await plain.get(url + "/health")
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await plain.get(url + "/health")
+
+    asyncio.run(scenario())
+    assert (peer.answered, peer.connections) == (4, 4)
+
+
+def test_the_generation_prompt_is_a_segment_of_its_own_so_a_last_message_hashes_as_it_will_next_turn(tiny_model):
+    """With the model's tokenizer (--tokenizer), as with the engine's: the user message that ends
+    turn 1 has the same segment hash as the same message inside turn 2 (issue 44: it took the
+    generation prompt in, and a changed system prompt behind mlx_lm.server was called a hit)."""
+    from tokentrace.engine_shim.gateway.prompt import LocalTokenizer
+
+    tokenizer = LocalTokenizer(str(tiny_model))
+    first = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there " * 8}]
+    turn1 = fingerprint_local(CHAT, {"messages": first}, 16, tokenizer, False)
+    second = [*first, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again " * 8}]
+    turn2 = fingerprint_local(CHAT, {"messages": second}, 16, tokenizer, False)
+    assert [s.role for s in turn1.segments] == ["system", "user", "assistant"]
+    assert [s.role for s in turn2.segments] == ["system", "user", "assistant", "user", "assistant"]
+    assert turn1.segments[1].hash == turn2.segments[1].hash
+    assert turn1.segments[-1].end == turn1.length and turn2.segments[-1].end == turn2.length
