@@ -258,12 +258,13 @@ static int blocks(decoder_t *d, view_t rid, uint64_t t_ns, const char *source, i
 
 static int lookup(decoder_t *d, const span_t *s, view_t rid) {
     const attrs_t *a = &d->attrs;
-    const int64_t *hashes, *starts, *ends, *segment_hashes;
-    size_t n_hashes, n_starts, n_ends, n_segment_hashes;
+    const int64_t *hashes, *starts, *ends, *segment_hashes, *tails;
+    size_t n_hashes, n_starts, n_ends, n_segment_hashes, n_tails;
     TRY(column_of(a, K_CACHE_BLOCK_HASHES, &hashes, &n_hashes));
     TRY(column_of(a, K_SEGMENT_STARTS, &starts, &n_starts));
     TRY(column_of(a, K_SEGMENT_ENDS, &ends, &n_ends));
     TRY(column_of(a, K_SEGMENT_HASHES, &segment_hashes, &n_segment_hashes));
+    TRY(column_of(a, K_SEGMENT_TAIL_HASHES, &tails, &n_tails));
     const view_t *snippets;
     size_t n_snippets;
     TRY(string_elements(d, attrs_get(a, K_SEGMENT_SNIPPETS), &snippets, &n_snippets));
@@ -300,6 +301,8 @@ static int lookup(decoder_t *d, const span_t *s, view_t rid) {
         TRY(put_i64_opt(t, i < n_ends, i < n_ends ? ends[i] : 0));
         TRY(put_i64_opt(t, i < n_segment_hashes, i < n_segment_hashes ? segment_hashes[i] : 0));
         TRY(put_str(t, i < n_snippets ? element_str(snippets[i]) : NONE));
+        /* normalize._lookup: 0 (a segment under two blocks) is stored as null */
+        TRY(put_i64_opt(t, i < n_tails && tails[i] != 0, i < n_tails ? tails[i] : 0));
         TRY(row_end(t, d->span_index));
     }
     return 0;

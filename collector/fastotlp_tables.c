@@ -55,7 +55,7 @@ static const colspec_t CACHE_LOOKUPS[] = {
 };
 static const colspec_t SEGMENTS[] = {
     {"request_id", S}, {"instance_id", S}, {"t_ns", L}, {"segment_index", L}, {"role", S}, {"token_start", L},
-    {"token_end", L}, {"hash", L}, {"snippet", S},
+    {"token_end", L}, {"hash", L}, {"snippet", S}, {"tail_hash", L},
 };
 static const colspec_t CACHE_INSERTS[] = {
     {"request_id", S}, {"instance_id", S}, {"start_ns", L}, {"end_ns", L}, {"fingerprint", L}, {"tokens", L},

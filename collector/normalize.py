@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 #: Attributes expanded into typed rows and therefore not repeated in ``spans.attributes``.
 EXPANDED = frozenset({
     c.CACHE_BLOCK_HASHES, c.DECODE_STEP_OFFSETS, c.SEGMENT_ROLES, c.SEGMENT_STARTS, c.SEGMENT_ENDS,
-    c.SEGMENT_HASHES, c.SEGMENT_SNIPPETS, c.STEPS_START_OFFSETS, c.STEPS_DURATIONS,
+    c.SEGMENT_HASHES, c.SEGMENT_TAIL_HASHES, c.SEGMENT_SNIPPETS, c.STEPS_START_OFFSETS, c.STEPS_DURATIONS,
     c.STEPS_PREFILL_SEQS, c.STEPS_DECODE_SEQS, c.STEPS_PREFILL_TOKENS, c.STEPS_DECODE_TOKENS,
     c.STEPS_REQUESTS, c.STEPS_MEMBERS,
 })
@@ -378,7 +378,7 @@ def _blocks(scope: _Scope, rid: str | None, t_ns: int, source: str, hashes: list
 
 def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
     hashes, starts, ends = _column(a, c.CACHE_BLOCK_HASHES), _column(a, c.SEGMENT_STARTS), _column(a, c.SEGMENT_ENDS)
-    segment_hashes = _column(a, c.SEGMENT_HASHES)
+    segment_hashes, tails = _column(a, c.SEGMENT_HASHES), _column(a, c.SEGMENT_TAIL_HASHES)
     _phase(scope, span, a, ids)
     rid, t_ns = _str(a.get(c.REQUEST_ID)), span.start_time_unix_nano
     scope.batch.rows["cache_lookups"].append((
@@ -391,7 +391,7 @@ def _lookup(scope: _Scope, span, a: dict, ids: tuple) -> None:
     roles, snippets = _list(a.get(c.SEGMENT_ROLES)), _list(a.get(c.SEGMENT_SNIPPETS))
     scope.batch.rows["segments"].extend(
         (rid, scope.instance_id, t_ns, i, _str(role), _at(starts, i), _at(ends, i), _at(segment_hashes, i),
-         _str(_at(snippets, i)))
+         _str(_at(snippets, i)), _at(tails, i) or None)
         for i, role in enumerate(roles)
     )
 

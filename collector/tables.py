@@ -48,7 +48,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "prefix_blocks": ("request_id", "instance_id", "t_ns", "source", "block_index", "hash", "fingerprint"),
     "segments": (
         "request_id", "instance_id", "t_ns", "segment_index", "role", "token_start", "token_end",
-        "hash", "snippet",
+        "hash", "snippet", "tail_hash",
     ),
     "cache_inserts": (
         "request_id", "instance_id", "start_ns", "end_ns", "fingerprint", "tokens", "bytes",
@@ -96,7 +96,8 @@ TYPES: dict[str, tuple[str, ...]] = {
     "steps": ("VARCHAR",) + ("BIGINT",) * 6 + ("VARCHAR[]", "VARCHAR[]"),
     "cache_lookups": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 4 + ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",),
     "prefix_blocks": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT"),
-    "segments": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT", "VARCHAR"),
+    "segments": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT", "VARCHAR",
+                 "BIGINT"),
     "cache_inserts": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 10,
     "cache_evictions": ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",) * 3 + ("BIGINT", "BIGINT", "VARCHAR"),
     "instance_events": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),

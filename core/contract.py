@@ -134,6 +134,7 @@ SEGMENT_ROLES = "tokentrace.segments.roles"
 SEGMENT_STARTS = "tokentrace.segments.starts"
 SEGMENT_ENDS = "tokentrace.segments.ends"
 SEGMENT_HASHES = "tokentrace.segments.hashes"
+SEGMENT_TAIL_HASHES = "tokentrace.segments.tail_hashes"
 SEGMENT_SNIPPETS = "tokentrace.segments.snippets"
 
 # --- Attribute keys: prefill, decode --------------------------------------------------------------
@@ -285,6 +286,8 @@ _SEGMENTS = (
     _a(SEGMENT_STARTS, "int[]", "tokens", "first token index of each segment"),
     _a(SEGMENT_ENDS, "int[]", "tokens", "end token index (exclusive) of each segment"),
     _a(SEGMENT_HASHES, "int[]", "hash", "64-bit content hash of each segment's token ids"),
+    _a(SEGMENT_TAIL_HASHES, "int[]", "hash",
+       "content hash of each segment's last block of tokens (0: a segment under two blocks)"),
     _a(SEGMENT_SNIPPETS, "string[]", "", "bounded text of each segment; only with --capture-content"),
 )
 _EVICT = EventSpec(

@@ -61,6 +61,16 @@ def segment_hash(tokens: Sequence[int]) -> int:
     return to_signed(_digest(_token_bytes(tokens)))
 
 
+def segment_tail_hash(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Content hash of a segment's last ``block_size`` token ids, or 0 for a segment under two
+    blocks. Two messages that end alike but differ before (a timestamp at the start of a system
+    prompt) share it where their own hashes and every prefix block differ: the cache verdict
+    tells an edited message from a new one by it."""
+    if len(tokens) < 2 * block_size:
+        return 0
+    return to_signed(_digest(_token_bytes(tokens[-block_size:]))) or 1
+
+
 def full_blocks(token_count: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """How many complete blocks ``token_count`` tokens fill."""
     return token_count // block_size

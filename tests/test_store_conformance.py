@@ -153,6 +153,8 @@ PARAMS = {
     "limit": (100, 1, 0),
     "sha256": (SPOOL.sha256, SPOOL.sha256, "cd" * 32),
     "hashes": (_LOOKUP_HASHES + _INSERT_HASHES, _INSERT_HASHES + _SEGMENT_HASHES + [-(2**63)], []),
+    # The golden segments are under two blocks (tail hash 0, stored as null): no tail finds them.
+    "tails": ([0], _SEGMENT_HASHES, []),
     "fingerprints": ([-1234567890123, 987654321], [987654321], []),
     "request_ids": (["golden-req-1", "json-req-1"], ["golden-req-1"], []),
     "load_id": ("load-1", "load-1", None),

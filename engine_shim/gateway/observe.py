@@ -380,6 +380,7 @@ class Observer:
             attrs[c.SEGMENT_STARTS] = [s.start for s in printed.segments]
             attrs[c.SEGMENT_ENDS] = [s.end for s in printed.segments]
             attrs[c.SEGMENT_HASHES] = [s.hash for s in printed.segments]
+            attrs[c.SEGMENT_TAIL_HASHES] = [s.tail for s in printed.segments]
             if self.capture:
                 attrs[c.SEGMENT_SNIPPETS] = [s.snippet or "" for s in printed.segments]
         return attrs

@@ -30,7 +30,7 @@ from typing import Any
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.gateway.adapters.base import Adapter, Route
-from tokentrace.fingerprint import block_hashes, segment_hash
+from tokentrace.fingerprint import block_hashes, segment_hash, segment_tail_hash
 
 UNIT_TOKENS = "tokens"
 UNIT_BYTES = "bytes"
@@ -50,6 +50,7 @@ class Segment:
     end: int  #: end index, exclusive
     hash: int  #: content hash of its tokens
     snippet: str | None = None  #: bounded text, only with --capture-content
+    tail: int = 0  #: content hash of its last block (0: under two blocks)
 
 
 @dataclass
@@ -205,7 +206,8 @@ def _printed(whole: list[int], prefixes: list[list[int] | None], messages: list[
         prompt = body.get(route.prompt_field)
         snippet = prompt[:SNIPPET_CHARS] if capture and isinstance(prompt, str) else None
         if whole:
-            printed.segments.append(Segment(c.ROLE_PROMPT, 0, len(whole), segment_hash(whole), snippet))
+            printed.segments.append(Segment(c.ROLE_PROMPT, 0, len(whole), segment_hash(whole), snippet,
+                                            segment_tail_hash(whole, block_size)))
         return printed
     if len(prefixes) != len(messages) or any(p is None for p in prefixes):
         return printed  # segments unknown: one fingerprint only
@@ -213,7 +215,8 @@ def _printed(whole: list[int], prefixes: list[list[int] | None], messages: list[
     for message, prefix in zip(messages, prefixes, strict=True):
         end = max(_shared(prefix, whole), start)  # type: ignore[arg-type]
         snippet = message_text(message)[:SNIPPET_CHARS] if capture else None
-        printed.segments.append(Segment(role_of(message), start, end, segment_hash(whole[start:end]), snippet))
+        printed.segments.append(Segment(role_of(message), start, end, segment_hash(whole[start:end]), snippet,
+                                        segment_tail_hash(whole[start:end], block_size)))
         start = end
     if start < len(whole):  # the generation prompt (e.g. "<|im_start|>assistant\n")
         printed.segments.append(Segment(c.ROLE_ASSISTANT, start, len(whole), segment_hash(whole[start:]), None))

@@ -23,7 +23,7 @@ from tokentrace.engine_shim.mlx.records import (
     RequestRecord,
     StepWindow,
 )
-from tokentrace.fingerprint import block_hashes, segment_hash
+from tokentrace.fingerprint import block_hashes, segment_hash, segment_tail_hash
 
 _MS = 1e-6
 
@@ -114,6 +114,8 @@ class SpanBuilder:
                 c.SEGMENT_ENDS: list(prompt.ends),
                 c.SEGMENT_HASHES: [
                     segment_hash(prompt.tokens[s:e]) for s, e in zip(prompt.starts, prompt.ends, strict=True)],
+                c.SEGMENT_TAIL_HASHES: [segment_tail_hash(prompt.tokens[s:e], self.block_size)
+                                        for s, e in zip(prompt.starts, prompt.ends, strict=True)],
             })
         if lookup.entry_tokens is not None:
             attributes[c.CACHE_MATCHED_ENTRY] = self.fingerprint(lookup.entry_tokens)
