@@ -206,9 +206,9 @@ def context_advice(reader: TraceReader, verdicts: list[CacheVerdict], rows: dict
         where = _segment_name(role, index)
         token = median(h["token"] for h in hits)
         text = (f"Keep {where} the same from one request to the next: in {plural(len(hits), 'request')} the prompt "
-                f"first differed there (around token {token:,.0f}) from an earlier prompt that shares what follows, "
-                f"and {tokens:,} prefill tokens after it were recomputed; move what changes (a date or time, a "
-                f"request id, a reordered tool list) after the shared part, or out of the prompt")
+                f"first differed there (around token {token:,.0f}) from an earlier prompt that was otherwise the "
+                f"same there, and {tokens:,} prefill tokens after it were recomputed; move what changes (a date or "
+                "time, a request id, a reordered tool list) after the shared part, or out of the prompt")
         snippet = next((h["snippet"] for h in hits if h["snippet"]), None)
         changes.append(Change(
             text, None if unknown else sum(times), len(hits), tokens,
@@ -221,7 +221,7 @@ def context_advice(reader: TraceReader, verdicts: list[CacheVerdict], rows: dict
     everyone = [h for hits in groups.values() for h in hits]
     top = changes[0]
     advice = Advice("context", f"{plural(len(everyone), 'request')} of {sample} missed the cache because their "
-                               "prompt changed before a part an earlier prompt shares "
+                               "prompt changed where an earlier prompt was otherwise the same "
                                f"({_segment_name(top.data['segment_role'], top.data['segment_index'])} most).",
                     changes, request_ids=[h["request_id"] for h in everyone], requests=len(everyone))
     for hit in sorted((h for h in everyone if h["lost"] is not None), key=lambda h: -h["lost"])[:3]:

@@ -121,6 +121,9 @@ class CacheFacts:
     #: its segments: read only when this prompt's reuse ended inside a message that input follows
     seen_prompt: dict | None = None
     seen_prompt_segments: list[dict] = field(default_factory=list)
+    #: earlier segments that end like the one this prompt's reuse stopped in (tail_matches rows):
+    #: read only when it stopped inside the first block
+    tail_matches: list[dict] = field(default_factory=list)
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -153,18 +156,24 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     if cached is None:  # nothing to explain by: the verdict is unknown (classify_cache)
         return CacheFacts(request, lookup, [], segments, None, [], None, set(), [], {})
     hashes = [row["hash"] for row in blocks]
+    # A message edited near its start is found by its tail only where less than a block was reused.
+    stopped_in = _holding(segments, cached) if cached < block else None
+    tail = stopped_in.get("tail_hash") if stopped_in else None
     # Only a lookup that reused less than a block can be a model or template change.
     (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity), \
-        (matches, divergences, earlier), (identity, previous) = \
+        (matches, divergences, earlier), (identity, previous), tails = \
         reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
                         lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
-                        lambda: _turns(reader, request, hashes, block) if cached < block else ({}, None))
+                        lambda: _turns(reader, request, hashes, block) if cached < block else ({}, None),
+                        lambda: reader.rows("tail_matches", tails=[tail], before_ns=t, request_id=request_id)
+                        if tail is not None else [])
     prompt_segments: list[dict] = []
     if seen_prompt is not None and _edited_at(segments, seen_prompt["diverge"]) is not None:
         prompt_segments = _earlier_segments(reader, {seen_prompt["request_id"]: seen_prompt["t_ns"]},
                                             [seen_prompt["request_id"]]).get(seen_prompt["request_id"], [])
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
-                      divergences, earlier, loads, previous, identity, granularity, seen_prompt, prompt_segments)
+                      divergences, earlier, loads, previous, identity, granularity, seen_prompt, prompt_segments,
+                      tails)
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
@@ -722,6 +731,8 @@ def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None
             {"request_id": seen.get("request_id"), "instance_id": seen.get("instance_id"),
              "seen_tokens": verdict.seen_tokens},
         ))
+    elif verdict.cached_tokens < block and _edited_start(verdict, facts, block):
+        pass
     elif verdict.cached_tokens < block and (short := _too_short(verdict, facts, block)) is not None:
         verdict.cause = "too_short"
         verdict.evidence.append(Evidence(
@@ -753,15 +764,55 @@ def _new_or_reused(verdict: CacheVerdict, facts: CacheFacts, block: int) -> None
 _INPUT_ROLES = frozenset({c.ROLE_SYSTEM, c.ROLE_USER, c.ROLE_TOOL, c.ROLE_TOOLS, c.ROLE_PROMPT})
 
 
+def _holding(segments: list[dict], token: int) -> dict | None:
+    """The segment of this prompt that holds ``token``."""
+    return next((row for row in segments if row["token_start"] <= token < row["token_end"]), None)
+
+
 def _edited_at(segments: list[dict], diverge: int) -> dict | None:
     """The segment of this prompt that holds token ``diverge`` (where an earlier prompt's shared
     blocks end); None when no segment holds it or no input message follows it (a prompt's last
     message differing from an earlier one's is a new question, not an edit in front of the rest)."""
-    ordered = sorted(segments, key=lambda row: row["segment_index"])
-    for n, row in enumerate(ordered):
-        if row["token_start"] <= diverge < row["token_end"]:
-            return row if any(later["role"] in _INPUT_ROLES for later in ordered[n + 1:]) else None
-    return None
+    row = _holding(segments, diverge)
+    if row is None:
+        return None
+    later = [other for other in segments if other["segment_index"] > row["segment_index"]]
+    return row if any(other["role"] in _INPUT_ROLES for other in later) else None
+
+
+def _edited_start(verdict: CacheVerdict, facts: CacheFacts, block: int) -> bool:
+    """prefix_change where nothing before the change is shared: less than a block was reused, and an
+    earlier prompt had a message of the same role at the same index, of about the same length
+    (within a block), that ends with the same block of tokens as the one this prompt's reuse
+    stopped in but differs from it — a timestamp or an id at the start of a system prompt — with
+    more input after it here."""
+    ours = _edited_at(facts.segments, verdict.cached_tokens)
+    if ours is None or not facts.tail_matches:
+        return False
+    length = ours["token_end"] - ours["token_start"]
+    earlier = next((row for row in facts.tail_matches
+                    if (row["role"], row["segment_index"]) == (ours["role"], ours["segment_index"])
+                    and row["hash"] != ours["hash"]
+                    and abs(row["token_end"] - row["token_start"] - length) <= block), None)
+    if earlier is None:
+        return False
+    role, index = ours["role"], ours["segment_index"]
+    token = max(ours["token_start"], verdict.cached_tokens // block * block)
+    verdict.cause = "prefix_change"
+    verdict.divergence = Divergence(token, role, index)
+    theirs = earlier["token_end"] - earlier["token_start"]
+    verdict.evidence.append(Evidence(
+        "divergence", f"Request {earlier['request_id']} had a {role} segment {index} that ends with the same "
+                      f"{block} tokens as this one's and is about as long ({theirs} tokens, this one {length}), but "
+                      f"it differs from this one near its start (from token {token} on, at block granularity): "
+                      "the message was edited there; all of it had to be computed again, and so did everything "
+                      "after it.",
+        {"earlier_request_id": earlier["request_id"], "earlier_instance_id": earlier["instance_id"],
+         "shared_segment_index": index, "shared_segment_role": role, "shared_tokens": block,
+         "token_index": token, "block_token_index": token, "segment_role": role, "segment_index": index,
+         "snippet": ours.get("snippet")},
+    ))
+    return True
 
 
 def _edited_message(verdict: CacheVerdict, facts: CacheFacts, block: int) -> bool:

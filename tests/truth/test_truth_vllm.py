@@ -119,18 +119,14 @@ def truth(tmp_path_factory):
     return lambda path: both("both")[path]
 
 
-#: From runs of both paths (2026-12-05), on this session's code: system-message prefix changes behind
-#: the gateway; on the direct path every cache cause is "unknown" (no prompt
-#: fingerprint reaches the store: the plugin sends none) and refused or cancelled requests are never
-#: stored. Every surface agrees with the API wherever a request is stored (/metrics' request
-#: counters disagreed until they were counted with the verdicts, docs/metrics.md).
+#: From runs of both paths (2026-12-06), on this session's code: on the direct path every cache cause
+#: is "unknown" (no prompt fingerprint reaches the store: the plugin sends none) and refused or
+#: cancelled requests are never stored. Every surface agrees with the API wherever a request is
+#: stored (/metrics' request counters disagreed until they were counted with the verdicts,
+#: docs/metrics.md). (System-message prefix changes behind the gateway were wrong until its segments
+#: left the generation prompt out of the last message and a message edited with nothing shared
+#: after it became a prefix change.)
 WRONG_ANSWER: dict[tuple[str, str], str] = {
-    ("gateway-vllm", "prefix_multi_start"): "completed, category prefill, cache miss, cause new_prefix",
-    ("gateway-vllm", "prefix_multi_middle"): "completed, category prefill, cache hit, no cause",
-    ("gateway-vllm", "prefix_multi_end"): "completed, category prefill, cache hit, no cause",
-    ("gateway-vllm", "prefix_oneshot_start"): "completed, category prefill, cache miss, cause new_prefix",
-    ("gateway-vllm", "prefix_oneshot_middle"): "completed, category prefill, cache hit, no cause",
-    ("gateway-vllm", "prefix_oneshot_end"): "completed, category prefill, cache hit, no cause",
     ("vllm", "prefill"): "completed, category prefill, cache miss, cause unknown",
     ("vllm", "hit"): "completed, category prefill, cache partial, cause unknown",
     ("vllm", "capacity"): "completed, category prefill, cache miss, cause unknown",
