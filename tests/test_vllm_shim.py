@@ -188,3 +188,23 @@ def test_without_full_reports_the_subscriber_says_it_runs_incremental(caplog):
     caplog.set_level("INFO", logger="vllm.tokentrace")
     assert report_mode.install() == report_mode.INCREMENTAL
     assert "runs incremental" in caplog.text and not report_mode._INSTALLED
+
+
+def test_the_load_starts_when_the_vllm_process_started_not_a_second_before():
+    """model.load's start is the process's start within a clock tick, in vLLM's own venv (psutil there
+    put it up to a second early: it adds a boot time read in whole seconds, and a restarted vLLM's
+    load began before requests its predecessor served, so the cold cache after it was not called a
+    restart; issue 44's gateway-vllm restart cell)."""
+    import subprocess
+    import time
+
+    from vllm_fixtures import require_vllm_python
+
+    script = ("import time; from tokentrace.engine_shim.vllm.coldstart import _process_start_ns; "
+              "print(_process_start_ns(), time.time_ns())")
+    for _ in range(3):
+        spawned = time.time_ns()
+        out = subprocess.run([str(require_vllm_python()), "-c", script], capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).parent.parent, check=True)
+        start, then = map(int, out.stdout.split())
+        assert spawned - 20_000_000 <= start <= then, (spawned, start, then)  # a tick is 10 ms

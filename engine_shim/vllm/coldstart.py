@@ -38,8 +38,20 @@ def disabled() -> bool:
 
 
 def _process_start_ns() -> int:
+    """When this process started, on the wall clock. On Linux from its start in clock ticks since
+    boot (``/proc/self/stat``) against ``CLOCK_BOOTTIME``: within a tick (10 ms). psutil's
+    ``create_time`` adds a boot time read in whole seconds there, and put a restarted vLLM's load up
+    to a second before requests its predecessor served (the cache verdict then could not call the
+    cold cache after it a restart). Elsewhere psutil (a vLLM dependency), else now."""
     try:
-        import psutil  # a vLLM dependency
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time_ns() - int(age * 1e9)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
 
         return int(psutil.Process().create_time() * 1e9)
     except Exception:

@@ -157,11 +157,8 @@ UNRELIABLE: dict[tuple[str, str], str] = {
     **{(path, "queueing_engine"): "vLLM CPU may admit the burst's short request before a long one (see UNRELIABLE)"
        for path in PATHS},
     **{(path, "cancelled"): CANCELLED for path in PATHS},
-    # Seen once (a CI run of 2026-12-06; it passed in the CI runs before): the first turn's blocks
-    # were reported evicted, by no insert named, before the restart, so the cause was capacity. The
-    # other paths' traffic on the shared engine may have evicted them (then capacity is right, and
-    # the situation was not built) or the eviction is misattributed; not settled yet.
-    ("gateway-vllm", "restart"): "the first turn may be evicted before the restart on the shared engine",
+    # (gateway-vllm restart, marked here once, was a load start read up to a second early: the
+    # restarted vLLM's load began before the first turn it was to have lost; coldstart.py.)
     # The same race at the gateway: the long request and the short one reach it together (burst), and
     # once here (2026-12-06, after a CI run it passed in) the short one took the slot first: prefill.
     ("gateway-vllm", "queueing_gateway"): "the gateway may take the burst's short request before the long one"}
