@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 import polars as pl
-from fastapi import Request
+from fastapi import Query, Request
 
 from tokentrace import contract as c
 from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
@@ -42,7 +42,8 @@ from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
 from tokentrace.dashboards.overview import CAUSE_SAMPLE, LIMIT, thin
 from tokentrace.dashboards.web import page
-from tokentrace.window import since_ns
+from tokentrace.window import Slice
+from tokentrace.window import window_ns as window_of
 
 RECENT_EVICTIONS = 20
 CURVE_POINTS = 10
@@ -56,9 +57,11 @@ _CURVES: dict[tuple, tuple[float, dict[str, Any]]] = {}
 CURVE_TTL_S = 60.0
 
 
-def capacity_curve(reader: TraceReader, window_ns: int | None) -> dict[str, Any]:
-    """Per instance, the token hit ratio the window's traffic gets at each capacity (module docstring)."""
-    workload = load_workload(reader, window_ns, limit=CURVE_REQUESTS)
+def capacity_curve(reader: TraceReader, window_ns: int | None, until_ns: int | None = None,
+                   where: Slice | None = None) -> dict[str, Any]:
+    """Per instance, the token hit ratio the window's traffic (of the slice ``where``) gets at each
+    capacity (module docstring)."""
+    workload = load_workload(reader, window_ns, until_ns, limit=CURVE_REQUESTS, where=where)
     if not workload.requests:
         return {"chart": {"kind": "line", "x_type": "index", "unit": "pct", "x": [], "series": [],
                           "empty": "no requests with a prompt fingerprint in this window"}, "instances": []}
@@ -172,14 +175,26 @@ def entries_by_unit(rows: list[dict]) -> list[dict[str, Any]]:
             for unit, group in sorted(groups.items(), key=lambda item: item[0] or "")]
 
 
-def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, Any]:
-    """Everything the cache page shows for requests and evictions in the last ``since``."""
-    window_ns = since_ns(since, now_ns, what="since")
-    requests = reader.requests(since_ns=window_ns, limit=LIMIT)
-    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=None)
-    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=None)
-    rows = [capacity(beat, requests) for beat in reader.frame("latest_heartbeats").to_dicts()]
-    t0, t1 = series.span(window_ns, now_ns, [requests["start_ns"], evictions["t_ns"], beats["t_ns"]])
+def cache_overview(reader: TraceReader, since: str | None, now_ns: int, start: str | None = None,
+                   until: str | None = None, where: Slice | None = None) -> dict[str, Any]:
+    """Everything the cache page shows for requests and evictions in the last ``since`` (default
+    15m), or from ``start`` until ``until``, of the slice ``where``: its requests (one instance,
+    model, session or request-id prefix, as the report takes them); evictions, heartbeats and
+    capacity belong to instances, so only the instance of a slice narrows them."""
+    where = where or Slice()
+    window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
+                                    names=("since", "from", "until"))
+    requests = where.keep(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
+                                          limit=LIMIT))
+    evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=until_ns)
+    beats = reader.frame("heartbeats_in", since_ns=window_ns, until_ns=until_ns)
+    latest = reader.frame("latest_heartbeats")
+    if where.instance_id is not None:
+        evictions, beats, latest = (frame.filter(pl.col("instance_id") == where.instance_id)
+                                    for frame in (evictions, beats, latest))
+    rows = [capacity(beat, requests) for beat in latest.to_dicts()]
+    end_ns = until_ns if until_ns is not None else now_ns
+    t0, t1 = series.span(window_ns, end_ns, [requests["start_ns"], evictions["t_ns"], beats["t_ns"]])
     width = series.step_ns(t0, t1)
     buckets = series.bucket_starts(t0, t1, width)
     by_reason = series.counts_by(evictions, "t_ns", "reason", t0, t1, width)
@@ -187,7 +202,7 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
     completed = requests.with_columns(outcome_expr().alias("outcome")).filter(pl.col("outcome") == COMPLETED)
     hit, counted = series.ratio(reuse_known(completed), "start_ns", "cached_tokens", "prompt_tokens", t0, t1, width)
     causes, sampled = window_causes(reader, completed, CAUSE_SAMPLE)
-    curve = capacity_curve(reader, window_ns)
+    curve = capacity_curve(reader, window_ns, until_ns, where)
     fill = []
     for (instance,), group in beats.group_by(["instance_id"], maintain_order=True):
         group = thin(group.filter(pl.col("cache_max_bytes") > 0))
@@ -195,7 +210,9 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
                      "y": (group["cache_bytes"] / group["cache_max_bytes"]).round(4).to_list()})
     used, limit = _total(rows, "bytes"), _total(rows, "max_bytes")
     return {
-        "window": {"since": since, "since_ns": window_ns, "now_ns": now_ns},
+        "window": {"since": since, "since_ns": window_ns, "until_ns": until_ns, "now_ns": now_ns,
+                   "from": start, "until": until},
+        "slice": where.params(),
         "instances": rows,
         "cluster": {"bytes": used, "max_bytes": limit,
                     "bytes_share": round(used / limit, 4) if used is not None and limit else None,
@@ -225,6 +242,9 @@ def cache_overview(reader: TraceReader, since: str, now_ns: int) -> dict[str, An
 
 
 @page("/cache", "cache.html", "Cache")
-def cache_page(request: Request, since: str = "15m") -> dict[str, Any]:
-    """The cache page and its twin ``/cache.json``."""
-    return cache_overview(request.app.state.reader, since, time.time_ns())
+def cache_page(request: Request, since: str | None = None, start: str | None = Query(None, alias="from"),
+               until: str | None = None, instance: str | None = None, model: str | None = None,
+               session: str | None = None, request_prefix: str | None = None) -> dict[str, Any]:
+    """The cache page and its twin ``/cache.json`` (a window and a slice as ``/api/report`` takes them)."""
+    return cache_overview(request.app.state.reader, since, time.time_ns(), start, until,
+                          Slice(instance, model, session, request_prefix))

@@ -377,6 +377,43 @@ def test_a_report_of_an_absolute_window_and_a_slice_counts_those_requests_alone(
         f"{url}/timeline", params={"request_prefix": prefix, "since": "all"}, timeout=60).text
 
 
+def test_the_cache_page_takes_the_reports_window_and_slice(scenario):
+    """Issue 47 item 3 on the cache page: its twin with an instance gives that instance's capacity and
+    evictions alone (the two instances' add up to the whole), with a request-id prefix the hit rate
+    and the causes of those requests alone, and with from/until the window's; the page says what the
+    slice narrows."""
+    rows = _rows(scenario)
+    url = scenario["collector"].url
+    whole = _page(scenario, "/cache.json?since=all")
+    apart = {instance: _page(scenario, f"/cache.json?since=all&instance={instance}")
+             for instance in INSTANCE_IDS.values()}
+    for instance, page in apart.items():
+        assert {row["instance_id"] for row in page["instances"]} <= {instance}, instance
+        assert page["slice"]["instance_id"] == instance
+    assert sum(page["evictions"]["total"] for page in apart.values()) == whole["evictions"]["total"] > 0
+
+    prefix = "demo-evicted"
+    mine = [row for rid, row in rows.items() if rid.startswith(prefix) and _outcome(row) == "completed"
+            and row["cached_tokens"] is not None and row["prompt_tokens"]]
+    sliced = _page(scenario, f"/cache.json?since=all&request_prefix={prefix}")
+    assert sliced["hit_rate"]["token_hit_rate"] == pytest.approx(
+        sum(r["cached_tokens"] for r in mine) / sum(r["prompt_tokens"] for r in mine), abs=1e-4)
+    verdicts = Counter(_page(scenario, f"/requests/{row['request_id']}.json")["cache"]["cause"] or "none"
+                       for row in mine if row["cached_tokens"] < row["prompt_tokens"])
+    assert sliced["causes"] == dict(sorted(verdicts.items())) and "capacity" in sliced["causes"], sliced["causes"]
+    html = httpx.get(f"{url}/cache", params={"request_prefix": prefix, "since": "all"}, timeout=60).text
+    assert "requests whose id starts with <b>demo-evicted</b>" in html and 'id="slice-scope"' in html
+
+    starts = sorted(row["start_ns"] for row in rows.values())
+    first, last = (starts[9] + starts[10]) // 2, (starts[29] + starts[30]) // 2
+    window = httpx.get(f"{url}/cache.json", params={"from": _iso(first), "until": _iso(last)}, timeout=60).json()
+    inside = [row for row in rows.values() if first <= row["start_ns"] < last and _outcome(row) == "completed"
+              and row["cached_tokens"] is not None and row["prompt_tokens"]]
+    assert window["window"]["until_ns"] == pytest.approx(last, abs=2000)
+    assert window["hit_rate"]["token_hit_rate"] == pytest.approx(
+        sum(r["cached_tokens"] for r in inside) / sum(r["prompt_tokens"] for r in inside), abs=1e-4)
+
+
 def _outcome(row: dict) -> str:
     from tokentrace.analyzers.outcome import outcome_of
 
