@@ -35,7 +35,7 @@ from fastapi.responses import Response
 
 from tokentrace.analyzers.cache import NO_CAUSE, CacheVerdict, analyze_cache
 from tokentrace.analyzers.observers import FirstSighting
-from tokentrace.analyzers.outcome import COMPLETED, measures_of
+from tokentrace.analyzers.outcome import COMPLETED, PARTS, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_slow_facts
@@ -187,6 +187,7 @@ class Judged:
     cache: CacheVerdict | None  #: analyze_cache's verdict; None when it failed
     slow: SlowVerdict | None  #: classify_slowness's verdict; None when it failed
     errors: tuple[tuple[str, str], ...] = ()  #: (verdict, exception class) of each that failed
+    row: dict | None = None  #: the request's row as the verdicts read it (its observers' views merged)
 
 
 class MetricsState:
@@ -359,7 +360,10 @@ class MetricsState:
             if r["knows_cache"]:
                 c[("vllm:prefix_cache_queries", labels)] += r["queried"] or 0
                 c[("vllm:prefix_cache_hits", labels)] += r["hits"] or 0
-        self._fold_histograms(keyed)
+        # The latency histograms of a request queued for its verdicts are folded with them, from the
+        # merged row they read (``_count``): the first row here may be the gateway's alone, without
+        # the engine's queue, prefill and decode (issue 44). The rest are folded now.
+        self._fold_histograms(keyed.slice(room))
         self._queue_verdicts(keyed)
 
     def _fold_histograms(self, frame: pl.DataFrame) -> None:
@@ -552,10 +556,11 @@ class MetricsState:
     def _judge(self, request_id: str) -> Judged:
         """The request's verdicts as ``analyze slow`` and ``analyze cache`` give them (the same
         functions over the same store): a prefill verdict's facts already hold the cache verdict."""
-        slow = cache = None
+        slow = cache = row = None
         errors = []
         try:
             facts = load_slow_facts(self.reader, request_id)
+            row = facts.request
             slow, cache = classify_slowness(facts), facts.cache
         except Exception as exc:  # one bad request must not stop the counting of the others
             log.exception("metrics: the slowness verdict of request %s failed; counted in "
@@ -568,7 +573,12 @@ class MetricsState:
                 log.exception("metrics: the cache verdict of request %s failed; counted in "
                               "tokentrace_verdict_errors_total, under no result or cause", request_id)
                 errors.append(("cache", type(exc).__name__))
-        return Judged(cache, slow, tuple(errors))
+        if row is None:
+            try:
+                row = self.reader.request(request_id)
+            except Exception:  # counted above; its latencies are lost with its verdict
+                row = None
+        return Judged(cache, slow, tuple(errors), row)
 
     def _count(self, judged: Judged, labels: tuple, folded_category: str | None) -> None:
         """Add one request's verdicts to the counters (under the lock). The request itself is counted
@@ -594,6 +604,23 @@ class MetricsState:
             c[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
         if judged.slow is not None and judged.slow.abnormal:
             c[("tokentrace_abnormal_requests", (*labels, ("category", judged.slow.category)))] += 1
+        if judged.row is not None:
+            row = self._latencies(judged.row)
+            for name, (column, bounds, _) in HISTOGRAMS.items():
+                value = row.get(column)
+                if value is not None:
+                    self.histograms.setdefault((name, labels), Histogram(bounds)).observe(
+                        np.array([value / 1000.0]))
+
+    def _latencies(self, row: dict) -> dict:
+        """A merged request row as the fold reads a frame of them (``with_categories``): ``e2e_ms``
+        added, the parts its instance's observer declares it does not measure unknown."""
+        row = {**row, "e2e_ms": (row["end_ns"] - row["start_ns"]) / 1e6
+               if row.get("end_ns") is not None and row.get("start_ns") is not None else None}
+        measured = self._declared.get(row.get("instance_id"))
+        if measured is not None:
+            row.update({f"{part}_ms": None for part in PARTS if part not in measured})
+        return row
 
     def drain_verdicts(self) -> int:
         """Verdicts not counted yet, queued or being computed (for tests and the pending gauge)."""

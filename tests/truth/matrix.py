@@ -29,6 +29,7 @@ import pytest
 from harness_collector import CollectorProcess, wait_for
 
 from tokentrace.cli import main as cli_main
+from tokentrace.dashboards.prometheus import HISTOGRAMS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "truth.md"
@@ -537,6 +538,7 @@ class Gathered:
     missing: list[str]  #: request ids the store never got
     advice_url: dict  #: analyze advise --since all, every miss explained
     advice_db: dict
+    rows: dict[str, dict] = field(default_factory=dict)  #: request id -> its merged row (the request page's)
 
 
 def cli(*args: str) -> tuple[int, str, str]:
@@ -567,7 +569,7 @@ def _advice(where: list[str]) -> dict:
     return json.loads(out)
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:]+)\{(.*)\} ([0-9.e+-]+)$')
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} ([0-9.e+-]+)$')
 
 
 def _metrics(text: str) -> dict[str, Counter]:
@@ -582,6 +584,8 @@ def _metrics(text: str) -> dict[str, Counter]:
             key = (labels.get("outcome"), labels.get("category"))
         elif name == "tokentrace_cache_lookups_total":
             key = (labels.get("result"), labels.get("cause"))
+        elif name.removesuffix("_count") in HISTOGRAMS or name.removesuffix("_sum") in HISTOGRAMS:
+            key = ()  # a latency histogram's observations or their sum, every instance's
         else:
             continue
         series.setdefault(name, Counter())[key] += float(match.group(3))
@@ -629,11 +633,13 @@ def gather_all(*paths: Topology) -> dict[str, Gathered]:
     lap("/metrics settled")
     api = {rid: httpx.get(f"{collector.url}/api/requests/{rid}/verdict", timeout=60).json() for rid in sorted(have)}
     lap(f"{len(api)} API verdicts")
-    dashboard = {}
-    for rid in judged:
+    dashboard, rows = {}, {}
+    for rid in sorted(have):
         response = httpx.get(f"{collector.url}/requests/{rid}.json", timeout=60)
         page = response.json() if response.status_code == 200 else {}
-        dashboard[rid] = {"slow": page.get("slow"), "cache": page.get("cache")}
+        rows[rid] = page.get("request") or {}
+        if rid in judged:
+            dashboard[rid] = {"slow": page.get("slow"), "cache": page.get("cache")}
     lap("dashboard")
     where = ["--url", collector.url]
     cli_url = {rid: _cli_verdicts(rid, where) for rid in judged}
@@ -652,7 +658,7 @@ def gather_all(*paths: Topology) -> dict[str, Gathered]:
         print(f"truth matrix, {t.path}: " + ", ".join(f"{what} {s} s" for what, s in t.laps)
               + " (" + ", ".join(reads) + ")")
         out[t.path] = Gathered(t.path, t.cells, api, dashboard, cli_url, cli_db, report_url, report_db, metrics,
-                               pending, advice_url, advice_db)
+                               pending, advice_url, advice_db, rows)
     return out
 
 
@@ -738,6 +744,7 @@ def check_surfaces(g: Gathered, situation: str) -> None:
         for kind in ("slow", "cache"):
             assert surface[kind] == verdict[kind], f"{name} {kind} differs from the API's for {rid}"
     completed = [v for v in g.api.values() if v["slow"]["outcome"] == "completed"]
+    completed_ids = [rid for rid, v in g.api.items() if v["slow"]["outcome"] == "completed"]
     outcome, label = _label(verdict)
     for report_name, report in (("report --url", g.report_url), ("report --db", g.report_db)):
         if outcome == "completed":
@@ -751,6 +758,18 @@ def check_surfaces(g: Gathered, situation: str) -> None:
     assert requests.get((outcome, label), 0) == labels[(outcome, label)], ("/metrics tokentrace_requests_total",
                                                                             (outcome, label), dict(requests))
     if outcome == "completed":
+        # Each latency histogram observed every completed request whose merged row knows that part,
+        # with the merged row's value (the first row folded may be a gateway's: its own times, and
+        # none of the engine's parts; issue 44).
+        rows = [{**g.rows.get(rid, {}), "e2e_ms": (g.rows[rid]["end_ns"] - g.rows[rid]["start_ns"]) / 1e6}
+                for rid in completed_ids]
+        for name, (column, _, _) in HISTOGRAMS.items():
+            values = [row[column] for row in rows if row.get(column) is not None]
+            got = g.metrics.get(f"{name}_count", Counter()).get((), 0)
+            assert got == len(values), (f"/metrics {name}_count", got, len(values))
+            total = g.metrics.get(f"{name}_sum", Counter()).get((), 0)
+            assert total == pytest.approx(sum(values) / 1000, abs=1e-6 * max(1, len(values))), (
+                f"/metrics {name}_sum", total, sum(values) / 1000)
         lookups = g.metrics.get("tokentrace_cache_lookups_total", Counter())
         key = _lookup(verdict)
         want = sum(1 for v in completed if _lookup(v) == key)
