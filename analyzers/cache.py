@@ -798,17 +798,24 @@ def _edited_start(verdict: CacheVerdict, facts: CacheFacts, block: int) -> bool:
         return False
     role, index = ours["role"], ours["segment_index"]
     token = max(ours["token_start"], verdict.cached_tokens // block * block)
+    theirs = earlier["token_end"] - earlier["token_start"]
+    return _edited(verdict, earlier, ours, token, block,
+                   f"Request {earlier['request_id']} had a {role} segment {index} that ends with the same {block} "
+                   f"tokens as this one's and is about as long ({theirs} tokens, this one {length}), but it "
+                   f"differs from this one near its start (from token {token} on, at block granularity): the "
+                   "message was edited there; all of it had to be computed again, and so did everything after it.")
+
+
+def _edited(verdict: CacheVerdict, earlier: dict, ours: dict, token: int, shared: int, text: str) -> bool:
+    """Make the verdict a prefix_change at this prompt's segment ``ours``, edited from the one of the
+    ``earlier`` request: from ``token`` on, after ``shared`` equal tokens of it."""
+    role, index = ours["role"], ours["segment_index"]
     verdict.cause = "prefix_change"
     verdict.divergence = Divergence(token, role, index)
-    theirs = earlier["token_end"] - earlier["token_start"]
     verdict.evidence.append(Evidence(
-        "divergence", f"Request {earlier['request_id']} had a {role} segment {index} that ends with the same "
-                      f"{block} tokens as this one's and is about as long ({theirs} tokens, this one {length}), but "
-                      f"it differs from this one near its start (from token {token} on, at block granularity): "
-                      "the message was edited there; all of it had to be computed again, and so did everything "
-                      "after it.",
+        "divergence", text,
         {"earlier_request_id": earlier["request_id"], "earlier_instance_id": earlier["instance_id"],
-         "shared_segment_index": index, "shared_segment_role": role, "shared_tokens": block,
+         "shared_segment_index": index, "shared_segment_role": role, "shared_tokens": shared,
          "token_index": token, "block_token_index": token, "segment_role": role, "segment_index": index,
          "snippet": ours.get("snippet")},
     ))
@@ -831,21 +838,12 @@ def _edited_message(verdict: CacheVerdict, facts: CacheFacts, block: int) -> boo
             or theirs["hash"] == ours["hash"] or theirs["token_end"] <= diverge
             or diverge - ours["token_start"] < block or verdict.cached_tokens >= ours["token_end"]):
         return False
-    role, index = ours["role"], ours["segment_index"]
-    verdict.cause = "prefix_change"
-    verdict.divergence = Divergence(diverge, role, index)
     shared, rest = diverge - ours["token_start"], ours["token_end"] - max(verdict.cached_tokens, diverge)
-    verdict.evidence.append(Evidence(
-        "divergence", f"Request {earlier['request_id']} had the same {role} segment {index} for its first {shared} "
-                      f"tokens, but it differs from this one inside that message (from token {diverge} on, "
-                      f"at block granularity): the message was edited; its {rest} tokens after the change had to "
-                      "be computed again, and so did everything after them.",
-        {"earlier_request_id": earlier["request_id"], "earlier_instance_id": earlier["instance_id"],
-         "shared_segment_index": index, "shared_segment_role": role, "shared_tokens": shared,
-         "token_index": diverge, "block_token_index": diverge, "segment_role": role, "segment_index": index,
-         "snippet": ours.get("snippet")},
-    ))
-    return True
+    return _edited(verdict, earlier, ours, diverge, shared,
+                   f"Request {earlier['request_id']} had the same {ours['role']} segment {ours['segment_index']} "
+                   f"for its first {shared} tokens, but it differs from this one inside that message (from token "
+                   f"{diverge} on, at block granularity): the message was edited; its {rest} tokens after the "
+                   "change had to be computed again, and so did everything after them.")
 
 
 def _too_short(verdict: CacheVerdict, facts: CacheFacts, block: int) -> dict | None:
