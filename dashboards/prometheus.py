@@ -467,8 +467,11 @@ class MetricsState:
         # at once (a Python step per request cost fold CPU: docs/benchmarks.md, Issue 17).
         room = max(0, self._max_verdicts - len(self._verdicts))
         now = time.monotonic()
-        rows = frame.select("request_id", "instance_id", "model", "category").head(room).rows()
-        self._verdicts.extend((now + self._wait_for(row[1]), now + PARTNER_WAIT_S, *row) for row in rows)
+        columns = [column for column, _, _ in HISTOGRAMS.values()]
+        rows = frame.select("request_id", "instance_id", "model", "category", *columns).head(room).rows()
+        # Each with its first row's latencies, folded should its verdicts fail to read the merged row.
+        self._verdicts.extend((now + self._wait_for(row[1]), now + PARTNER_WAIT_S, *row[:4],
+                               dict(zip(columns, row[4:], strict=True))) for row in rows)
         self._queued.update(row[0] for row in rows)
         for rid in [rid for rid in self._partnered if rid not in self._queued]:  # their two rows, both skipped
             del self._partnered[rid]
@@ -522,13 +525,13 @@ class MetricsState:
         a verdict, and the pause after it counted them as work (issue 44: 62 pending 9 minutes)."""
         settled = getattr(self.reader, "settled", None)
         with settled() if settled is not None else contextlib.nullcontext():
-            for rid, instance, model, folded_category in taken:
+            for rid, instance, model, folded_category, first in taken:
                 if self._stopping:
                     return
                 began = time.monotonic()
                 judged = self._judge(rid)
                 with self._lock:
-                    self._count(judged, self._labels(instance, model), folded_category)
+                    self._count(judged, self._labels(instance, model), folded_category, first)
                     self._judging -= 1
                 now = time.monotonic()
                 if self._ingest_busy(now):  # yield the process to the writer (constants above)
@@ -580,10 +583,11 @@ class MetricsState:
                 row = None
         return Judged(cache, slow, tuple(errors), row)
 
-    def _count(self, judged: Judged, labels: tuple, folded_category: str | None) -> None:
+    def _count(self, judged: Judged, labels: tuple, folded_category: str | None, first: dict | None = None) -> None:
         """Add one request's verdicts to the counters (under the lock). The request itself is counted
         under its slowness verdict's outcome and category; where that verdict failed, under the
-        category of the row folded (completed)."""
+        category of the row folded (completed); its latencies are the merged row's, or, where that
+        could not be read, the row folded's (``first``)."""
         c = self.counters
         if judged.slow is not None:
             outcome, category = judged.slow.outcome, judged.slow.category or judged.slow.outcome
@@ -604,8 +608,8 @@ class MetricsState:
             c[("tokentrace_cache_lookups", (*labels, ("result", result), ("cause", cause)))] += 1
         if judged.slow is not None and judged.slow.abnormal:
             c[("tokentrace_abnormal_requests", (*labels, ("category", judged.slow.category)))] += 1
-        if judged.row is not None:
-            row = self._latencies(judged.row)
+        row = self._latencies(judged.row) if judged.row is not None else first
+        if row is not None:
             for name, (column, bounds, _) in HISTOGRAMS.items():
                 value = row.get(column)
                 if value is not None:

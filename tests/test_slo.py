@@ -119,8 +119,11 @@ def test_histograms_and_inter_token_gaps(tmp_path):
         batch.packed["decode_steps"] += [("a", "i1", 0, [0, 10_000_000, 30_000_000]),
                                          ("b", "i1", 0, [5_000_000_000, 5_050_000_000]), ("c", "i2", 0, [7])]
         state.observe(batch)
+        state.render({"accepted_spans": 0, "rejected": {}})  # folds: the requests are queued for verdicts
+        # A request's latencies are folded with its verdicts, from the row they read; these rows are
+        # in no store (the verdicts fail), so the rows folded give them.
+        _counted(state)
         text = state.render({"accepted_spans": 0, "rejected": {}})
-        assert state.drain_verdicts() in (0, 1, 2, 3)
     finally:
         state.close()
         store.close()
