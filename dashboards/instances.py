@@ -170,10 +170,13 @@ def clusters(reader: TraceReader) -> list[dict[str, Any]]:
 
 
 @page("/instances", "instances.html", "Instances")
-def instances_page(request: Request) -> dict[str, Any]:
-    """Readiness per instance."""
+def instances_page(request: Request, instance: str | None = None) -> dict[str, Any]:
+    """Readiness per instance (with ``instance``, a slice's: that one alone). Readiness is now, not
+    over a window; a slice's model, session or request prefix says nothing about instances."""
     now = time.time_ns()
     rows = instance_health(request.app.state.reader, now)
-    return {"now_ns": now, "stale_after_s": STALE_AFTER_S, "instances": rows,
+    if instance is not None:
+        rows = [row for row in rows if row["instance_id"] == instance]
+    return {"now_ns": now, "stale_after_s": STALE_AFTER_S, "instances": rows, "instance": instance,
             "stale": [row["instance_id"] for row in rows if row["status"] == "stale"],
             "clusters": clusters(request.app.state.reader)}

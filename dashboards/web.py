@@ -135,11 +135,21 @@ def json_response(data: dict, status: int = 200) -> Response:
     return Response(dumps(data), status, media_type="application/json")
 
 
+#: Query parameters of a slice (``window.Slice``), and of a window: links between pages carry both,
+#: the window picker the slice (it chooses the window).
+SLICE_PARAMS = ("instance", "model", "session", "request_prefix")
+WINDOW_PARAMS = ("since", "from", "until")
+
+
 def render(request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     """A template rendered with the page context (query string kept for links and the window picker)."""
     query = dict(request.query_params)
+    since = query.get("since", "15m")
+    slice_kept = {key: query[key] for key in SLICE_PARAMS if query.get(key)}
+    window = {key: query[key] for key in WINDOW_PARAMS if query.get(key)} or {"since": since}
     html = _ENV.get_template(template).render(
-        path=request.url.path, query=query, since=query.get("since", "15m"), **context)
+        path=request.url.path, query=query, since=since, slice_kept=slice_kept,
+        carried=urllib.parse.urlencode({**window, **slice_kept}), **context)
     return HTMLResponse(html, status_code)
 
 

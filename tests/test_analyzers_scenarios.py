@@ -403,6 +403,11 @@ def test_the_cache_page_takes_the_reports_window_and_slice(scenario):
     assert sliced["causes"] == dict(sorted(verdicts.items())) and "capacity" in sliced["causes"], sliced["causes"]
     html = httpx.get(f"{url}/cache", params={"request_prefix": prefix, "since": "all"}, timeout=60).text
     assert "requests whose id starts with <b>demo-evicted</b>" in html and 'id="slice-scope"' in html
+    assert [row["instance_id"] for row in _page(scenario, "/instances.json?instance=scen-b")["instances"]] == [
+        "scen-b"]
+    # The window picker keeps the slice, and the links to the other pages carry window and slice.
+    assert f'<input type="hidden" name="request_prefix" value="{prefix}">' in html
+    assert f'href="/timeline?since=all&amp;request_prefix={prefix}"' in html
 
     starts = sorted(row["start_ns"] for row in rows.values())
     first, last = (starts[9] + starts[10]) // 2, (starts[29] + starts[30]) // 2
