@@ -579,7 +579,7 @@ class MetricsState:
         if row is None:
             try:
                 row = self.reader.request(request_id)
-            except Exception:  # counted above; its latencies are lost with its verdict
+            except Exception:  # counted above; its latencies then come from the row first folded
                 row = None
         return Judged(cache, slow, tuple(errors), row)
 
