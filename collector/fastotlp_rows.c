@@ -446,6 +446,7 @@ int rows_of_span(decoder_t *d, int kind, const span_t *s) {
     case SPAN_ROUTE: return route(d, s, rid);
     case SPAN_MODEL_LOAD: return model_load(d, s);
     case SPAN_LOAD_RESOLVE: case SPAN_LOAD_WEIGHTS: case SPAN_LOAD_TOKENIZER: case SPAN_LOAD_WARMUP:
+    case SPAN_LOAD_GROUP: case SPAN_LOAD_SHARD:
         return load_stage(d, s);
     default: return 0;  /* a generic span: its spans row only */
     }

@@ -478,6 +478,8 @@ _BUILDERS: dict[str, _Builder] = {
     c.SPAN_LOAD_WEIGHTS: _load_stage,
     c.SPAN_LOAD_TOKENIZER: _load_stage,
     c.SPAN_LOAD_WARMUP: _load_stage,
+    c.SPAN_LOAD_GROUP: _load_stage,
+    c.SPAN_LOAD_SHARD: _load_stage,
     c.SPAN_ENGINE_STEPS: _steps,
     c.SPAN_HEARTBEAT: _heartbeat,
     c.SPAN_ROUTE: _route,

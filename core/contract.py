@@ -31,6 +31,10 @@ MODEL_REVISION = "tokentrace.model.revision"
 CHAT_TEMPLATE_HASH = "tokentrace.chat_template.hash"
 HOST_CHIP = "tokentrace.host.chip"
 HOST_MEMORY_BANDWIDTH_GBS = "tokentrace.host.memory_bandwidth_gbs"
+NODE_RANK = "tokentrace.node.rank"
+NODE_RANKS = "tokentrace.node.ranks"
+NODE_OF = "tokentrace.node.of"
+NODE_PLACEMENT = "tokentrace.node.placement"
 
 # --- Span names -----------------------------------------------------------------------------------
 SPAN_REQUEST = "llm.request"
@@ -46,6 +50,8 @@ SPAN_LOAD_RESOLVE = "model.load.resolve"
 SPAN_LOAD_WEIGHTS = "model.load.weights"
 SPAN_LOAD_TOKENIZER = "model.load.tokenizer"
 SPAN_LOAD_WARMUP = "model.load.warmup"
+SPAN_LOAD_GROUP = "model.load.group"
+SPAN_LOAD_SHARD = "model.load.shard"
 SPAN_ENGINE_STEPS = "engine.steps"
 SPAN_HEARTBEAT = "instance.heartbeat"
 SPAN_LIFECYCLE = "instance.lifecycle"
@@ -454,6 +460,13 @@ SPANS: tuple[SpanSpec, ...] = (
              (_a(LOAD_ID, "string", "", "id of the load"),)),
     SpanSpec(SPAN_LOAD_WEIGHTS, "INTERNAL", SPAN_MODEL_LOAD, "weights read into memory",
              (_a(LOAD_ID, "string", "", "id of the load"), _a(LOAD_BYTES, "int", "bytes", "weight bytes"))),
+    SpanSpec(SPAN_LOAD_GROUP, "INTERNAL", SPAN_MODEL_LOAD, "a distributed engine's rank joined the ring "
+             "(every rank up and connected)", (_a(LOAD_ID, "string", "", "id of the load"),)),
+    SpanSpec(SPAN_LOAD_SHARD, "INTERNAL", SPAN_MODEL_LOAD, "a distributed engine's rank took its part of the "
+             "model (layers or tensor shard) before its weights were read",
+             (_a(LOAD_ID, "string", "", "id of the load"),
+              _a(NODE_PLACEMENT, "string", "", "what the rank holds: 'layers 8-15 of 16' (pipeline; rank 0 "
+                 "holds the last layers) or 'tensor shard 1 of 2'"))),
     SpanSpec(SPAN_LOAD_TOKENIZER, "INTERNAL", SPAN_MODEL_LOAD, "tokenizer loaded",
              (_a(LOAD_ID, "string", "", "id of the load"),)),
     SpanSpec(SPAN_LOAD_WARMUP, "INTERNAL", SPAN_MODEL_LOAD,
@@ -518,6 +531,10 @@ RESOURCE: tuple[Attr, ...] = (
        "a part left out is unknown, never zero"),
     _a(MODEL_REVISION, "string", "", "identity of the weights and config served (hex digest)"),
     _a(CHAT_TEMPLATE_HASH, "string", "", "identity of the chat template in use (hex digest)"),
+    _a(NODE_RANK, "int", "", "a distributed engine's rank (0 serves the API); absent: one process"),
+    _a(NODE_RANKS, "int", "count", "ranks of the distributed engine"),
+    _a(NODE_OF, "string", "", "service.instance.id of the instance this rank is a node of (ranks above 0 "
+       "report as <instance>/rank<r>)"),
     _a(HOST_CHIP, "string", "", "the chip the engine computes on ('Apple M2 Pro', a CUDA device name)"),
     _a(HOST_MEMORY_BANDWIDTH_GBS, "double", "GB/s", "peak memory bandwidth declared by the operator "
        "(--memory-bandwidth-gbs); overrides the chip's published figure"),

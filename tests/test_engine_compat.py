@@ -103,6 +103,9 @@ def test_each_mlx_lm_server_option_parses_with_its_meaning_or_is_refused_in_one_
             continue
         assert mlx_server_flags.check(args) == ([] if kind is None else [f"--{option} has no effect: {kind.reason}"])
         settings_from_args(args, {})
+        if option == "pipeline":  # a flag meaning --parallel pipeline (engine_shim/mlx/cli.py)
+            assert args.mlx_pipeline and mlx_server_flags.mapping()[option] == "setting --parallel pipeline"
+            continue
         assert option in settings_options or option in mlx_server_flags.ALIASES or kind is not None
     parsed = settings_from_args(_ours().parse_args(["--model", "m", "--prompt-cache-bytes", "2GB",
                                                     "--decode-concurrency", "3", "--max-tokens", "9"]), {})

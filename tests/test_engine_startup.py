@@ -55,7 +55,6 @@ def test_a_model_path_that_does_not_exist_is_named_without_a_hub_attempt(tmp_pat
 @pytest.mark.parametrize(("option", "names"), [
     (["--draft-model", "x"], "speculative decoding"),
     (["--kv-bits", "4"], "KV-cache quantization"),
-    (["--pipeline"], "distributed inference"),
 ])
 def test_refused_mlx_lm_server_options_say_why_and_what_instead(tmp_path, tiny_model, option, names):
     result = _run("engine", "--model", str(tiny_model), *option, "--otlp-endpoint", "", timeout=60)

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokentrace.contract import LOAD_BYTES, SPAN_LOAD_RESOLVE, SPAN_LOAD_TOKENIZER, SPAN_LOAD_WARMUP, SPAN_LOAD_WEIGHTS
+from tokentrace.contract import (
+    LOAD_BYTES,
+    NODE_PLACEMENT,
+    SPAN_LOAD_GROUP,
+    SPAN_LOAD_RESOLVE,
+    SPAN_LOAD_SHARD,
+    SPAN_LOAD_TOKENIZER,
+    SPAN_LOAD_WARMUP,
+    SPAN_LOAD_WEIGHTS,
+)
 from tokentrace.engine_shim.mlx.records import LoadRecord
 from tokentrace.errors import EngineError
 
@@ -39,6 +48,8 @@ class Runtime:
     kv_bytes_per_token: int  #: 2 x layers x kv_heads x head_dim x dtype bytes
     weight_bytes: int  #: bytes of parameters
     eos_token_ids: frozenset[int]  #: tokens that end a generation
+    group: Any = None  #: a distributed engine's mlx group (None: one process)
+    placement: str | None = None  #: what this rank holds, in words (distributed only)
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class LoadOptions:
     chat_template: str | None = None  #: a chat template replacing the tokenizer's (--chat-template)
     use_default_chat_template: bool = False  #: the tokenizer's default template when it has none
     freeze_heap: bool = False  #: collect and freeze the heap after the warm-up (a server; not a host's process)
+    placement: Any = None  #: a distributed engine's ``cluster.Placement``: join the ring and load this rank's part
 
 
 def new_load_record(path: str, lazy: bool) -> LoadRecord:
@@ -77,14 +89,26 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_adapters, load_model, load_tokenizer
 
+    from tokentrace.engine_shim.mlx import cluster
+
+    group = placement = None
     stage = SPAN_LOAD_RESOLVE
     try:
-        start = time.perf_counter_ns()
+        if options.placement is not None:
+            stage, start = SPAN_LOAD_GROUP, time.perf_counter_ns()
+            group = cluster.join_ring()
+            record.stages.append((stage, start, time.perf_counter_ns(), {}))
+
+        stage, start = SPAN_LOAD_RESOLVE, time.perf_counter_ns()
         path = _resolve(record.path)
         record.stages.append((stage, start, time.perf_counter_ns(), {}))
 
-        stage, start = SPAN_LOAD_WEIGHTS, time.perf_counter_ns()
         model, config = load_model(path, lazy=True, trust_remote_code=options.trust_remote_code)
+        if group is not None:
+            stage, start = SPAN_LOAD_SHARD, time.perf_counter_ns()
+            used, placement = cluster.place(model, group, options.placement)
+            record.stages.append((stage, start, time.perf_counter_ns(), {NODE_PLACEMENT: placement}))
+        stage, start = SPAN_LOAD_WEIGHTS, time.perf_counter_ns()
         if options.adapter_path:
             model = load_adapters(model, options.adapter_path)
             model.eval()
@@ -104,6 +128,8 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
 
         stage, start = SPAN_LOAD_WARMUP, time.perf_counter_ns()
         _warm_up(model, tokenizer)
+        if group is not None:
+            cluster.same_seed(group)
         if options.freeze_heap:
             gc.collect()
             gc.freeze()  # later collections skip what the process holds for good
@@ -114,14 +140,20 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
         raise EngineError(f"model load failed at {stage}: {exc}") from exc
     record.end_ns = time.perf_counter_ns()
     dtype_bytes = params[0].dtype.size if params else 2
+    kv_bytes = kv_bytes_per_token(config, dtype_bytes)
+    if group is not None:
+        layers = int(config.get("text_config", config)["num_hidden_layers"])
+        kv_bytes = cluster.kv_share(model, group, used, kv_bytes, layers)
     return Runtime(
         model=model,
         tokenizer=tokenizer,
         config=config,
         context_length=int(config.get("max_position_embeddings") or 0) or 1 << 30,
-        kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
+        kv_bytes_per_token=kv_bytes,
         weight_bytes=weight_bytes,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        group=group,
+        placement=placement,
     )
 
 

@@ -45,10 +45,6 @@ OTHER_OPTIONS: dict[str, Refused | Ignored] = {
         "or put `tokentrace gateway` in front of mlx_lm.server"),
     "kv-group-size": Ignored("only used with --kv-bits, which is refused"),
     "quantized-kv-start": Ignored("only used with --kv-bits, which is refused"),
-    "pipeline": Refused(
-        "--pipeline: distributed inference (mlx.launch over several machines) is not supported by "
-        "tokentrace engine; run one engine per machine, or put `tokentrace gateway` in front of "
-        "mlx_lm.server or Exo", takes_value=False),
 }
 
 
@@ -58,11 +54,14 @@ def mapping() -> dict[str, str]:
     table = {option: f"setting --{option}" for option in ours}
     table.update({theirs: f"setting --{mine}" for theirs, mine in ALIASES.items()})
     table.update({option: type(kind).__name__.lower() for option, kind in OTHER_OPTIONS.items()})
+    table["pipeline"] = "setting --parallel pipeline"
     return table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Accept the refused and ignored options, so that they are reported in our words."""
+    parser.add_argument("--pipeline", dest="mlx_pipeline", action="store_true", default=False,
+                        help="mlx_lm.server's name for --parallel pipeline (a distributed engine splits its layers)")
     group = parser.add_argument_group("mlx_lm.server options without an equivalent (see docs/engine.md)")
     for option, kind in OTHER_OPTIONS.items():
         dest = "mlx_" + option.replace("-", "_")

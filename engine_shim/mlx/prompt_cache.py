@@ -16,6 +16,7 @@ one prompt token is always left to compute, because the last prompt token's logi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ class CacheEntry:
     nbytes: int  #: bytes of keys and values
     request_id: str  #: the request whose tokens these are
     array: np.ndarray = field(init=False, repr=False)  #: ``tokens`` as int64, for prefix matching
+    id: int = field(default_factory=itertools.count().__next__)  #: names the entry to a distributed engine's ranks
 
     def __post_init__(self) -> None:
         self.array = np.asarray(self.tokens, dtype=np.int64)

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace.contract import MATCH_NONE
+from tokentrace.engine_shim.mlx import cluster
 from tokentrace.engine_shim.mlx.jobs import Job, SamplingObjects
 from tokentrace.engine_shim.mlx.loader import LoadOptions, Runtime, load_runtime, new_load_record
 from tokentrace.engine_shim.mlx.prompt_cache import Lookup, PrefixCache, insert_record, is_cacheable, lookup_record
-from tokentrace.engine_shim.mlx.records import HeartbeatRecord, LoadRecord, RequestRecord, StepWindow
+from tokentrace.engine_shim.mlx.records import HeartbeatRecord, LoadRecord, StepWindow
 from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ Submit = Callable[[Any], None]
 PrefillGate = Callable[[bool], None]
 
 LOAD_IDLE, LOAD_RUNNING, LOAD_READY, LOAD_FAILED = "not_loaded", "loading", "ready", "failed"
+#: What rank 0 of a distributed engine tells the other ranks before each iteration (cluster.py).
+MSG_STEP, MSG_IDLE, MSG_STOP = "step", "idle", "stop"
 
 
 class Scheduler:
@@ -74,6 +77,12 @@ class Scheduler:
         self._generator: Any = None
         self._sampling: SamplingObjects | None = None
         self._window = StepWindow()
+        #: A distributed engine's rank 0: the channel to the other ranks and what they must replay
+        #: before the next step (inserts, removals, cache stores; follower.py).
+        self._channel: cluster.Channel | None = None
+        self._ops: list[tuple] = []
+        #: Why this distributed instance cannot serve (a rank lost); None while it can.
+        self.degraded: str | None = None
 
     # --- called from other threads -------------------------------------------------------------
     def request_load(self, lazy: bool) -> LoadRecord:
@@ -110,6 +119,14 @@ class Scheduler:
         self._stopping = True
         self._wake.set()
 
+    def rank_lost(self, reason: str) -> None:
+        """A distributed engine lost a rank (its process exited, or the ring broke): from now on
+        every request fails with ``reason`` (the running ones as soon as their step fails)."""
+        if self.degraded is None:
+            self.degraded = reason
+            log.error("distributed instance degraded: %s; requests are refused until it is restarted", reason)
+        self._wake.set()
+
     def heartbeat(self) -> HeartbeatRecord:
         """The instance's state now (plain reads; safe from any thread)."""
         import mlx.core as mx
@@ -136,7 +153,11 @@ class Scheduler:
         while not self._stopping:
             try:
                 self._iterate()
-            except Exception:
+            except Exception as exc:
+                if self._channel is not None and cluster.RING_ERROR_MARK in str(exc):
+                    self.rank_lost(f"a rank of this distributed instance is unreachable ({exc})")
+                    self._fail_running()
+                    continue
                 # Whatever broke (an mlx error in admission, a cache insert), the thread must live
                 # on: a dead generation thread means every later request hangs.
                 log.exception("generation step failed and no single request could be blamed; failing the "
@@ -150,6 +171,7 @@ class Scheduler:
             return
         self._drain()
         if self._running:
+            self._sync(MSG_STEP)
             self._step()
             if self._gate_closed and not self._prefilling():
                 self._set_gate(False)
@@ -157,6 +179,7 @@ class Scheduler:
         if self._gate_closed:
             self._set_gate(False)
         self._flush_window()
+        self._sync(MSG_IDLE)
         self._wake.clear()
         if not (self._inbox or self._cancels or self._stopping or self.load_state == LOAD_RUNNING):
             self._wake.wait(1.0)
@@ -165,9 +188,11 @@ class Scheduler:
         record = self.load_record
         try:
             settings = self.settings
+            placement = (cluster.Placement(settings.parallel, cluster.parse_split(settings.split))
+                         if settings.distributed else None)
             runtime = load_runtime(record, LoadOptions(
                 settings.adapter_path, settings.trust_remote_code, settings.chat_template,
-                settings.use_default_chat_template, freeze_heap=True))
+                settings.use_default_chat_template, freeze_heap=True, placement=placement))
         except Exception as exc:
             log.error("model load failed: %s", exc)
             self.load_state = LOAD_FAILED
@@ -183,6 +208,8 @@ class Scheduler:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.runtime = runtime
+        if runtime.group is not None and runtime.group.size() > 1:
+            self._channel = cluster.Channel(runtime.group)
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
@@ -209,7 +236,7 @@ class Scheduler:
     def _drain(self) -> None:
         while self._inbox:
             job = self._inbox.popleft()
-            if self.load_state != LOAD_READY:
+            if self.load_state != LOAD_READY or self.degraded is not None:
                 self._reject(job)
             else:
                 self._waiting.append(job)
@@ -233,6 +260,8 @@ class Scheduler:
 
     def _reject(self, job: Job) -> None:
         """Finish a job that never ran as an error and tell its consumer."""
+        if self.degraded is not None:
+            job.record.error_type = "InstanceDegraded"
         self._finish(job, "error", time.perf_counter_ns())
         self._deliver([(job, -1, "error")])
 
@@ -254,6 +283,10 @@ class Scheduler:
             logits_processors=[objects.logits_processors(job)],
             stop_sequences=[objects.stop_sequences(job.sampling)],
         )[0]
+        if self._channel is not None:
+            self._ops.append(("insert", job.uid, record.request_id, job.tokens, lookup.reused,
+                              lookup.entry.id if lookup.entry is not None and lookup.reused else None,
+                              job.max_tokens, job.sampling))
         self._running[job.uid] = job
         if not self._gate_closed and self._prefill_gate is not None:
             self._set_gate(True)
@@ -266,6 +299,8 @@ class Scheduler:
         elif self._running.get(job.uid) is job:
             keep_cache = job.cancel_reason == "stop" and self.cache is not None
             removed = self._generator.remove([job.uid], return_prompt_caches=keep_cache)
+            if self._channel is not None:
+                self._ops.append(("remove", [job.uid], keep_cache))
             del self._running[job.uid]
             layers, tokens = removed.get(job.uid, (None, None))
         else:
@@ -308,6 +343,8 @@ class Scheduler:
     def _remove_faulty(self, faulty: list[Job], now: int) -> list[tuple[Job, int, str]]:
         """Take the failed sequences out of the batch with an error; the others go on."""
         self._generator.remove([job.uid for job in faulty])
+        if self._channel is not None:
+            self._ops.append(("remove", [job.uid for job in faulty], False))
         for job in faulty:
             self._running.pop(job.uid, None)
             error = job.fault or job.sampler.error
@@ -355,13 +392,14 @@ class Scheduler:
         record.finish_reason = reason
         if layers and tokens and self.cache is not None and reason in ("stop", "length"):
             try:
-                self._store(record, layers, tokens)
+                self._store(job, layers, tokens)
             except Exception:  # the answer is complete; only its reuse is lost
                 log.exception("cannot store request %s in the prompt cache", record.request_id)
 
-    def _store(self, record: RequestRecord, layers: list, tokens: list[int]) -> None:
+    def _store(self, job: Job, layers: list, tokens: list[int]) -> None:
         import mlx.core as mx
 
+        record = job.record
         record.insert_start_ns = time.perf_counter_ns()
         insertion = self.cache.insert(list(tokens), layers, record.request_id)
         # Materialise the entry's slices now (without waiting), so it stops pinning the batch's
@@ -369,6 +407,8 @@ class Scheduler:
         mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
         record.insert_end_ns = time.perf_counter_ns()
         record.insertion = insert_record(insertion)
+        if self._channel is not None:
+            self._ops.append(("store", job.uid, insertion.entry.id, [e.entry.id for e in insertion.evictions]))
 
     def _fail_running(self) -> None:
         now = time.perf_counter_ns()
@@ -380,6 +420,8 @@ class Scheduler:
         if self.runtime is not None:
             self._generator.close()
             self._new_generator()  # the failed one's batch state is unusable; the prompt cache stays
+            if self._channel is not None:
+                self._ops.append(("reset",))
         if failed:
             self._deliver([(job, -1, "error") for job in failed])
 
@@ -414,8 +456,17 @@ class Scheduler:
         if pending:
             self._deliver([(job, -1, "cancelled") for job in pending])
         self._flush_window()
+        self._sync(MSG_STOP)
         if self._generator is not None:
             self._generator.close()
+
+    def _sync(self, kind: str) -> None:
+        """A distributed engine's rank 0: hand the other ranks what they must replay, then what
+        comes next (a step, an idle wait, the end). Nothing once a rank is lost: the ring is gone."""
+        if self._channel is None or self.degraded is not None:
+            return
+        ops, self._ops = self._ops, []
+        self._channel.send((kind, ops))
 
 
 def _logprobs(response: Any, top: int) -> tuple[int, float, list[tuple[int, float]]]:

@@ -58,6 +58,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("adapter-path", str, None, "LoRA adapter directory applied to the model"),
     Setting("trust-remote-code", bool, False, "allow code from the model directory (model and tokenizer)"),
     Setting("log-level", str, "INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    Setting("ranks", int, None, "run as this many ranks of one distributed instance on this host, over MLX's "
+            "ring backend on 127.0.0.1 (under mlx.launch the launcher gives the ranks)", minimum=1),
+    Setting("parallel", str, "auto", "placement of a distributed engine: pipeline (layers per rank), tensor (a "
+            "shard of every layer) or auto (pipeline where the model can split its layers, else tensor)"),
+    Setting("split", str, None, "pipeline layer counts per rank, rank 0 first, e.g. 10,6 (default: even; rank 0 "
+            "holds the last layers)"),
 )
 
 #: Options of mlx_lm.server with another name here (docs/engine.md, "Coming from mlx_lm.server").
@@ -104,6 +110,16 @@ class EngineSettings:
     trust_remote_code: bool = False  #: allow model code
     log_level: str = "INFO"  #: logging level
     memory_bandwidth_gbs: float | None = None  #: declared peak memory bandwidth (GB/s)
+    ranks: int | None = None  #: ranks to start on this host (distributed engine)
+    parallel: str = "auto"  #: pipeline, tensor or auto
+    split: str | None = None  #: pipeline layer counts per rank
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this process is (or starts) a rank of a distributed instance."""
+        from tokentrace.engine_shim.mlx.cluster import under_launcher
+
+        return (self.ranks or 1) > 1 or under_launcher()
 
     @property
     def served_name(self) -> str:
@@ -163,6 +179,18 @@ def _check(values: dict[str, Any]) -> None:
             raise ConfigError(f"--chat-template-args must be a JSON object, received invalid JSON: {exc}") from None
         if not isinstance(decoded, dict):
             raise ConfigError(f"--chat-template-args must be a JSON object, received {values['chat_template_args']!r}")
+    if values["parallel"] not in ("auto", "pipeline", "tensor"):
+        raise ConfigError(f"--parallel must be pipeline, tensor or auto, received {values['parallel']!r}")
+    from tokentrace.engine_shim.mlx.cluster import parse_split, under_launcher
+
+    split = parse_split(values["split"])
+    ranks = values["ranks"] or 1
+    if split is not None and ranks > 1 and len(split) != ranks:
+        raise ConfigError(f"--split gives {len(split)} layer counts for --ranks {ranks}")
+    if split is not None and values["parallel"] == "tensor":
+        raise ConfigError("--split splits layers between ranks: it goes with --parallel pipeline, not tensor")
+    if (ranks > 1 or under_launcher()) and values["lazy_load"]:
+        raise ConfigError("--lazy-load: a distributed engine loads at start (its ranks join the ring then)")
     host = values["host"]
     if not is_loopback(host) and not values["api_key"] and not values["insecure_no_api_key"]:
         raise ConfigError(f"--host {host} serves beyond this machine: give --api-key KEY (clients send "

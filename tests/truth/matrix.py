@@ -34,7 +34,7 @@ from tokentrace.dashboards.prometheus import HISTOGRAMS
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "truth.md"
 
-PATHS = ("engine", "gateway-engine", "gateway-mlx", "gateway-llama", "gateway-vllm", "vllm")
+PATHS = ("engine", "gateway-engine", "gateway-mlx", "gateway-llama", "gateway-vllm", "vllm", "engine-ring")
 
 
 # --- the table in docs/truth.md ---------------------------------------------------------------------

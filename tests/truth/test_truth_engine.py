@@ -1,5 +1,6 @@
-"""Truth matrix (docs/truth.md) on ``tokentrace engine``: direct (path ``engine``) and behind
-``tokentrace gateway`` (path ``gateway-engine``). Each path runs every situation once on its own
+"""Truth matrix (docs/truth.md) on ``tokentrace engine``: direct (path ``engine``), behind
+``tokentrace gateway`` (path ``gateway-engine``), and as a distributed engine of two ranks on the
+ring (path ``engine-ring``). Each path runs every situation once on its own
 three engines and collector; every cell then reads what each surface said (tests/truth/matrix.py).
 """
 
@@ -34,11 +35,12 @@ MAIN_FLAGS = ("--max-batch", "2", "--cache-max-entries", "4", "--prefill-step-si
 
 
 def run_path(path: str, workdir, model) -> object:
-    prefix = "te-" if path == "engine" else "tg-"
+    prefix = {"engine": "te-", "engine-ring": "tr-"}.get(path, "tg-")
+    ring = ("--ranks", "2") if path == "engine-ring" else ()
     collector = CollectorProcess(workdir).start()
     engines = {
-        "a": EngineProcess(workdir, model, *MAIN_FLAGS, collector=collector, instance_id=prefix + "a"),
-        "b": EngineProcess(workdir, model, "--max-batch", "4", collector=collector, instance_id=prefix + "b"),
+        "a": EngineProcess(workdir, model, *MAIN_FLAGS, *ring, collector=collector, instance_id=prefix + "a"),
+        "b": EngineProcess(workdir, model, "--max-batch", "4", *ring, collector=collector, instance_id=prefix + "b"),
         "c": EngineProcess(workdir, model, "--lazy-load", collector=collector, instance_id=prefix + "c"),
     }
     gateways: dict[str, GatewayProcess] = {}
@@ -46,7 +48,7 @@ def run_path(path: str, workdir, model) -> object:
         engines["a"].start()
         engines["b"].start()
         engines["c"].start(ready=False)
-        if path == "engine":
+        if path in ("engine", "engine-ring"):
             urls = {"main": engines["a"].url, "cold": engines["c"].url, "template": engines["c"].url,
                     "move": (engines["a"].url, engines["b"].url)}
         else:
@@ -98,11 +100,14 @@ WRONG_ANSWER: dict[tuple[str, str], str] = {}
 WRONG_SURFACES: dict[tuple[str, str], str] = {}
 
 
-@pytest.mark.parametrize(("path", "situation"), marked(cases("engine", "gateway-engine"), WRONG_ANSWER))
+PATHS = ("engine", "gateway-engine", "engine-ring")
+
+
+@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_ANSWER))
 def test_answer(truth, path, situation):
     check_answer(truth(path), situation)
 
 
-@pytest.mark.parametrize(("path", "situation"), marked(cases("engine", "gateway-engine"), WRONG_SURFACES))
+@pytest.mark.parametrize(("path", "situation"), marked(cases(*PATHS), WRONG_SURFACES))
 def test_surfaces(truth, path, situation):
     check_surfaces(truth(path), situation)

@@ -1,0 +1,239 @@
+"""A distributed engine: N ranks of one instance over MLX's ``ring`` backend (issue 46).
+
+The ranks are started by ``mlx.launch`` (each gets ``MLX_RANK`` and ``MLX_HOSTFILE``) or, on one
+host, by ``tokentrace engine --ranks N`` itself (``launch_local``: it writes the ring's hostfile,
+becomes rank 0 and starts ranks 1..N-1 as children that die with it). Every rank loads its part of
+the model (``--parallel pipeline``: a layer range, ``--split`` counts per rank; ``tensor``: a
+shard of every layer) and runs the same batches: rank 0 serves the API and decides; before each
+engine step it hands the other ranks what it did to its generator since the last one (inserts,
+removals, prompt-cache stores and evictions) through the ``Channel``, and they replay it, so every
+rank's ``BatchGenerator`` and prompt cache stay the same (notes: mlx-distributed.md).
+
+Every rank exports its own telemetry (its load, heartbeats and steps) from its own process, under
+``<instance>/rank<r>`` for ranks above 0: a rank's telemetry never rides on the ring.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tokentrace.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PIPELINE, TENSOR, AUTO = "pipeline", "tensor", "auto"
+#: The ring's failure, as mlx reports it when a peer's connection drops.
+RING_ERROR_MARK = "[ring]"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the model is split between the ranks."""
+
+    parallel: str = AUTO  #: pipeline (layers per rank), tensor (a shard of every layer), or auto
+    split: tuple[int, ...] | None = None  #: pipeline layer counts per rank (rank 0 first); None: even
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """``--split 10,6`` as counts; raises ConfigError with the reason."""
+    if not text:
+        return None
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--split takes layer counts per rank, comma-separated (10,6), received {text!r}") from None
+    if any(count <= 0 for count in counts):
+        raise ConfigError(f"--split: every rank needs at least one layer, received {text!r}")
+    return counts
+
+
+def under_launcher() -> bool:
+    """Whether this process is a rank of a ring started by mlx.launch or ``launch_local``."""
+    return bool(os.environ.get("MLX_HOSTFILE")) and os.environ.get("MLX_RANK") is not None
+
+
+def join_ring() -> Any:
+    """This rank's group on the ring backend (blocks until every rank joined)."""
+    import mlx.core as mx
+
+    return mx.distributed.init(strict=True, backend="ring")
+
+
+def place(model: Any, group: Any, placement: Placement) -> tuple[Placement, str]:
+    """Split ``model`` (loaded lazily, weights not read yet) for this rank; returns the placement
+    used (``auto`` resolved: pipeline where the model can split its layers, else tensor) and what
+    this rank holds, in words (``layers 8-15 of 16``, ``tensor shard 2 of 2``); ConfigError when
+    the model cannot be split that way."""
+    if placement.parallel == AUTO:
+        can_pipeline = hasattr(getattr(model, "model", None), "pipeline")
+        placement = Placement(PIPELINE if can_pipeline or placement.split else TENSOR, placement.split)
+    if placement.parallel == TENSOR:
+        if not hasattr(model, "shard"):
+            raise ConfigError(f"--parallel tensor: this model ({type(model).__module__}) has no tensor-parallel "
+                              f"shard(); use --parallel pipeline with a model that has layers to split")
+        model.shard(group)
+        return placement, f"tensor shard {group.rank() + 1} of {group.size()}"
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "pipeline"):
+        raise ConfigError(f"--parallel pipeline: this model ({type(model).__module__}) cannot split its layers "
+                          f"(mlx-lm's PipelineMixin: qwen2, qwen3, deepseek...); use --parallel tensor, or "
+                          f"`tokentrace make-model --arch qwen2`")
+    split = list(placement.split) if placement.split else None
+    if split is not None:
+        # mlx-lm takes counts in rank order too (rank 0 holds the last layers).
+        if len(split) != group.size():
+            raise ConfigError(f"--split gives {len(split)} counts for {group.size()} ranks")
+        if sum(split) != len(inner.layers):
+            raise ConfigError(f"--split {','.join(map(str, split))} sums to {sum(split)} layers; the model has "
+                              f"{len(inner.layers)}")
+    total = len(inner.layers)
+    inner.pipeline(group, split)
+    return placement, f"layers {inner.start_idx}-{inner.end_idx - 1} of {total}"
+
+
+def kv_share(model: Any, group: Any, placement: Placement, full_bytes_per_token: int, layers: int) -> int:
+    """KV bytes per token this rank holds: its layers' share (pipeline; ``layers`` in the model)
+    or its heads' (tensor)."""
+    if placement.parallel == TENSOR:
+        return full_bytes_per_token // max(group.size(), 1)
+    inner = model.model
+    return full_bytes_per_token * (inner.end_idx - inner.start_idx) // max(layers, 1)
+
+
+def same_seed(group: Any) -> None:
+    """Give every rank rank 0's random state, so that sampling draws the same tokens everywhere."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    mine = mx.random.state[0] if group.rank() == 0 else mx.zeros_like(mx.random.state[0])
+    # On the generation stream, behind whatever the warm-up left evaluating (Channel says why).
+    seed = mx.distributed.all_sum(mine, group=group, stream=generation_stream).view(mx.uint64)
+    mx.random.seed(int(seed.flatten()[0].item()))
+
+
+class Channel:
+    """Rank 0 hands a Python object to every other rank (pickled into an ``all_sum``: the others
+    add zeros); two collectives per message.
+
+    They run on mlx-lm's generation stream: ``BatchGenerator.next()`` leaves the next step's
+    forward pass (with its own sends, receives and all-reduces) evaluating in the background on
+    that stream, and collectives on another stream would interleave with it in a different order on
+    each rank and exchange each other's bytes (seen: a message arriving as garbage).
+    """
+
+    def __init__(self, group: Any):
+        from mlx_lm.generate import generation_stream
+
+        self.group = group
+        self.stream = generation_stream
+
+    def send(self, message: Any) -> None:
+        """Rank 0: hand ``message`` to the others (blocks until they took it)."""
+        import mlx.core as mx
+        import numpy as np
+
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        mx.eval(mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int64), group=self.group, stream=self.stream))
+        mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)), group=self.group,
+                                       stream=self.stream))
+
+    def receive(self) -> Any:
+        """Ranks above 0: the next message of rank 0 (blocks until it comes)."""
+        import mlx.core as mx
+        import numpy as np
+
+        size = mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int64), group=self.group, stream=self.stream)
+        length = int(size.item())
+        data = mx.distributed.all_sum(mx.zeros((length,), dtype=mx.uint8), group=self.group, stream=self.stream)
+        return pickle.loads(np.array(data).tobytes())
+
+
+# --- one host: tokentrace engine --ranks N -------------------------------------------------------
+class LocalRanks:
+    """Ranks 1..N-1 started by rank 0 on this host; ``watch`` reports the first that exits."""
+
+    def __init__(self, processes: dict[int, subprocess.Popen], hostfile: str):
+        self.processes = processes
+        self.hostfile = hostfile
+        self._stopped = False
+
+    def watch(self, on_exit: Any) -> None:
+        """Call ``on_exit(rank, returncode)`` (from a thread of its own) when a rank exits while
+        the engine serves."""
+        for rank, process in self.processes.items():
+            threading.Thread(target=self._wait, args=(rank, process, on_exit), name=f"tokentrace-rank{rank}-watch",
+                             daemon=True).start()
+
+    def _wait(self, rank: int, process: subprocess.Popen, on_exit: Any) -> None:
+        code = process.wait()
+        if not self._stopped:
+            on_exit(rank, code)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the ranks to stop (SIGTERM), then kill what is left."""
+        self._stopped = True
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.hostfile)
+
+
+def launch_local(ranks: int, argv: list[str]) -> LocalRanks:
+    """Make this process rank 0 of a ring of ``ranks`` on 127.0.0.1 and start the others with the
+    same options (``argv``); they are killed when this process dies."""
+    ports = _free_ports(ranks)
+    handle, hostfile = tempfile.mkstemp(prefix="tokentrace-ring-", suffix=".json")
+    with os.fdopen(handle, "w") as out:
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], out)
+    os.environ["MLX_HOSTFILE"] = hostfile
+    os.environ["MLX_RANK"] = "0"
+    processes = {}
+    for rank in range(1, ranks):
+        env = {**os.environ, "MLX_RANK": str(rank)}
+        processes[rank] = subprocess.Popen([sys.executable, "-m", "tokentrace", "engine", *argv], env=env,
+                                           preexec_fn=_die_with_parent)
+    local = LocalRanks(processes, hostfile)
+    atexit.register(local.stop, 2.0)
+    return local
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent (rank 0) dies (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
