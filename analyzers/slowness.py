@@ -115,6 +115,8 @@ class SlowFacts:
     cache: CacheVerdict | None  #: the cache verdict (for prefill evidence)
     measures: frozenset[str] | None = None  #: parts the instance's observer declares; None: undeclared
     hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
+    #: A distributed instance's timed steps of this request, per node (node_steps.sql); [] otherwise
+    nodes: list[dict] = field(default_factory=list)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -134,16 +136,19 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     waits, decode = _named(phases, "llm.load_wait"), _named(phases, "llm.decode")
     window = _queue_window(request, phases)
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
-    prefill = category_of(request, measures) == "prefill"
-    cache, load, holders, steps, hardware = reader.together(
+    category = category_of(request, measures)
+    prefill = category == "prefill"
+    cache, load, holders, steps, hardware, nodes = reader.together(
         lambda: analyze_cache(reader, request_id) if prefill else None,
         lambda: reader.rows("model_load", load_id=waits[0]["load_id"]) if waits and waits[0]["load_id"] else [],
         lambda: reader.rows("slot_holders", instance_id=instance, request_id=request_id,
                             t0_ns=window[0], t1_ns=window[1]) if window else [],
         lambda: reader.rows("decode_context", instance_id=instance, request_id=request_id,
                             t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"]) if decode else [],
-        lambda: load_hardware(reader, instance, request["end_ns"]) if decode else None)
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware)
+        lambda: load_hardware(reader, instance, request["end_ns"]) if decode else None,
+        lambda: reader.rows("node_steps", instance_id=instance, request_id=request_id, t0_ns=start,
+                            t1_ns=request["end_ns"]) if category in ("prefill", "decode") else [])
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes)
 
 
 def e2e_of(request: dict) -> float:
@@ -213,6 +218,8 @@ def classify_slowness(facts: SlowFacts) -> SlowVerdict:
         category_of(r, facts.measures, PHASES[:3]), baseline.pop("abnormal"), baseline, tokens,
     )
     {"load_wait": _cold_start, "queue": _queueing, "prefill": _prefill, "decode": _decode}[top](verdict, facts)
+    if top in ("prefill", "decode") and facts.nodes:
+        _cluster(verdict, facts, top)
     if not whole:
         _bounded(verdict, facts, known, top)
     verdict.evidence.extend(upstream_evidence(r, "slow"))
@@ -449,3 +456,51 @@ def analyze_slowness(reader: TraceReader, request_id: str, slo: SloSpec | None =
     verdict = classify_slowness(facts)
     verdict.slo_missed = missed_objectives(facts.request, slo)
     return verdict
+
+
+def _rank_of(instance_id: str, node: str) -> int:
+    """A node's rank: the instance itself is rank 0, ``<instance>/rank<r>`` rank r."""
+    return 0 if node == instance_id else int(node.rsplit("/rank", 1)[1])
+
+
+def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
+    """A distributed instance: the phase's timed steps split, per rank, into the compute of its
+    layers, its waits on the ring and the rest (embedding, head and sampling, which every rank
+    computes alike); the slowest rank named against the fastest; and the ring itself: the part of a
+    step in which no rank computed (transfers and latency: a step is the ranks' layers one after the
+    other, the rest, and the ring)."""
+    flag = "prefilling" if phase == "prefill" else "decoding"
+    per_rank: dict[int, list[dict]] = {}
+    for row in facts.nodes:
+        if row[flag] and row["duration_ns"]:
+            per_rank.setdefault(_rank_of(verdict.instance_id, row["instance_id"]), []).append(row)
+    if len(per_rank) < 2:
+        return
+    ranks = []
+    for rank in sorted(per_rank):
+        rows = per_rank[rank]
+        mean = {key: sum(row[key] for row in rows) / len(rows) / 1e6 for key in ("compute_ns", "ring_wait_ns",
+                                                                                "duration_ns")}
+        ranks.append({"rank": rank, "instance_id": rows[0]["instance_id"], "steps": len(rows),
+                      "compute_ms": round(mean["compute_ns"], 3), "ring_wait_ms": round(mean["ring_wait_ns"], 3),
+                      "step_ms": round(mean["duration_ns"], 3),
+                      "rest_ms": round(max(mean["duration_ns"] - mean["compute_ns"] - mean["ring_wait_ns"], 0), 3),
+                      "wait_share": round(mean["ring_wait_ns"] / mean["duration_ns"], 3)})
+    step = sum(r["step_ms"] for r in ranks) / len(ranks)
+    rest = sum(r["rest_ms"] for r in ranks) / len(ranks)
+    link = max(step - sum(r["compute_ms"] for r in ranks) - rest, 0.0)
+    slow = max(ranks, key=lambda r: r["compute_ms"])
+    fast = min(ranks, key=lambda r: r["compute_ms"])
+    ratio = slow["compute_ms"] / fast["compute_ms"] if fast["compute_ms"] else None
+    bottleneck = "ring" if link > slow["compute_ms"] else f"rank {slow['rank']}"
+    waits = ", ".join(f"{r['wait_share']:.0%} of rank {r['rank']}'s" for r in ranks)
+    versus = (f"rank {slow['rank']} computes its layers {ratio:.1f}x as long as rank {fast['rank']} "
+              if ratio is not None else f"rank {slow['rank']} computes its layers longest ")
+    verdict.evidence.append(Evidence("cluster", (
+        f"{phase.capitalize()} on {len(ranks)} ranks ({plural(min(r['steps'] for r in ranks), 'timed step')}): "
+        f"{versus}({fmt_ms(slow['compute_ms'])} vs {fmt_ms(fast['compute_ms'])} per step); waiting on the ring "
+        f"took {waits} step time; the ring itself (no rank computing) {fmt_ms(link)} of each {fmt_ms(step)} step "
+        f"({link / step:.0%}). Bottleneck: {bottleneck}."), {
+        "phase": phase, "ranks": ranks, "step_ms": round(step, 3), "ring_ms": round(link, 3),
+        "ring_share": round(link / step, 3), "slowest_rank": slow["rank"],
+        "compute_ratio": round(ratio, 2) if ratio is not None else None, "bottleneck": bottleneck}))

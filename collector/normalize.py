@@ -428,6 +428,7 @@ def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
     prefill_seqs, decode_seqs = _column(a, c.STEPS_PREFILL_SEQS), _column(a, c.STEPS_DECODE_SEQS)
     prefill_tokens, decode_tokens = _column(a, c.STEPS_PREFILL_TOKENS), _column(a, c.STEPS_DECODE_TOKENS)
     names, members = _list(a.get(c.STEPS_REQUESTS)), _column(a, c.STEPS_MEMBERS)
+    compute, ring_wait = _column(a, c.STEPS_COMPUTE), _column(a, c.STEPS_RING_WAIT)
     origin, cursor, rows = span.start_time_unix_nano, 0, scope.batch.rows["steps"]
     _check_steps(origin, starts, prefill_seqs[:len(starts)] + decode_seqs[:len(starts)], members, len(names))
     for i, offset in enumerate(starts):
@@ -437,7 +438,13 @@ def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
         rows.append((
             scope.instance_id, origin + offset, _at(durations, i), n_prefill, n_decode,
             _at(prefill_tokens, i), _at(decode_tokens, i), picked[:n_prefill], picked[n_prefill:],
+            _timed(_at(compute, i)), _timed(_at(ring_wait, i)),
         ))
+
+
+def _timed(value: int | None) -> int | None:
+    """A rank's per-step timing: None where it did not time the step (-1)."""
+    return value if value is not None and value >= 0 else None
 
 
 def _check_steps(origin: int, starts: list[int], counts: list[int], members: list[int], names: int) -> None:

@@ -163,6 +163,8 @@ STEPS_PREFILL_SEQS = "tokentrace.steps.prefill_seqs"
 STEPS_DECODE_SEQS = "tokentrace.steps.decode_seqs"
 STEPS_PREFILL_TOKENS = "tokentrace.steps.prefill_tokens"
 STEPS_DECODE_TOKENS = "tokentrace.steps.decode_tokens"
+STEPS_COMPUTE = "tokentrace.steps.compute"
+STEPS_RING_WAIT = "tokentrace.steps.ring_wait"
 STEPS_REQUESTS = "tokentrace.steps.requests"
 STEPS_MEMBERS = "tokentrace.steps.members"
 
@@ -489,6 +491,11 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(STEPS_REQUESTS, "string[]", "", "distinct request ids in the window"),
             _a(STEPS_MEMBERS, "int[]", "", "per step, prefilling then decoding requests, as indices "
                "into tokentrace.steps.requests, concatenated"),
+            _a(STEPS_COMPUTE, "int[]", "ns", "a distributed engine's rank (pipeline placement), per step: the compute "
+               "of its layers in the steps it timed (one in 8; their duration is then the whole step's), -1 in "
+               "the others"),
+            _a(STEPS_RING_WAIT, "int[]", "ns", "the same rank's time waiting on the ring in those steps (receiving "
+               "the previous rank's activation, gathering every rank's output), -1 where not timed"),
         ),
     ),
     SpanSpec(

@@ -132,3 +132,85 @@ def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason
     assert refused.json()["error"]["code"] == "instance_degraded"
     assert refused.json()["error"]["message"].startswith("this instance cannot serve:")
     assert cluster.proc.poll() is None  # rank 0 still answers (/health, refusals): it neither hangs nor dies
+
+
+def _verdict(collector, request_id: str) -> dict:
+    """The slowness verdict from the collector's API (the surface every other one reads)."""
+    answer = httpx.get(f"{collector.url}/api/requests/{request_id}/verdict", headers=collector.headers, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["slow"]
+
+
+def _cluster_evidence(verdict: dict) -> dict:
+    (item,) = [e for e in verdict["evidence"] if e["kind"] == "cluster"]
+    return item
+
+
+def _measured_ratio(collector, phase: str, request_id: str) -> tuple[float, float]:
+    """(rank 0's, rank 1's) mean compute per timed step of a request's phase, straight from the steps
+    each rank reported."""
+    column = "prefill_request_ids" if phase == "prefill" else "decode_request_ids"
+    rows = dict(collector.sql(f"SELECT instance_id, avg(compute_ns) FROM steps WHERE compute_ns IS NOT NULL "
+                              f"AND list_contains({column}, ?) GROUP BY instance_id", [request_id]))
+    return rows["ring"], rows["ring/rank1"]
+
+
+def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_waits_on_the_ring(
+        engine_factory, collector_factory, qwen2_model):
+    # Rank 0 holds three layers, rank 1 one: rank 0 computes about three times as long per step.
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--split", "3,1", "--prefill-step-size", "64",
+                             model=qwen2_model, instance_id="ring", collector=collector).start()
+    long_prompt = " ".join(f"w{i}" for i in range(600))
+    assert cluster.chat([{"role": "user", "content": long_prompt}], max_tokens=1,
+                        headers={"X-Request-Id": "ring-prefill"}).status_code == 200
+    assert cluster.chat([{"role": "user", "content": "hi"}], max_tokens=200, ignore_eos=True,
+                        headers={"X-Request-Id": "ring-decode"}).status_code == 200
+    assert cluster.stop() == 0
+    verdicts = {phase: _verdict(collector, f"ring-{phase}") for phase in ("prefill", "decode")}
+    collector.stop()
+    for phase, verdict in verdicts.items():
+        assert verdict["category"] == phase, verdict
+        data = item = _cluster_evidence(verdict)
+        ranks = {r["rank"]: r for r in data["ranks"]}
+        assert set(ranks) == {0, 1} and data["slowest_rank"] == 0 and data["bottleneck"] == "rank 0", item
+        assert 2.0 <= data["compute_ratio"] <= 4.5, item  # three layers against one
+        rank0, rank1 = _measured_ratio(collector, phase, f"ring-{phase}")
+        assert data["compute_ratio"] == pytest.approx(rank0 / rank1, rel=0.02), (item, rank0, rank1)
+        assert ranks[1]["wait_share"] > ranks[0]["wait_share"]  # the fast rank waits for the slow one
+        assert f"{phase.capitalize()} on 2 ranks" in item["text"] and "Bottleneck: rank 0." in item["text"]
+
+
+def _pin(pid: int, cpu: int, nice: int = 0) -> None:
+    """Every thread of a process on one CPU, at a niceness."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {cpu})
+        os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one for each rank")
+def test_a_straggling_rank_is_named_with_the_compute_ratio_the_ranks_measured(engine_factory, collector_factory,
+                                                                              qwen2_model):
+    # An even split; rank 1 shares its CPU with a busy process at a lower priority: a straggler for real.
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", model=qwen2_model, instance_id="ring",
+                             collector=collector).start()
+    (rank1,) = _ranks(cluster.proc.pid)
+    _pin(cluster.proc.pid, 0)
+    _pin(rank1, 1, nice=10)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _pin(busy.pid, 1)
+        assert cluster.chat([{"role": "user", "content": "hi"}], max_tokens=80, ignore_eos=True,
+                            headers={"X-Request-Id": "ring-straggler"}).status_code == 200
+    finally:
+        busy.kill()
+        busy.wait()
+    assert cluster.stop() == 0
+    verdict = _verdict(collector, "ring-straggler")
+    collector.stop()
+    item = _cluster_evidence(verdict)
+    assert item["slowest_rank"] == 1 and item["bottleneck"] == "rank 1", item
+    rank0, rank1_compute = _measured_ratio(collector, "decode", "ring-straggler")
+    assert item["compute_ratio"] == pytest.approx(rank1_compute / rank0, rel=0.02) and item["compute_ratio"] > 2, item
+    assert "rank 1 computes its layers" in item["text"], item["text"]

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if looks_like_path(settings.model) and not Path(settings.model).expanduser().is_dir():
         raise ConfigError(f"--model {settings.model}: no such model directory")
-    sock = listen_socket(settings.host, settings.port)  # a busy port is one line, before anything starts
+    follower = settings.distributed and os.environ.get("MLX_RANK", "0") != "0"
+    # A busy port is one line, before anything starts; ranks above 0 serve no API.
+    sock = None if follower else listen_socket(settings.host, settings.port)
     local = None
     if settings.distributed and not cluster.under_launcher():
         # --ranks N on this host: this process becomes rank 0 and starts the others.
@@ -67,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         clock_offset_ns=Clock().offset_ns,
     )).start()
     telemetry = Telemetry(exporter, heartbeat_interval=settings.heartbeat_interval)
-    if node.get(contract.NODE_RANK):
-        sock.close()  # ranks above 0 serve no API
+    if follower:
         return _follow(settings, telemetry, exporter)
     engine = Engine(settings, telemetry)
     if local is not None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,3 +238,131 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+# --- each rank's compute and its waits on the ring ----------------------------------------------
+#: Every this many engine steps, each rank of a pipeline times one: its compute and its waits on
+#: the ring. The others keep mlx-lm's overlap of one step's evaluation with the next's dispatch.
+TIMED_EVERY = 8
+
+
+class StepTimer:
+    """Times one engine step in ``every`` on a rank of a pipeline placement.
+
+    A timed step first drains what the generator left evaluating (so that it starts clean), then
+    evaluates the forward pass at the rank's boundaries, not per layer: the input of its first layer
+    (the activation received from the previous rank: the time to it is a wait on the ring, except on
+    the rank holding the first layers, which only embeds the tokens), the output of its last layer
+    (the time to it is this rank's compute: its layers, the part its placement gives it) and the
+    input of the final norm (after the activation went on and every rank's output was gathered: a
+    wait). What is left of the step (embedding, norm, head and sampling, which every rank computes
+    alike) is the rest. The wrappers sit in the model's layer list; an untimed step passes through
+    them untouched.
+    """
+
+    def __init__(self, model: Any, every: int = TIMED_EVERY):
+        from mlx_lm.generate import generation_stream
+
+        inner = model.model
+        self.every = every
+        self.stream = generation_stream
+        self.receives = inner.pipeline_rank < inner.pipeline_size - 1
+        self.armed = False
+        self.steps = 0
+        self._start = self._last = self._compute = self._wait = 0
+        first, last = inner.start_idx, inner.end_idx - 1
+        inner.layers[first] = _Mark(inner.layers[first], self, before=True, after=first == last)
+        if last != first:
+            inner.layers[last] = _Mark(inner.layers[last], self, before=False, after=True)
+        if hasattr(inner, "norm"):
+            inner.norm = _Mark(inner.norm, self, before=True, after=False, gathered=True)
+
+    def arm(self) -> bool:
+        """Before a step: whether this one is timed (then it starts from a drained stream)."""
+        self.steps += 1
+        if self.every <= 0 or self.steps % self.every:
+            return False
+        import mlx.core as mx
+
+        mx.synchronize(self.stream)
+        self._start = self._last = time.perf_counter_ns()
+        self._compute = self._wait = 0
+        self.armed = True
+        return True
+
+    def finish(self) -> tuple[int, int, int]:
+        """After a timed step: this rank's (compute, ring wait, whole step) in ns."""
+        import mlx.core as mx
+
+        mx.synchronize(self.stream)
+        self.armed = False
+        return self._compute, self._wait, time.perf_counter_ns() - self._start
+
+    def stamp(self, part: str) -> None:
+        """A boundary reached: the time since the last one was ``compute`` (the rank's layers),
+        ``wait`` (on the ring) or ``rest``."""
+        now = time.perf_counter_ns()
+        if part == "compute":
+            self._compute += now - self._last
+        elif part == "wait":
+            self._wait += now - self._last
+        self._last = now
+
+
+class _Mark:
+    """A layer (or the final norm) of the model with a boundary before or after it, stamped while
+    the timer is armed. Attribute reads go to the layer (a cache factory may ask it)."""
+
+    def __init__(self, inner: Any, timer: StepTimer, before: bool, after: bool, gathered: bool = False):
+        self.inner, self.timer, self.before, self.after, self.gathered = inner, timer, before, after, gathered
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        timer = self.timer
+        if timer.armed and self.before:
+            import mlx.core as mx
+
+            mx.eval(x)
+            # Before the first layer: a wait where an activation is received (else the embedding,
+            # the rest); before the norm: the output went on and every rank's was gathered, a wait.
+            timer.stamp("wait" if self.gathered or timer.receives else "rest")
+        y = self.inner(x, *args, **kwargs)
+        if timer.armed and self.after:
+            import mlx.core as mx
+
+            mx.eval(y)
+            timer.stamp("compute")
+        return y
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class timed_step:
+    """``with timed_step(timer):`` around one engine step; ``result`` is then (compute, ring wait,
+    whole step) in ns when the step was timed, else None (no timer, or not this step's turn)."""
+
+    def __init__(self, timer: StepTimer | None):
+        self.timer = timer
+        self.result: tuple[int, int, int] | None = None
+
+    def __enter__(self) -> timed_step:
+        self.armed = self.timer is not None and self.timer.arm()
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if self.armed:
+            if kind is None:
+                self.result = self.timer.finish()
+            else:
+                self.timer.armed = False
+
+
+def step_timer(runtime: Any) -> StepTimer | None:
+    """The step timer of a pipeline rank; None for one process or a tensor placement (whose
+    communication is inside every layer: its ranks report step times only)."""
+    model = runtime.model
+    if runtime.group is None or runtime.group.size() < 2 or not hasattr(getattr(model, "model", None), "start_idx"):
+        return None
+    if getattr(model.model, "pipeline_size", 1) < 2:
+        return None
+    return StepTimer(model)

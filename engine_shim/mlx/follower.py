@@ -44,6 +44,7 @@ class Follower:
         self._requests: dict[int, str] = {}  # uid -> request id of the sequences in the batch
         self._prefilled: dict[int, int] = {}  # uid -> prompt tokens computed so far (prefilling sequences)
         self._window = StepWindow()
+        self._timer: cluster.StepTimer | None = None
 
     def run(self) -> int:
         """Load, then follow; 0 when rank 0 stopped the instance, 1 when the load failed or the
@@ -64,6 +65,7 @@ class Follower:
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         self._new_generator()
+        self._timer = cluster.step_timer(runtime)
         self._submit(self.heartbeat())
         channel = cluster.Channel(runtime.group)
         try:
@@ -174,9 +176,11 @@ class Follower:
         self._prefilled.clear()
 
     def _step(self) -> None:
+        timed = cluster.timed_step(self._timer)
         start = time.perf_counter_ns()
-        prompt_responses, generated = self._generator.next()
-        end = time.perf_counter_ns()
+        with timed:
+            prompt_responses, generated = self._generator.next()
+            end = time.perf_counter_ns()
         window, requests = self._window, self._requests
         prefill_tokens = 0
         for response in prompt_responses:
@@ -191,11 +195,14 @@ class Follower:
                 self._ended[response.uid] = (response.prompt_cache, response.all_tokens)
                 requests.pop(response.uid, None)
         window.start_ns.append(start)
-        window.duration_ns.append(end - start)
+        window.duration_ns.append(timed.result[2] if timed.result else end - start)
         window.prefill_seqs.append(len(prompt_responses))
         window.decode_seqs.append(len(generated))
         window.prefill_tokens.append(prefill_tokens)
         window.decode_tokens.append(len(generated))
+        if self._timer is not None:
+            window.compute_ns.append(timed.result[0] if timed.result else -1)
+            window.ring_wait_ns.append(timed.result[1] if timed.result else -1)
         if len(window.start_ns) >= WINDOW_STEPS or end - window.start_ns[0] >= WINDOW_NS:
             self._flush_window()
 

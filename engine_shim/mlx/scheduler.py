@@ -81,6 +81,7 @@ class Scheduler:
         #: before the next step (inserts, removals, cache stores; follower.py).
         self._channel: cluster.Channel | None = None
         self._ops: list[tuple] = []
+        self._timer: cluster.StepTimer | None = None  #: a pipeline rank's timer of one step in N
         #: Why this distributed instance cannot serve (a rank lost); None while it can.
         self.degraded: str | None = None
 
@@ -210,6 +211,7 @@ class Scheduler:
         self.runtime = runtime
         if runtime.group is not None and runtime.group.size() > 1:
             self._channel = cluster.Channel(runtime.group)
+            self._timer = cluster.step_timer(runtime)
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
@@ -309,13 +311,15 @@ class Scheduler:
         self._deliver([(job, -1, job.cancel_reason)])
 
     def _step(self) -> None:
+        timed = cluster.timed_step(self._timer)
         start = time.perf_counter_ns()
         # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
-        prompt_responses, generated = self._generator.next()
-        end = time.perf_counter_ns()
+        with timed:
+            prompt_responses, generated = self._generator.next()
+            end = time.perf_counter_ns()
         faulty = self._faulty()
         try:
-            self._record_step(start, end, prompt_responses, generated)
+            self._record_step(start, end, prompt_responses, generated, timed.result)
         except Exception:
             self._count_instrumentation_error("recording a step")
         deliveries = []
@@ -354,7 +358,8 @@ class Scheduler:
             self._finish(job, "error", now)
         return [(job, -1, "error") for job in faulty]
 
-    def _record_step(self, start: int, end: int, prompt_responses: list, generated: list) -> None:
+    def _record_step(self, start: int, end: int, prompt_responses: list, generated: list,
+                     timing: tuple[int, int, int] | None = None) -> None:
         window, running = self._window, self._running
         members = window.members
         batch = len(prompt_responses)
@@ -377,11 +382,15 @@ class Scheduler:
             record.token_ns.append(end)
             members.append(record.request_id)
         window.start_ns.append(start)
-        window.duration_ns.append(end - start)
+        # A timed step of a distributed rank was evaluated whole inside it: its duration is the timer's.
+        window.duration_ns.append(timing[2] if timing else end - start)
         window.prefill_seqs.append(batch)
         window.decode_seqs.append(len(generated))
         window.prefill_tokens.append(prefill_tokens)
         window.decode_tokens.append(len(generated))
+        if self._timer is not None:
+            window.compute_ns.append(timing[0] if timing else -1)
+            window.ring_wait_ns.append(timing[1] if timing else -1)
         if len(window.start_ns) >= WINDOW_STEPS or end - window.start_ns[0] >= WINDOW_NS:
             self._flush_window()
 

@@ -182,6 +182,9 @@ class SpanBuilder:
         start, end, attributes = encode.steps_window(
             window.start_ns, window.duration_ns, window.prefill_seqs, window.decode_seqs,
             window.prefill_tokens, window.decode_tokens, window.members)
+        if window.compute_ns:  # a pipeline rank: its compute and ring waits on the steps it timed
+            attributes[c.STEPS_COMPUTE] = list(window.compute_ns)
+            attributes[c.STEPS_RING_WAIT] = list(window.ring_wait_ns)
         self._leaf(c.SPAN_ENGINE_STEPS, start, end, attributes)
 
     def load(self, record: LoadRecord) -> None:
