@@ -55,6 +55,15 @@ from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
 from tokentrace.errors import NotFound
 
+#: The error codes of a request a distributed engine failed because its ring stopped moving
+#: (engine_shim/mlx/cluster.py LocalRanks.diagnose), and what each says of the rank.
+STALL_STATES = {
+    "RankStopped": "is alive but not stepping: its process is stopped (SIGSTOP or a debugger)",
+    "RankLost": "is gone: its process exited",
+    "RankUnresponsive": "did not complete its part of the step, its process alive",
+}
+STALL_LOOKBACK_NS = 60 * 1_000_000_000
+
 CATEGORIES = (("load_wait", "cold_start"), ("queue", "queueing"), ("prefill", "prefill"), ("decode", "decode"))
 #: (factor, floor) of the abnormal test per component; floors keep sub-noise differences normal.
 THRESHOLDS = {"load_wait": (2.0, 25.0), "queue": (2.0, 25.0), "prefill": (2.0, 25.0), "decode": (1.5, 1.0)}
@@ -117,6 +126,8 @@ class SlowFacts:
     hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
     #: A distributed instance's timed steps of this request, per node (node_steps.sql); [] otherwise
     nodes: list[dict] = field(default_factory=list)
+    #: A request failed by a stalled ring: each node's last heartbeat and step (node_liveness.sql)
+    liveness: list[dict] = field(default_factory=list)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -138,7 +149,8 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     # Only a prefill verdict cites the cache verdict; it is the costliest fact to load.
     category = category_of(request, measures)
     prefill = category == "prefill"
-    cache, load, holders, steps, hardware, nodes = reader.together(
+    stalled = request.get("error_type") in STALL_STATES
+    cache, load, holders, steps, hardware, nodes, liveness = reader.together(
         lambda: analyze_cache(reader, request_id) if prefill else None,
         lambda: reader.rows("model_load", load_id=waits[0]["load_id"]) if waits and waits[0]["load_id"] else [],
         lambda: reader.rows("slot_holders", instance_id=instance, request_id=request_id,
@@ -147,8 +159,10 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
                             t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"]) if decode else [],
         lambda: load_hardware(reader, instance, request["end_ns"]) if decode else None,
         lambda: reader.rows("node_steps", instance_id=instance, request_id=request_id, t0_ns=start,
-                            t1_ns=request["end_ns"]) if category in ("prefill", "decode") else [])
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes)
+                            t1_ns=request["end_ns"]) if category in ("prefill", "decode") else [],
+        lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=start - STALL_LOOKBACK_NS,
+                            t1_ns=request["end_ns"]) if stalled else [])
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes, liveness)
 
 
 def e2e_of(request: dict) -> float:
@@ -240,6 +254,39 @@ def _outcome(verdict: SlowVerdict, facts: SlowFacts) -> None:
         {"outcome": verdict.outcome, "http_status": r.get("http_status"), "error_type": r.get("error_type"),
          "finish_reason": r.get("finish_reason"), "client_disconnected": r.get("client_disconnected")},
     ))
+    if r.get("error_type") in STALL_STATES:
+        _stalled(verdict, facts)
+
+
+def _stalled(verdict: SlowVerdict, facts: SlowFacts) -> None:
+    """A request a distributed engine failed because its ring stopped moving: since when no node
+    stepped (the data plane), and which node stopped reporting (the control plane: each rank's
+    own heartbeats) — the rank that stalled the others, when one did."""
+    r, code = facts.request, facts.request["error_type"]
+    end = r["end_ns"]
+    nodes = {_rank_of(verdict.instance_id, row["instance_id"]): row for row in facts.liveness}
+    steps = [row["last_step_end_ns"] for row in nodes.values() if row["last_step_end_ns"] is not None]
+    since = max(steps) if steps else None
+    silent = sorted(rank for rank, row in nodes.items()
+                    if since is not None and (row["last_heartbeat_ns"] or 0) < since)
+    beating = sorted(rank for rank in nodes if rank not in silent and nodes[rank]["last_heartbeat_ns"])
+    stalled = silent[0] if len(silent) == 1 else None
+    parts = [f"Stalled: no rank of {verdict.instance_id} completed a step in the "
+             f"{fmt_ms((end - since) / 1e6)} before this request failed" if since is not None else
+             f"Stalled: {verdict.instance_id} stopped stepping"]
+    if stalled is not None:
+        heard = nodes[stalled]["last_heartbeat_ns"]
+        others = ", ".join(f"rank {rank}" for rank in beating)
+        parts.append(f"rank {stalled} {STALL_STATES[code]}; its heartbeats stopped "
+                     + (f"{fmt_ms((end - heard) / 1e6)} before the failure" if heard else "before the stall")
+                     + (f", while {others} went on reporting" if beating else ""))
+    elif code == "RankUnresponsive":
+        parts.append("every rank went on reporting (alive) but none stepped: a rank or a link of the ring is stuck")
+    else:
+        parts.append(f"a rank {STALL_STATES[code]} (the ranks' heartbeats do not single one out)")
+    verdict.evidence.append(Evidence("stalled", "; ".join(parts) + ".", {
+        "state": code, "rank": stalled, "since_ns": since, "silent_ranks": silent, "reporting_ranks": beating,
+        "stalled_ms": round((end - since) / 1e6, 3) if since is not None else None}))
 
 
 def _missing(verdict: SlowVerdict, facts: SlowFacts) -> tuple[dict[str, float], list[str], list[str]]:

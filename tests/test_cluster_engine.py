@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from harness_collector import wait_for
 
 from tokentrace import contract
 
@@ -214,3 +215,57 @@ def test_a_straggling_rank_is_named_with_the_compute_ratio_the_ranks_measured(en
     rank0, rank1_compute = _measured_ratio(collector, "decode", "ring-straggler")
     assert item["compute_ratio"] == pytest.approx(rank1_compute / rank0, rel=0.02) and item["compute_ratio"] > 2, item
     assert "rank 1 computes its layers" in item["text"], item["text"]
+
+
+def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_again_once_it_steps(
+        engine_factory, collector_factory, qwen2_model):
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--rank-timeout", "3", "--heartbeat-interval", "0.5", model=qwen2_model,
+                             instance_id="ring", collector=collector).start()
+    (rank1,) = _ranks(cluster.proc.pid)
+    first_token = threading.Event()
+
+    def long_stream() -> list[dict]:
+        events = []
+        body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": 4000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": "ring-stalled"}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+                    first_token.set()
+        return events
+
+    with ThreadPoolExecutor(1) as pool:
+        open_request = pool.submit(long_stream)
+        assert first_token.wait(60), "the long generation did not start"
+        time.sleep(1.2)  # a heartbeat of each rank while it steps (not synchronisation: the evidence needs one)
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            events = open_request.result(timeout=30)
+            failed_after = time.monotonic() - stopped
+            health = httpx.get(cluster.url + "/health", timeout=5)
+            refused = cluster.chat([{"role": "user", "content": "hello"}], max_tokens=4)
+        finally:
+            os.kill(rank1, signal.SIGCONT)
+    assert 3 <= failed_after < 10, failed_after  # the deadline, not a hang
+    message = events[-1]["error"]["message"]
+    assert "rank 1" in message and "alive but not stepping" in message, message
+    assert health.status_code == 503 and "alive but not stepping" in health.json()["reason"], health.text
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "instance_stalled", refused.text
+    # SIGCONT: the ring moves again, the failed sequence leaves the batch, and the instance serves.
+    wait_for(lambda: httpx.get(cluster.url + "/health", timeout=5).status_code == 200, 30, "the instance to recover")
+    again = cluster.chat([{"role": "user", "content": "hello"}], max_tokens=4)
+    assert again.status_code == 200, again.text
+    assert cluster.proc.poll() is None
+    assert cluster.stop() == 0
+    # The verdict of the failed request names the rank that stopped and says it was alive.
+    verdict = _verdict(collector, "ring-stalled")
+    collector.stop()
+    assert verdict["outcome"] == "failed", verdict
+    (stalled,) = [e for e in verdict["evidence"] if e["kind"] == "stalled"]
+    assert stalled["state"] == "RankStopped" and stalled["rank"] == 1 and stalled["reporting_ranks"] == [0], stalled
+    assert 3000 <= stalled["stalled_ms"] < 10_000, stalled
+    assert "rank 1 is alive but not stepping" in stalled["text"], stalled["text"]

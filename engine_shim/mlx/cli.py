@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         return _follow(settings, telemetry, exporter)
     engine = Engine(settings, telemetry)
     if local is not None:
+        engine.scheduler.diagnose = local.diagnose
         local.watch(lambda rank, code: engine.scheduler.rank_lost(
             f"rank {rank} exited ({'killed by signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"))
     server = uvicorn.Server(uvicorn.Config(

@@ -184,6 +184,19 @@ class LocalRanks:
         if not self._stopped:
             on_exit(rank, code)
 
+    def diagnose(self) -> tuple[str, str]:
+        """(error code, reason) of a ring that stopped moving: a rank that exited, one that is
+        stopped (alive, not stepping: SIGSTOP, a debugger), or neither (all alive and running)."""
+        for rank, process in self.processes.items():
+            state = _process_state(process.pid) if process.poll() is None else None
+            if state in (None, "Z", "X"):
+                return "RankLost", f"rank {rank} (pid {process.pid}) exited"
+            if state in ("T", "t"):
+                return "RankStopped", (f"rank {rank} (pid {process.pid}) is alive but not stepping: its process is "
+                                       f"stopped (SIGSTOP or a debugger)")
+        return "RankUnresponsive", ("every rank's process is alive and running, but a step has not completed: a "
+                                    "rank or a link of the ring is stuck")
+
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the ranks to stop (SIGTERM), then kill what is left."""
         self._stopped = True
@@ -216,6 +229,15 @@ def launch_local(ranks: int, argv: list[str]) -> LocalRanks:
     local = LocalRanks(processes, hostfile)
     atexit.register(local.stop, 2.0)
     return local
+
+
+def _process_state(pid: int) -> str | None:
+    """A process's state letter (R, S, D, T, Z...) from /proc; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
 
 
 def _die_with_parent() -> None:

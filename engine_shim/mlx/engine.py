@@ -90,9 +90,11 @@ class Engine:
         that triggers a lazy load arrives a moment before it) and ends when the model was ready,
         not when this coroutine got to run again.
         """
-        if self.scheduler.degraded is not None:
-            raise BadRequest(f"this instance cannot serve: {self.scheduler.degraded}", status=503,
-                             error_type="server_error", code="instance_degraded")
+        scheduler = self.scheduler
+        if scheduler.unavailable is not None:
+            raise BadRequest(f"this instance cannot serve: {scheduler.unavailable}", status=503,
+                             error_type="server_error",
+                             code="instance_degraded" if scheduler.degraded else "instance_stalled")
         if self.scheduler.load_state == LOAD_READY:
             return
         load = self.scheduler.request_load(lazy=True)

@@ -13,11 +13,12 @@ Everything here runs on one thread. Other threads only call ``submit``, ``cancel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokentrace.contract import MATCH_NONE
@@ -84,6 +85,13 @@ class Scheduler:
         self._timer: cluster.StepTimer | None = None  #: a pipeline rank's timer of one step in N
         #: Why this distributed instance cannot serve (a rank lost); None while it can.
         self.degraded: str | None = None
+        #: Why its ring has not moved for --rank-timeout (a rank stopped stepping); None while it moves.
+        self.stalled: str | None = None
+        #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it
+        #: from the ranks it started; under mlx.launch no rank can tell).
+        self.diagnose: Callable[[], tuple[str, str]] | None = None
+        self._ring_since = 0  # perf_counter_ns when the current ring operation began; 0 outside one
+        self._abandoned: list[Job] = []
 
     # --- called from other threads -------------------------------------------------------------
     def request_load(self, lazy: bool) -> LoadRecord:
@@ -119,6 +127,11 @@ class Scheduler:
         """Ask the loop to finish (pending jobs are cancelled)."""
         self._stopping = True
         self._wake.set()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why requests are refused now (a distributed instance degraded or stalled); None: they are not."""
+        return self.degraded or self.stalled
 
     def rank_lost(self, reason: str) -> None:
         """A distributed engine lost a rank (its process exited, or the ring broke): from now on
@@ -212,6 +225,8 @@ class Scheduler:
         if runtime.group is not None and runtime.group.size() > 1:
             self._channel = cluster.Channel(runtime.group)
             self._timer = cluster.step_timer(runtime)
+            if self.settings.rank_timeout > 0:
+                threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
@@ -238,7 +253,7 @@ class Scheduler:
     def _drain(self) -> None:
         while self._inbox:
             job = self._inbox.popleft()
-            if self.load_state != LOAD_READY or self.degraded is not None:
+            if self.load_state != LOAD_READY or self.unavailable is not None:
                 self._reject(job)
             else:
                 self._waiting.append(job)
@@ -262,7 +277,7 @@ class Scheduler:
 
     def _reject(self, job: Job) -> None:
         """Finish a job that never ran as an error and tell its consumer."""
-        if self.degraded is not None:
+        if self.unavailable is not None:
             job.record.error_type = "InstanceDegraded"
         self._finish(job, "error", time.perf_counter_ns())
         self._deliver([(job, -1, "error")])
@@ -314,7 +329,7 @@ class Scheduler:
         timed = cluster.timed_step(self._timer)
         start = time.perf_counter_ns()
         # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
-        with timed:
+        with timed, self._on_ring():
             prompt_responses, generated = self._generator.next()
             end = time.perf_counter_ns()
         faulty = self._faulty()
@@ -325,6 +340,10 @@ class Scheduler:
         deliveries = []
         for response in generated:
             job = self._running.get(response.uid)
+            if job is not None and job.abandoned:  # its client was told while the ring stood still
+                if response.finish_reason is not None:
+                    del self._running[response.uid]
+                continue
             if job is None or job in faulty:
                 continue
             reason = response.finish_reason
@@ -338,6 +357,8 @@ class Scheduler:
             deliveries += self._remove_faulty(faulty, end)
         if deliveries:
             self._deliver(deliveries)
+        if self.stalled is not None:
+            self._recovered()
 
     def _faulty(self) -> list[Job]:
         """Sequences whose own sampler or logits processors failed during the last step."""
@@ -475,7 +496,68 @@ class Scheduler:
         if self._channel is None or self.degraded is not None:
             return
         ops, self._ops = self._ops, []
-        self._channel.send((kind, ops))
+        with self._on_ring():
+            self._channel.send((kind, ops))
+        # After a step's hand-over, the batch must stay as announced until the step ran: _step
+        # takes the failed sequences out after it.
+        if self.stalled is not None and kind != MSG_STEP:
+            self._recovered()
+
+    @contextlib.contextmanager
+    def _on_ring(self) -> Iterator[None]:
+        """A ring operation (a hand-over, a step) in progress, for the watchdog."""
+        if self._channel is None:
+            yield
+            return
+        self._ring_since = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self._ring_since = 0
+
+    def _watch(self) -> None:
+        """A distributed rank 0's watchdog: a ring operation past --rank-timeout stalls the instance."""
+        limit = int(self.settings.rank_timeout * 1e9)
+        while not self._stopping:
+            time.sleep(min(0.25, self.settings.rank_timeout / 4))
+            since = self._ring_since
+            if since and self.unavailable is None and time.perf_counter_ns() - since > limit:
+                code, reason = self.diagnose() if self.diagnose is not None else (
+                    "RankUnresponsive", "a rank has not completed its part of the step; which one this rank "
+                    "cannot tell (each rank's own heartbeats can)")
+                self._stall(code, f"{reason} ({self.settings.rank_timeout:g} s without a step)")
+
+    def _stall(self, code: str, reason: str) -> None:
+        """Called on the watchdog's thread while the generation thread is blocked on the ring: fail
+        every open request now (no client hangs), and refuse new ones until the ring moves."""
+        self.stalled = reason
+        log.error("distributed instance stalled: %s; its open requests fail, new ones are refused until it "
+                  "steps again", reason)
+        now = time.perf_counter_ns()
+        failed = [job for job in list(self._running.values()) if not job.abandoned]
+        for job in failed:
+            job.abandoned = True
+        self._abandoned.extend(failed)
+        while self._waiting:
+            failed.append(self._waiting.popleft())
+        for job in failed:
+            job.record.error_type = code
+            self._finish(job, "error", now)
+        if failed:
+            self._deliver([(job, -1, "error") for job in failed])
+
+    def _recovered(self) -> None:
+        """The ring moved again after a stall: take the failed sequences out of the batch (their
+        clients have their errors) and serve again."""
+        stalled, self.stalled = self.stalled, None
+        gone = [job for job in self._abandoned if self._running.get(job.uid) is job]
+        self._abandoned.clear()
+        if gone:
+            self._generator.remove([job.uid for job in gone])
+            self._ops.append(("remove", [job.uid for job in gone], False))
+            for job in gone:
+                del self._running[job.uid]
+        log.warning("distributed instance steps again after a stall (%s); serving", stalled)
 
 
 def _logprobs(response: Any, top: int) -> tuple[int, float, list[tuple[int, float]]]:

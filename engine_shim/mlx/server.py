@@ -57,8 +57,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         state = engine.state
-        if engine.scheduler.degraded is not None:
-            return JSONResponse({"status": "degraded", "reason": engine.scheduler.degraded}, status_code=503)
+        if engine.scheduler.unavailable is not None:
+            return JSONResponse({"status": "degraded", "reason": engine.scheduler.unavailable}, status_code=503)
         ok = state == LOAD_READY
         return JSONResponse({"status": "ok" if ok else state}, status_code=200 if ok else 503)
 
@@ -151,7 +151,7 @@ class RequestStream:
     def error(self) -> BadRequest:
         """The 500 of a generation that failed, saying why when its own sampling failed."""
         job = self.job
-        why = job.fault or (job.sampler.error if job.sampler is not None else None) or self.engine.scheduler.degraded
+        why = job.fault or (job.sampler.error if job.sampler is not None else None) or self.engine.scheduler.unavailable
         return BadRequest(f"generation failed: {why}" if why else "generation failed", status=500,
                           error_type="server_error")
 

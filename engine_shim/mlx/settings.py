@@ -62,6 +62,9 @@ SETTINGS: tuple[Setting, ...] = (
             "ring backend on 127.0.0.1 (under mlx.launch the launcher gives the ranks)", minimum=1),
     Setting("parallel", str, "auto", "placement of a distributed engine: pipeline (layers per rank), tensor (a "
             "shard of every layer) or auto (pipeline where the model can split its layers, else tensor)"),
+    Setting("rank-timeout", float, 10.0, "a distributed engine's step or hand-over that has not completed after "
+            "this many seconds stalls the instance: its open requests fail naming the rank, new ones get 503 until "
+            "the ring moves again (0: wait forever)", minimum=0),
     Setting("split", str, None, "pipeline layer counts per rank, rank 0 first, e.g. 10,6 (default: even; rank 0 "
             "holds the last layers)"),
 )
@@ -113,6 +116,7 @@ class EngineSettings:
     ranks: int | None = None  #: ranks to start on this host (distributed engine)
     parallel: str = "auto"  #: pipeline, tensor or auto
     split: str | None = None  #: pipeline layer counts per rank
+    rank_timeout: float = 10.0  #: seconds a ring operation may take before the instance is stalled
 
     @property
     def distributed(self) -> bool:
