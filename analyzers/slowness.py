@@ -126,8 +126,10 @@ class SlowFacts:
     hardware: dict | None = None  #: weight bytes, KV bytes per token, chip, declared peak (roofline.py)
     #: A distributed instance's timed steps of this request, per node (node_steps.sql); [] otherwise
     nodes: list[dict] = field(default_factory=list)
-    #: A request failed by a stalled ring: each node's last heartbeat and step (node_liveness.sql)
+    #: A request failed by a stalled ring: each node's last heartbeat and step (node_liveness.sql),
+    #: before the failure and in the STALL_LOOKBACK_NS after it
     liveness: list[dict] = field(default_factory=list)
+    after: list[dict] = field(default_factory=list)
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -150,7 +152,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     category = category_of(request, measures)
     prefill = category == "prefill"
     stalled = request.get("error_type") in STALL_STATES
-    cache, load, holders, steps, hardware, nodes, liveness = reader.together(
+    cache, load, holders, steps, hardware, nodes, liveness, after = reader.together(
         lambda: analyze_cache(reader, request_id) if prefill else None,
         lambda: reader.rows("model_load", load_id=waits[0]["load_id"]) if waits and waits[0]["load_id"] else [],
         lambda: reader.rows("slot_holders", instance_id=instance, request_id=request_id,
@@ -161,8 +163,11 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
         lambda: reader.rows("node_steps", instance_id=instance, request_id=request_id, t0_ns=start,
                             t1_ns=request["end_ns"]) if category in ("prefill", "decode") else [],
         lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=start - STALL_LOOKBACK_NS,
-                            t1_ns=request["end_ns"]) if stalled else [])
-    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes, liveness)
+                            t1_ns=request["end_ns"]) if stalled else [],
+        lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=request["end_ns"] + 1,
+                            t1_ns=request["end_ns"] + STALL_LOOKBACK_NS) if stalled else [])
+    return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes, liveness,
+                     after)
 
 
 def e2e_of(request: dict) -> float:
@@ -269,6 +274,11 @@ def _stalled(verdict: SlowVerdict, facts: SlowFacts) -> None:
     since = max(steps) if steps else None
     silent = sorted(rank for rank, row in nodes.items()
                     if since is not None and (row["last_heartbeat_ns"] or 0) < since)
+    later = {_rank_of(verdict.instance_id, row["instance_id"]) for row in facts.after if row["last_heartbeat_ns"]}
+    if code == "RankLost" and len(silent) != 1 and later:
+        # A rank lost fails the request at once, before any heartbeat could be missed: the ranks that
+        # reported after the failure were alive; the one that never did again is the one lost.
+        silent = sorted(rank for rank in nodes if rank not in later)
     beating = sorted(rank for rank in nodes if rank not in silent and nodes[rank]["last_heartbeat_ns"])
     stalled = silent[0] if len(silent) == 1 else None
     parts = [f"Stalled: no rank of {verdict.instance_id} completed a step in the "

@@ -101,8 +101,11 @@ def test_two_ranks_answer_as_one_process_and_each_reports_itself(engine_factory,
     assert requests == {"ring": 6}
 
 
-def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason(engine_factory, qwen2_model):
-    cluster = engine_factory("--ranks", "2", model=qwen2_model, instance_id="ring").start()
+def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason(engine_factory, collector_factory,
+                                                                                qwen2_model):
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--heartbeat-interval", "0.5", model=qwen2_model, instance_id="ring",
+                             collector=collector).start()
     (rank1,) = _ranks(cluster.proc.pid)
     first_token = threading.Event()
 
@@ -110,7 +113,8 @@ def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason
         events = []
         body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": 4000, "ignore_eos": True,
                 "stream": True}
-        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": "ring-lost"}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[len("data: "):]))
@@ -120,6 +124,7 @@ def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason
     with ThreadPoolExecutor(1) as pool:
         open_request = pool.submit(long_stream)
         assert first_token.wait(60), "the long generation did not start"
+        time.sleep(1.2)  # a heartbeat of each rank while it steps (not synchronisation: the evidence needs one)
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         events = open_request.result(timeout=30)
@@ -133,6 +138,22 @@ def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason
     assert refused.json()["error"]["code"] == "instance_degraded"
     assert refused.json()["error"]["message"].startswith("this instance cannot serve:")
     assert cluster.proc.poll() is None  # rank 0 still answers (/health, refusals): it neither hangs nor dies
+    assert "rank 1" in health.json()["reason"] and "exited" in health.json()["reason"], health.text
+    failed_ns = time.time_ns()
+    wait_for(lambda: _last_seen(collector, "ring") > failed_ns, 30, "a heartbeat of rank 0 after the failure")
+    cluster.stop()
+    verdict = _verdict(collector, "ring-lost")
+    collector.stop()
+    (stalled,) = [e for e in verdict["evidence"] if e["kind"] == "stalled"]
+    assert stalled["state"] == "RankLost" and stalled["rank"] == 1 and stalled["reporting_ranks"] == [0], stalled
+    assert "rank 1 is gone: its process exited" in stalled["text"], stalled["text"]
+
+
+def _last_seen(collector, instance: str) -> int:
+    """When the collector last heard from an instance (the instances page's JSON twin)."""
+    page = httpx.get(f"{collector.url}/instances.json", params={"instance": instance}, headers=collector.headers,
+                     timeout=30).json()
+    return max((row["last_seen_ns"] or 0 for row in page["instances"] if row["instance_id"] == instance), default=0)
 
 
 def _verdict(collector, request_id: str) -> dict:

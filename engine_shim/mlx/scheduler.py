@@ -169,8 +169,9 @@ class Scheduler:
                 self._iterate()
             except Exception as exc:
                 if self._channel is not None and cluster.RING_ERROR_MARK in str(exc):
-                    self.rank_lost(f"a rank of this distributed instance is unreachable ({exc})")
-                    self._fail_running()
+                    reason = self.diagnose()[1] if self.diagnose is not None else "a rank is unreachable"
+                    self.rank_lost(f"{reason} ({exc})")
+                    self._fail_running("RankLost")
                     continue
                 # Whatever broke (an mlx error in admission, a cache insert), the thread must live
                 # on: a dead generation thread means every later request hangs.
@@ -440,12 +441,12 @@ class Scheduler:
         if self._channel is not None:
             self._ops.append(("store", job.uid, insertion.entry.id, [e.entry.id for e in insertion.evictions]))
 
-    def _fail_running(self) -> None:
+    def _fail_running(self, code: str = "GenerationError") -> None:
         now = time.perf_counter_ns()
-        failed = list(self._running.values())
+        failed = [job for job in self._running.values() if not job.abandoned]
         self._running.clear()
         for job in failed:
-            job.record.error_type = "GenerationError"
+            job.record.error_type = code
             self._finish(job, "error", now)
         if self.runtime is not None:
             self._generator.close()
