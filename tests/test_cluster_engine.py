@@ -95,6 +95,11 @@ def test_two_ranks_answer_as_one_process_and_each_reports_itself(engine_factory,
     steps = dict(collector.sql("SELECT instance_id, sum(decode_tokens) FROM steps WHERE instance_id LIKE 'ring%' "
                                "GROUP BY instance_id"))
     assert steps["ring"] == steps["ring/rank1"] > 0
+    # Each rank's process says when it started and stopped (the instances page: both stopped).
+    events = collector.sql("SELECT instance_id, event FROM instance_events WHERE instance_id LIKE 'ring%' "
+                           "AND event IN ('instance.started', 'instance.stopped')")
+    assert sorted(events) == [("ring", "instance.started"), ("ring", "instance.stopped"),
+                              ("ring/rank1", "instance.started"), ("ring/rank1", "instance.stopped")], events
     # Rank 0's requests are the instance's, as for one process; rank 1 answers none.
     requests = dict(collector.sql("SELECT instance_id, count(*) FROM requests WHERE instance_id LIKE 'ring%' "
                                   "GROUP BY instance_id"))

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from tokentrace import contract
@@ -69,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         clock_offset_ns=Clock().offset_ns,
     )).start()
     telemetry = Telemetry(exporter, heartbeat_interval=settings.heartbeat_interval)
+    if os.environ.get("TOKENTRACE_ENGINE_TELEMETRY") == "drop":
+        # bench/cluster.py's baseline: every record thrown away before the telemetry thread (the
+        # engine without its telemetry; heartbeats still tick, with nothing to report them to).
+        telemetry.submit = lambda record: None
     if follower:
         return _follow(settings, telemetry, exporter)
     engine = Engine(settings, telemetry)
@@ -136,12 +141,18 @@ def _follow(settings, telemetry, exporter) -> int:
     # leaving the ring alone would break it for the others.
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda *_: None)
+    from tokentrace.contract import EVENT_STARTED, EVENT_STOPPED
+    from tokentrace.engine_shim.mlx.records import LifecycleRecord
+
     follower = Follower(settings, telemetry.submit)
     telemetry.heartbeat = follower.heartbeat
     telemetry.start()
+    telemetry.submit(LifecycleRecord(EVENT_STARTED, time.perf_counter_ns()))
     try:
         code = follower.run()
     finally:
+        # Said also when the ring broke (rank 0 gone): this rank's process ends here.
+        telemetry.submit(LifecycleRecord(EVENT_STOPPED, time.perf_counter_ns()))
         telemetry.close()
     lost = exporter.counters.dropped_spans
     if lost:

@@ -263,8 +263,9 @@ def _free_ports(count: int) -> list[int]:
 
 
 # --- each rank's compute and its waits on the ring ----------------------------------------------
-#: Every this many engine steps, each rank of a pipeline times one: its compute and its waits on
-#: the ring. The others keep mlx-lm's overlap of one step's evaluation with the next's dispatch.
+#: Every this many engine steps (--timed-step-every), each rank of a pipeline times one: its compute
+#: and its waits on the ring. The others keep mlx-lm's overlap of one step's evaluation with the
+#: next's dispatch.
 TIMED_EVERY = 8
 
 
@@ -379,12 +380,15 @@ class timed_step:
                 self.timer.armed = False
 
 
-def step_timer(runtime: Any) -> StepTimer | None:
-    """The step timer of a pipeline rank; None for one process or a tensor placement (whose
-    communication is inside every layer: its ranks report step times only)."""
+def step_timer(runtime: Any, every: int = TIMED_EVERY) -> StepTimer | None:
+    """The step timer of a pipeline rank timing one step in ``every``; None for one process, a
+    tensor placement (whose communication is inside every layer: its ranks report step times only)
+    or ``every`` 0."""
     model = runtime.model
+    if every <= 0:
+        return None
     if runtime.group is None or runtime.group.size() < 2 or not hasattr(getattr(model, "model", None), "start_idx"):
         return None
     if getattr(model.model, "pipeline_size", 1) < 2:
         return None
-    return StepTimer(model)
+    return StepTimer(model, every)

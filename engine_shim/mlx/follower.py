@@ -65,7 +65,7 @@ class Follower:
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         self._new_generator()
-        self._timer = cluster.step_timer(runtime)
+        self._timer = cluster.step_timer(runtime, self.settings.timed_step_every)
         self._submit(self.heartbeat())
         channel = cluster.Channel(runtime.group)
         try:

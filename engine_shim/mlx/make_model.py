@@ -172,6 +172,11 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # The index a hub checkpoint has: mlx-lm's distributed loader reads it to find each rank's layers
+    # (mlx_lm.utils.sharded_load), so stock `mlx_lm server --pipeline` under mlx.launch loads this model.
+    index = {"metadata": {"total_size": sum(array.nbytes for array in weights.values())},
+             "weight_map": {name: "model.safetensors" for name in sorted(weights)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
 # --- built-in training text -----------------------------------------------------------------------

@@ -225,7 +225,7 @@ class Scheduler:
         self.runtime = runtime
         if runtime.group is not None and runtime.group.size() > 1:
             self._channel = cluster.Channel(runtime.group)
-            self._timer = cluster.step_timer(runtime)
+            self._timer = cluster.step_timer(runtime, self.settings.timed_step_every)
             if self.settings.rank_timeout > 0:
                 threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),

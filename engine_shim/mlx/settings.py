@@ -65,6 +65,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rank-timeout", float, 10.0, "a distributed engine's step or hand-over that has not completed after "
             "this many seconds stalls the instance: its open requests fail naming the rank, new ones get 503 until "
             "the ring moves again (0: wait forever)", minimum=0),
+    Setting("timed-step-every", int, 8, "a pipeline rank times one engine step in this many: its layers' compute "
+            "and its waits on the ring (0: none; the others keep mlx-lm's overlap of steps)", minimum=0),
     Setting("split", str, None, "pipeline layer counts per rank, rank 0 first, e.g. 10,6 (default: even; rank 0 "
             "holds the last layers)"),
 )
@@ -117,6 +119,7 @@ class EngineSettings:
     parallel: str = "auto"  #: pipeline, tensor or auto
     split: str | None = None  #: pipeline layer counts per rank
     rank_timeout: float = 10.0  #: seconds a ring operation may take before the instance is stalled
+    timed_step_every: int = 8  #: a pipeline rank times one step in this many (0: none)
 
     @property
     def distributed(self) -> bool:
