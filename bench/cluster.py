@@ -57,7 +57,7 @@ class Server:
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None):
         self.name, self.port = name, int(cmd[cmd.index("--port") + 1])
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-cluster-{name}-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-cluster-{name}-", suffix=".log", delete=False)  # noqa: SIM115 - the server owns it
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
