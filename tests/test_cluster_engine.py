@@ -295,3 +295,27 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     assert stalled["state"] == "RankStopped" and stalled["rank"] == 1 and stalled["reporting_ranks"] == [0], stalled
     assert 3000 <= stalled["stalled_ms"] < 10_000, stalled
     assert "rank 1 is alive but not stepping" in stalled["text"], stalled["text"]
+
+
+def test_three_ranks_answer_as_one_process_each_with_its_layers(engine_factory, collector_factory, qwen2_model):
+    collector = collector_factory().start()
+    single = engine_factory(model=qwen2_model, instance_id="single", collector=collector).start()
+    expected = single.chat(**SEEDED).json()["choices"][0]["message"]["content"]
+    single.stop()
+    cluster = engine_factory("--ranks", "3", "--parallel", "pipeline", model=qwen2_model, instance_id="ring3",
+                             collector=collector).start()
+    assert len(_ranks(cluster.proc.pid)) == 2
+    assert cluster.chat(**SEEDED).json()["choices"][0]["message"]["content"] == expected
+    again = cluster.chat(**SEEDED).json()
+    assert again["choices"][0]["message"]["content"] == expected
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cluster.stop() == 0
+    collector.stop()
+    held = dict(collector.sql("SELECT instance_id, json_extract_string(attributes, ?) FROM spans WHERE name = ? "
+                              "AND instance_id LIKE 'ring3%'", [f"$.\"{contract.NODE_PLACEMENT}\"",
+                                                               contract.SPAN_LOAD_SHARD]))
+    # An even split of four layers over three ranks: the low ranks get the extra one; rank 0 the last.
+    assert held == {"ring3": "layers 2-3 of 4", "ring3/rank1": "layers 1-1 of 4", "ring3/rank2": "layers 0-0 of 4"}
+    steps = dict(collector.sql("SELECT instance_id, sum(decode_tokens) FROM steps WHERE instance_id LIKE 'ring3%' "
+                               "GROUP BY instance_id"))
+    assert len(set(steps.values())) == 1 and len(steps) == 3, steps
