@@ -112,23 +112,8 @@ def test_a_lost_rank_fails_the_open_request_and_refuses_new_ones_with_the_reason
     cluster = engine_factory("--ranks", "2", "--heartbeat-interval", "0.5", model=qwen2_model, instance_id="ring",
                              collector=collector).start()
     (rank1,) = _ranks(cluster.proc.pid)
-    first_token = threading.Event()
-
-    def long_stream() -> list[dict]:
-        events = []
-        body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": 4000, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60,
-                          headers={"X-Request-Id": "ring-lost"}) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[len("data: "):]))
-                    first_token.set()
-        return events
-
     with ThreadPoolExecutor(1) as pool:
-        open_request = pool.submit(long_stream)
-        assert first_token.wait(60), "the long generation did not start"
+        open_request = _long_stream(pool, cluster, "ring-lost")
         time.sleep(1.2)  # a heartbeat of each rank while it steps (not synchronisation: the evidence needs one)
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
@@ -159,6 +144,28 @@ def _last_seen(collector, instance: str) -> int:
     page = httpx.get(f"{collector.url}/instances.json", params={"instance": instance}, headers=collector.headers,
                      timeout=30).json()
     return max((row["last_seen_ns"] or 0 for row in page["instances"] if row["instance_id"] == instance), default=0)
+
+
+def _long_stream(pool: ThreadPoolExecutor, cluster, request_id: str):
+    """A streamed 4,000-token generation, started on ``pool``; returns once its first token came, with
+    the future of its SSE events (the last one an error if it failed)."""
+    first_token = threading.Event()
+
+    def stream() -> list[dict]:
+        events = []
+        body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": 4000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": request_id}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+                    first_token.set()
+        return events
+
+    future = pool.submit(stream)
+    assert first_token.wait(60), "the long generation did not start"
+    return future
 
 
 def _verdict(collector, request_id: str) -> dict:
@@ -249,23 +256,8 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     cluster = engine_factory("--ranks", "2", "--rank-timeout", "3", "--heartbeat-interval", "0.5", model=qwen2_model,
                              instance_id="ring", collector=collector).start()
     (rank1,) = _ranks(cluster.proc.pid)
-    first_token = threading.Event()
-
-    def long_stream() -> list[dict]:
-        events = []
-        body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": 4000, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60,
-                          headers={"X-Request-Id": "ring-stalled"}) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[len("data: "):]))
-                    first_token.set()
-        return events
-
     with ThreadPoolExecutor(1) as pool:
-        open_request = pool.submit(long_stream)
-        assert first_token.wait(60), "the long generation did not start"
+        open_request = _long_stream(pool, cluster, "ring-stalled")
         time.sleep(1.2)  # a heartbeat of each rank while it steps (not synchronisation: the evidence needs one)
         os.kill(rank1, signal.SIGSTOP)
         stopped = time.monotonic()
