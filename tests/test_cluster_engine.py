@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness_collector import wait_for
+from harness_collector import free_port, wait_for
 
 from tokentrace import contract
 
@@ -311,3 +311,37 @@ def test_three_ranks_answer_as_one_process_each_with_its_layers(engine_factory, 
     steps = dict(collector.sql("SELECT instance_id, sum(decode_tokens) FROM steps WHERE instance_id LIKE 'ring3%' "
                                "GROUP BY instance_id"))
     assert len(set(steps.values())) == 1 and len(steps) == 3, steps
+
+
+def test_under_mlx_launch_the_ranks_are_the_launchers_and_answer_as_one_process(tmp_path, collector_factory,
+                                                                                  qwen2_model):
+    # mlx.launch starts both ranks with the same command line; rank 0 serves, rank 1 follows.
+    collector = collector_factory().start()
+    port = free_port()
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    log = (tmp_path / "launch.log").open("wb")
+    proc = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()),
+                             sys.executable, "-m", "tokentrace", "engine", "--model", str(qwen2_model), "--port",
+                             str(port), "--instance-id", "launched", "--otlp-endpoint", collector.url,
+                             "--spool-dir", str(tmp_path / "spool")], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: _status(f"http://127.0.0.1:{port}/health") == 200, 120, "the launched engine")
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=SEEDED, timeout=60)
+        assert answer.status_code == 200, answer.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+    collector.stop()
+    resources = {instance: json.loads(resource) for instance, resource in collector.sql(
+        "SELECT DISTINCT instance_id, resource FROM spans WHERE instance_id LIKE 'launched%'")}
+    assert {(r[contract.NODE_RANK], r[contract.NODE_RANKS]) for r in resources.values()} == {(0, 2), (1, 2)}
+    assert set(resources) == {"launched", "launched/rank1"}
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None

@@ -45,6 +45,7 @@ class Follower:
         self._prefilled: dict[int, int] = {}  # uid -> prompt tokens computed so far (prefilling sequences)
         self._window = StepWindow()
         self._timer: cluster.StepTimer | None = None
+        self._failed: str | None = None  # why the last step failed here, until rank 0's reset
 
     def run(self) -> int:
         """Load, then follow; 0 when rank 0 stopped the instance, 1 when the load failed or the
@@ -71,9 +72,19 @@ class Follower:
         try:
             while True:
                 kind, ops = channel.receive()
+                if self._failed is not None and ops[:1] != [("reset",)]:
+                    raise Diverged(f"its step failed ({self._failed}) and rank 0's did not")
+                self._failed = None
                 self._apply(ops)
                 if kind == MSG_STEP:
-                    self._step()
+                    try:
+                        self._step()
+                    except RuntimeError as exc:
+                        if cluster.RING_ERROR_MARK in str(exc):
+                            raise
+                        self._step_failed(exc)
+                    except Exception as exc:  # rank 0's step failed alike: its next message resets the batch
+                        self._step_failed(exc)
                 else:
                     self._flush_window()
                 if kind == MSG_STOP:
@@ -89,6 +100,13 @@ class Follower:
         finally:
             self._flush_window()
             self._generator.close()
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step that raised here: rank 0's raised alike (the same batch, the same inputs) and it
+        fails its batch and resets the generator; its next message must begin with that reset."""
+        log.warning("rank %d: a step failed (%s: %s); waiting for rank 0's reset", self.runtime.group.rank(),
+                    type(exc).__name__, exc)
+        self._failed = f"{type(exc).__name__}: {exc}"
 
     def heartbeat(self) -> HeartbeatRecord:
         """This rank's state now (its own process, not rank 0's word)."""
