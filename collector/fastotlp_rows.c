@@ -408,6 +408,7 @@ static int heartbeat(decoder_t *d, const span_t *s) {
                                          K_CACHE_MAX_ENTRIES, K_CACHE_MAX_BYTES, K_KV_BYTES_PER_TOKEN, K_MEMORY_BYTES};
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++) TRY(put_attr_int(t, a, counts[i]));
     TRY(put_attr_str(t, a, K_CACHE_UNIT));
+    TRY(put_attr_int(t, a, K_MEMORY_FREE));
     return row_end(t, d->span_index);
 }
 

@@ -81,7 +81,7 @@ static const colspec_t LOAD_STAGES[] = {
 static const colspec_t HEARTBEATS[] = {
     {"instance_id", S}, {"t_ns", L}, {"queue_depth", L}, {"running", L}, {"max_batch", L}, {"cache_entries", L},
     {"cache_bytes", L}, {"cache_max_entries", L}, {"cache_max_bytes", L}, {"kv_bytes_per_token", L},
-    {"memory_bytes", L}, {"cache_unit", S},
+    {"memory_bytes", L}, {"cache_unit", S}, {"memory_free_bytes", L},
 };
 static const colspec_t DECODE_STEPS[] = {
     {"request_id", S}, {"instance_id", S}, {"start_ns", L}, {"offsets", COL_LIST_I64},

@@ -466,7 +466,7 @@ def _heartbeat(scope: _Scope, span, a: dict, ids: tuple) -> None:
         scope.instance_id, span.end_time_unix_nano, _int(a.get(c.QUEUE_DEPTH)), _int(a.get(c.QUEUE_RUNNING)),
         _int(a.get(c.MAX_BATCH)), _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)),
         _int(a.get(c.CACHE_MAX_ENTRIES)), _int(a.get(c.CACHE_MAX_BYTES)), _int(a.get(c.KV_BYTES_PER_TOKEN)),
-        _int(a.get(c.MEMORY_BYTES)), _str(a.get(c.CACHE_UNIT)),
+        _int(a.get(c.MEMORY_BYTES)), _str(a.get(c.CACHE_UNIT)), _int(a.get(c.MEMORY_FREE)),
     ))
 
 

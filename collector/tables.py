@@ -67,6 +67,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "heartbeats": (
         "instance_id", "t_ns", "queue_depth", "running", "max_batch", "cache_entries", "cache_bytes",
         "cache_max_entries", "cache_max_bytes", "kv_bytes_per_token", "memory_bytes", "cache_unit",
+        "memory_free_bytes",
     ),
 }
 
@@ -103,7 +104,7 @@ TYPES: dict[str, tuple[str, ...]] = {
     "instance_events": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
     "model_loads": ("VARCHAR",) * 4 + ("BIGINT", "BIGINT", "BOOLEAN", "VARCHAR"),
     "load_stages": ("VARCHAR",) * 6 + ("BIGINT",) * 3,
-    "heartbeats": ("VARCHAR",) + ("BIGINT",) * 10 + ("VARCHAR",),
+    "heartbeats": ("VARCHAR",) + ("BIGINT",) * 10 + ("VARCHAR", "BIGINT"),
 }
 
 #: Types of the packed forms' columns (``PACKED``).

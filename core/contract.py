@@ -171,6 +171,7 @@ STEPS_MEMBERS = "tokentrace.steps.members"
 # --- Attribute keys: heartbeat --------------------------------------------------------------------
 KV_BYTES_PER_TOKEN = "tokentrace.kv.bytes_per_token"
 MEMORY_BYTES = "tokentrace.memory.bytes"
+MEMORY_FREE = "tokentrace.memory.free"
 CACHE_REPORT_MODE = "tokentrace.cache.report_mode"
 CACHE_PREEMPTED_HIT_TOKENS = "tokentrace.cache.preempted_hit_tokens"
 
@@ -509,6 +510,9 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the prompt cache"),
             _a(KV_BYTES_PER_TOKEN, "int", "bytes", "2 x layers x kv_heads x head_dim x dtype bytes"),
             _a(MEMORY_BYTES, "int", "bytes", "memory the engine holds (device or process)"),
+            _a(MEMORY_FREE, "int", "bytes", "memory its node can still give it: the GPU's recommended working set "
+               "less what MLX holds (Apple silicon), else the host's available memory (Linux MemAvailable); "
+               "absent where neither is known"),
             _a(CACHE_REPORT_MODE, "string", "", "what the engine's KV-event stream reports: full (reused "
                "blocks too) or incremental (stored and removed blocks)"),
             _a(CACHE_PREEMPTED_HIT_TOKENS, "int", "tokens", "since start: tokens preempted requests got "

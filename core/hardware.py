@@ -48,6 +48,20 @@ def chip_name() -> str | None:
     return out or None
 
 
+def available_memory() -> int | None:
+    """The memory this host can still give a process without swapping: Linux's ``MemAvailable``
+    (/proc/meminfo); None where it is not known (macOS reports its GPU's working set through MLX:
+    the engine's heartbeat takes that there)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def cuda_device_name() -> str | None:
     """The first CUDA device's name, when torch is already loaded (inside vLLM) and sees one."""
     torch = sys.modules.get("torch")

@@ -54,7 +54,7 @@ def test_golden_trace_through_a_chdb_collector_gives_duckdb_verdicts(collector_f
     try:
         request = store.request("golden-req-1")
         assert (request["start_ns"] - base, request["ttft_ms"], request["cached_tokens"]) == (100_000_000, 500.0, 16)
-        assert store.counts()["spans"] == 17
+        assert store.counts()["spans"] == 18
     finally:
         store.close()
 
@@ -116,12 +116,12 @@ def test_a_batch_written_again_after_a_crash_mid_batch_is_stored_once(chdb_dir, 
         assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (0, 0, 7)  # spans go last
         assert store.write(batch, record) is True  # the restart re-ingests the file, or the sender resends
         counts = store.counts()
-        assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (17, 1, 7)
+        assert (counts["spans"], counts["requests"], counts["prefix_blocks"]) == (18, 1, 7)
         if spooled:
             assert store.spool_seen(record.sha256)
             assert store.write(batch, record) is False
         else:
-            assert store.write(batch, record) is True and batch.duplicates == 17
+            assert store.write(batch, record) is True and batch.duplicates == 18
             assert store.counts() == counts
     finally:
         store.close()
@@ -146,7 +146,7 @@ def test_a_batch_whose_spans_part_was_lost_after_its_token_was_logged_is_stored_
             store._life = ""
         assert store.write(batch) is True
         before = store.counts()
-        assert before["spans"] == 17
+        assert before["spans"] == 18
         sql(store, "DELETE FROM spans WHERE 1 = 1")
         assert store.counts()["spans"] == 0
     finally:
@@ -158,7 +158,7 @@ def test_a_batch_whose_spans_part_was_lost_after_its_token_was_logged_is_stored_
         assert restarted.write(batch) is True  # the same rows, so the same tokens but for chdb's open id
         assert restarted.counts() == before  # the spans again, every other table's rows once
         assert ("inserting them again" in caplog.text) == (where != "chdb")
-        assert restarted.write(batch) is True and batch.duplicates == 17
+        assert restarted.write(batch) is True and batch.duplicates == 18
         assert restarted.counts() == before
     finally:
         restarted.close()
@@ -166,7 +166,7 @@ def test_a_batch_whose_spans_part_was_lost_after_its_token_was_logged_is_stored_
 
 def _split(fixture: dict) -> tuple[dict, dict]:
     """The golden trace as two exports: the request's spans, and the model load it waited on."""
-    load = {"load", "resolve", "weights", "tok", "warm"}
+    load = {"load", "resolve", "shard", "weights", "tok", "warm"}
     request = [s for s in fixture["spans"] if s["id"] not in load]
     return {**fixture, "spans": request}, {**fixture, "spans": [s for s in fixture["spans"] if s["id"] in load]}
 

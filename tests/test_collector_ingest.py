@@ -109,11 +109,12 @@ def test_golden_trace_sent_by_the_sdk_lands_in_every_table(collector_factory):
     assert collector.sql("SELECT load_id, lazy, model_path, end_ns - start_ns FROM model_loads") == [
         ("load-1", True, "/models/tiny", 400_000_000)]
     assert collector.sql("SELECT name, load_id, bytes FROM load_stages ORDER BY start_ns") == [
-        ("model.load.resolve", "load-1", None), ("model.load.weights", "load-1", 95_000_000),
-        ("model.load.tokenizer", "load-1", None), ("model.load.warmup", "load-1", None)]
+        ("model.load.resolve", "load-1", None), ("model.load.shard", "load-1", None),
+        ("model.load.weights", "load-1", 95_000_000), ("model.load.tokenizer", "load-1", None),
+        ("model.load.warmup", "load-1", None)]
     assert collector.sql("SELECT queue_depth, running, max_batch, cache_entries, cache_bytes, cache_max_entries, "
-                         "cache_max_bytes, kv_bytes_per_token, memory_bytes FROM heartbeats") == [
-        (0, 1, 1, 3, 189000, 3, 1_000_000, 1024, 200_000_000)]
+                         "cache_max_bytes, kv_bytes_per_token, memory_bytes, memory_free_bytes FROM heartbeats") == [
+        (0, 1, 1, 3, 189000, 3, 1_000_000, 1024, 200_000_000, 7_000_000_000)]
     assert collector.sql("SELECT DISTINCT instance_id, host_name, engine, engine_version, model FROM resources") == [
         ("golden-1", "mac-mini-1", "mlx-lm", "0.32.2", "tiny-llama")]
 
@@ -149,7 +150,7 @@ def test_payloads_are_decoded_on_threads_niced_by_decode_nice(collector_factory,
         assert not lowered.keys() & before.keys()  # started for the payloads
     else:
         assert not lowered
-    assert collector.health()["accepted_spans"] == 17 * len(bodies)
+    assert collector.health()["accepted_spans"] == 18 * len(bodies)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")

@@ -62,7 +62,7 @@ def test_export_from_url_and_db_agree_and_follow_the_format(collector_factory, t
     evictions = by_track["cache evictions"]
     assert [(e["ph"], e["args"]["reason"]) for e in evictions] == [("i", "max_entries"), ("i", "memory_pressure")]
     assert [e["name"] for e in by_track["model load"]] == [
-        "model.load.resolve", "model.load.weights", "model.load.tokenizer", "model.load.warmup"]
+        "model.load.resolve", "model.load.shard", "model.load.weights", "model.load.tokenizer", "model.load.warmup"]
 
     single = json.loads((tmp_path / "one.json").read_text())
     assert trace_event_format.problems(single) == []

@@ -72,6 +72,7 @@ def heartbeat(
     cache_max_bytes: int | None = None,
     kv_bytes_per_token: int | None = None,
     memory_bytes: int | None = None,
+    memory_free: int | None = None,
 ) -> dict[str, Any]:
     """Attributes of one ``instance.heartbeat``; ``unit`` says what the cache's entries count."""
     return {
@@ -79,7 +80,7 @@ def heartbeat(
         **cache_state(unit, cache_entries, cache_bytes),
         **_known({
             c.CACHE_MAX_ENTRIES: cache_max_entries, c.CACHE_MAX_BYTES: cache_max_bytes,
-            c.KV_BYTES_PER_TOKEN: kv_bytes_per_token, c.MEMORY_BYTES: memory_bytes,
+            c.KV_BYTES_PER_TOKEN: kv_bytes_per_token, c.MEMORY_BYTES: memory_bytes, c.MEMORY_FREE: memory_free,
         }),
     }
 

@@ -124,6 +124,7 @@ class Follower:
             cache_max_bytes=settings.cache_max_bytes,
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
             memory_bytes=mx.get_active_memory(),
+            memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
         )
 
     def _new_generator(self) -> None:

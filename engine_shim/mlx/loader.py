@@ -50,6 +50,7 @@ class Runtime:
     eos_token_ids: frozenset[int]  #: tokens that end a generation
     group: Any = None  #: a distributed engine's mlx group (None: one process)
     placement: str | None = None  #: what this rank holds, in words (distributed only)
+    memory_limit_bytes: int = 0  #: the GPU memory MLX may use (0: not known, the CPU backend)
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,20 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
         context_length=int(config.get("max_position_embeddings") or 0) or 1 << 30,
         kv_bytes_per_token=kv_bytes,
         weight_bytes=weight_bytes,
+        memory_limit_bytes=memory_limit(),
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         group=group,
         placement=placement,
     )
+
+
+def memory_limit() -> int:
+    """The GPU memory MLX may use on this node (Metal's recommended working set), 0 where it knows
+    none (the CPU backend: the heartbeat then reports the host's available memory)."""
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    return int(info.get("max_recommended_working_set_size") or 0)
 
 
 def looks_like_path(model: str) -> bool:

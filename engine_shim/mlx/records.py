@@ -198,3 +198,5 @@ class HeartbeatRecord:
     cache_max_bytes: int  #: byte limit
     kv_bytes_per_token: int  #: from the model config
     memory_bytes: int  #: memory the engine holds
+    #: the GPU's recommended working set (Apple silicon), 0 where MLX knows none (its CPU backend)
+    memory_limit_bytes: int = 0

@@ -157,6 +157,7 @@ class Scheduler:
             cache_max_bytes=self.settings.cache_max_bytes,
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
             memory_bytes=mx.get_active_memory(),
+            memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
         )
 
     # --- the generation thread -----------------------------------------------------------------

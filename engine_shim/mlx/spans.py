@@ -14,6 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokentrace import contract as c
+from tokentrace import hardware
 from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.mlx.records import (
     Clock,
@@ -213,6 +214,8 @@ class SpanBuilder:
             max_batch=record.max_batch, cache_entries=record.cache_entries, cache_bytes=record.cache_bytes,
             cache_max_entries=record.cache_max_entries, cache_max_bytes=record.cache_max_bytes,
             kv_bytes_per_token=record.kv_bytes_per_token, memory_bytes=record.memory_bytes,
+            memory_free=max(0, record.memory_limit_bytes - record.memory_bytes) if record.memory_limit_bytes
+            else hardware.available_memory(),
         ))
 
 
