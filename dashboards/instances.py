@@ -26,6 +26,7 @@ from fastapi import Request
 
 from tokentrace import contract as c
 from tokentrace.collector.store import TraceReader
+from tokentrace.dashboards.nodes import clusters_of, from_exo
 from tokentrace.dashboards.web import page
 
 STALE_AFTER_S = 30.0
@@ -163,20 +164,31 @@ def clusters(reader: TraceReader) -> list[dict[str, Any]]:
     found = []
     for row in reader.frame("cluster_states").to_dicts():
         attrs = json.loads(row["attributes"] or "{}")
-        found.append({"upstream": row["instance_id"], "t_ns": row["t_ns"],
-                      "instances": json.loads(attrs.get(c.CLUSTER_INSTANCES) or "[]"),
+        instances = json.loads(attrs.get(c.CLUSTER_INSTANCES) or "[]")
+        for instance in instances:
+            instance["cluster"] = from_exo(instance)  #: the same node model as a tokentrace cluster's
+        found.append({"upstream": row["instance_id"], "t_ns": row["t_ns"], "instances": instances,
                       "findings": attrs.get(c.CLUSTER_FINDINGS) or []})
     return found
 
 
 @page("/instances", "instances.html", "Instances")
 def instances_page(request: Request, instance: str | None = None) -> dict[str, Any]:
-    """Readiness per instance (with ``instance``, a slice's: that one alone). Readiness is now, not
-    over a window; a slice's model, session or request prefix says nothing about instances."""
+    """Readiness per instance (with ``instance``, a slice's: that one alone, with its nodes). Readiness
+    is now, not over a window; a slice's model, session or request prefix says nothing about
+    instances. A distributed instance carries its nodes (``cluster``, dashboards/nodes.py); its ranks
+    above 0 stay rows of their own (``node_of`` names the instance), drawn inside it on the page."""
     now = time.time_ns()
-    rows = instance_health(request.app.state.reader, now)
+    reader = request.app.state.reader
+    rows = instance_health(reader, now)
+    distributed = clusters_of(reader, rows, now)
+    nodes = {node["instance_id"]: of for of, cluster in distributed.items() for node in cluster["nodes"]}
+    for row in rows:
+        #: a distributed instance's nodes (rank 0 first); a rank above 0 names the instance it is part of
+        row["cluster"] = distributed.get(row["instance_id"])
+        row["node_of"] = nodes.get(row["instance_id"]) if row["instance_id"] not in distributed else None
     if instance is not None:
-        rows = [row for row in rows if row["instance_id"] == instance]
+        rows = [row for row in rows if instance in (row["instance_id"], row["node_of"])]
     return {"now_ns": now, "stale_after_s": STALE_AFTER_S, "instances": rows, "instance": instance,
             "stale": [row["instance_id"] for row in rows if row["status"] == "stale"],
             "clusters": clusters(request.app.state.reader)}

@@ -86,8 +86,15 @@ def test_golden_numbers_on_every_twin(golden_collector):
     assert [steps[k]["t_ns"] - base for k in ("files_present", "started", "ready", "first_response")] == [
         1_000_000, 0, 400_000_000, 700_000_000]
     assert steps["first_response"]["after_start_ms"] == 700.0
-    assert [s["name"] for s in instance["load"]["stages"]] == ["resolve", "weights", "tokenizer", "warmup"]
+    assert [s["name"] for s in instance["load"]["stages"]] == ["resolve", "shard", "weights", "tokenizer", "warmup"]
     assert instance["status"] == "up"
+    # The golden instance is rank 0 of 2 (its resource says so) and rank 1 never reported: its node as
+    # it reported itself, and the missing rank named. 7 GB free / 1,024 B of KV a token; sessions of 45.
+    (node,) = instance["cluster"]["nodes"]
+    assert (node["rank"], node["placement"], node["weight_bytes"], node["memory_free_bytes"]) == (
+        0, "layers 2-3 of 4", 95_000_000, 7_000_000_000)
+    assert (node["tokens_fit"], node["sessions_fit"]) == (7_000_000_000 // 1024, 7_000_000_000 // (1024 * 45))
+    assert instance["cluster"]["missing_ranks"] == [1] and instance["cluster"]["binding_rank"] == 0
 
     detail = _get(collector, "/requests/golden-req-1.json").json()
     assert detail["slow"]["category"] == "cold_start" and detail["cache"]["result"] == "hit"

@@ -433,9 +433,9 @@ _SLICE = {"model", "session_id", "request_prefix"}
 #: Values for the named queries that take only a window, a slice and a limit: everything.
 _UNBOUNDED = {"since_ns": None, "until_ns": None, "instance_id": None, "limit": 100_000, "model": None,
               "session_id": None, "request_prefix": None}
-#: Window queries over tables (or spans) the demo (two engines, no gateway) does not fill; the golden payloads
-#: cover them in test_named_query_gives_the_same_frame_on_every_backend.
-_NOT_IN_DEMO = {"routing_by_policy", "cluster_states"}
+#: Window queries over tables (or spans) the demo (two engines of one process each, no gateway) does not
+#: fill; the golden payloads cover them in test_named_query_gives_the_same_frame_on_every_backend.
+_NOT_IN_DEMO = {"routing_by_policy", "cluster_states", "nodes"}
 _WINDOW_QUERIES = sorted(n for n in sqlfiles.query_names("duckdb")
                          if _params("duckdb", n) <= set(_UNBOUNDED) and n not in _NOT_IN_DEMO
                          and not (_params("duckdb", n) and _params("duckdb", n) <= _SLICE))

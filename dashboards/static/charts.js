@@ -9,7 +9,9 @@
   "use strict";
   const PALETTE = ["#2f6fdb", "#3fa86a", "#e6a23c", "#9b6fd1", "#d64545", "#1ea5b8", "#8893a6", "#c0568f"];
   const NAMED = {max_entries: "#e6a23c", max_bytes: "#d64545", memory_pressure: "#9b6fd1", trim: "#8893a6",
-                 superseded: "#1ea5b8"};
+                 superseded: "#1ea5b8",
+                 // a node's time (the instances page): idle recedes, waiting stands out
+                 compute: "#2f6fdb", "waiting on the ring": "#e6a23c", "rest of step": "#8893a6", idle: "#e3e7ee"};
   const PAD = {left: 56, right: 12, top: 22, bottom: 24};
 
   function fmt(unit, v) {

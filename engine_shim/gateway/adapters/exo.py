@@ -353,18 +353,31 @@ class ExoAdapter(Adapter):
         view = []
         for instance in self.state.instances.values():
             nodes = []
-            for shard in instance.shards:
+            for shard in sorted(instance.shards, key=lambda s: (s.device_rank is None, s.device_rank or 0)):
                 runner = instance.runner_on(shard.node_id)
+                node = self.state.nodes.get(shard.node_id) or Node(shard.node_id, None, False, None)
                 nodes.append({
-                    "node_id": shard.node_id, "name": (self.state.nodes.get(shard.node_id) or Node(
-                        shard.node_id, None, False, None)).name,
+                    "node_id": shard.node_id, "name": node.name,
                     "layers": [shard.start_layer, shard.end_layer], "n_layers": shard.n_layers,
+                    # the node model of a tokentrace cluster (dashboards/nodes.py): rank, what it holds, memory
+                    "rank": shard.device_rank, "ranks": shard.world_size, "placement": _placement(shard),
+                    "memory_free_bytes": node.ram_available, "memory_total_bytes": node.ram_total,
                     "runner_id": shard.runner_id, "stage": runner.stage() if runner else "no runner",
                     "stages": instance.stages(shard.node_id, instance.instance_id in self.answered or None),
                 })
             view.append({"instance_id": instance.instance_id, "model": instance.model_id,
                          "backend": instance.backend, "ready": instance.ready(), "nodes": nodes})
         return view
+
+
+def _placement(shard: Shard) -> str | None:
+    """What a node holds, in the words of a tokentrace rank (``tokentrace.node.placement``): 'layers
+    24-47 of 48' (Exo's end layer is exclusive), 'tensor shard 2 of 2'."""
+    if shard.kind == "Tensor" and shard.device_rank is not None and shard.world_size:
+        return f"tensor shard {shard.device_rank + 1} of {shard.world_size}"
+    if shard.start_layer is None or shard.end_layer is None:
+        return None
+    return f"layers {shard.start_layer}-{shard.end_layer - 1} of {shard.n_layers or '?'}"
 
 
 def _iso(ns: int) -> str:
