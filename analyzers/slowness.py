@@ -161,7 +161,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
                             t0_ns=decode[0]["start_ns"] - 1_000_000_000, t1_ns=decode[0]["end_ns"]) if decode else [],
         lambda: load_hardware(reader, instance, request["end_ns"]) if decode else None,
         lambda: reader.rows("node_steps", instance_id=instance, request_id=request_id, t0_ns=start,
-                            t1_ns=request["end_ns"]) if category in ("prefill", "decode") else [],
+                            t1_ns=request["end_ns"]),
         lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=start - STALL_LOOKBACK_NS,
                             t1_ns=request["end_ns"]) if stalled else [],
         lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=request["end_ns"] + 1,
@@ -520,19 +520,15 @@ def _rank_of(instance_id: str, node: str) -> int:
     return 0 if node == instance_id else int(node.rsplit("/rank", 1)[1])
 
 
-def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
-    """A distributed instance: the phase's timed steps split, per rank, into the compute of its
-    layers, its waits on the ring and the rest (embedding, head and sampling, which every rank
-    computes alike); the slowest rank named against the fastest; and the ring itself: the part of a
-    step in which no rank computed (transfers and latency: a step is the ranks' layers one after the
-    other, the rest, and the ring)."""
+def rank_split(instance_id: str, nodes: list[dict], phase: str) -> list[dict[str, Any]]:
+    """Per rank of a distributed instance, the mean of the steps it timed while a request was in
+    ``phase`` (its node_steps rows): the compute of its layers, its waits on the ring, the rest of
+    the step and the whole step, in ms; [] for one process."""
     flag = "prefilling" if phase == "prefill" else "decoding"
     per_rank: dict[int, list[dict]] = {}
-    for row in facts.nodes:
+    for row in nodes:
         if row[flag] and row["duration_ns"]:
-            per_rank.setdefault(_rank_of(verdict.instance_id, row["instance_id"]), []).append(row)
-    if len(per_rank) < 2:
-        return
+            per_rank.setdefault(_rank_of(instance_id, row["instance_id"]), []).append(row)
     ranks = []
     for rank in sorted(per_rank):
         rows = per_rank[rank]
@@ -543,6 +539,18 @@ def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
                       "step_ms": round(mean["duration_ns"], 3),
                       "rest_ms": round(max(mean["duration_ns"] - mean["compute_ns"] - mean["ring_wait_ns"], 0), 3),
                       "wait_share": round(mean["ring_wait_ns"] / mean["duration_ns"], 3)})
+    return ranks
+
+
+def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
+    """A distributed instance: the phase's timed steps split, per rank, into the compute of its
+    layers, its waits on the ring and the rest (embedding, head and sampling, which every rank
+    computes alike); the slowest rank named against the fastest; and the ring itself: the part of a
+    step in which no rank computed (transfers and latency: a step is the ranks' layers one after the
+    other, the rest, and the ring)."""
+    ranks = rank_split(verdict.instance_id, facts.nodes, phase)
+    if len(ranks) < 2:
+        return
     step = sum(r["step_ms"] for r in ranks) / len(ranks)
     rest = sum(r["rest_ms"] for r in ranks) / len(ranks)
     link = max(step - sum(r["compute_ms"] for r in ranks) - rest, 0.0)

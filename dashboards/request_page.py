@@ -15,7 +15,7 @@ from fastapi import Request
 
 from tokentrace.analyzers.cache import analyze_cache, request_window
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
-from tokentrace.analyzers.slowness import classify_slowness, load_slow_facts
+from tokentrace.analyzers.slowness import classify_slowness, load_slow_facts, rank_split
 from tokentrace.collector.store import TraceReader
 from tokentrace.dashboards.web import page
 
@@ -108,6 +108,9 @@ def request_detail(reader: TraceReader, request_id: str, slo: SloSpec | None = N
         "batched_with": batched.to_dicts(),
         "itl": itl,
         "segments": reader.frame("segments_of", request_id=request_id, **window).to_dicts(),
+        #: a distributed instance: per phase, each rank's mean timed step while this request was in it
+        "nodes": {phase: ranks for phase in ("prefill", "decode")
+                  if (ranks := rank_split(row["instance_id"], facts.nodes, phase))},
         "charts": {"itl": {"kind": "line", "x_type": "index", "unit": "ms", "x": itl["token"],
                            "series": [{"name": "inter-token latency", "y": itl["itl_ms"]}],
                            "empty": "fewer than two tokens: no inter-token latency"}},
