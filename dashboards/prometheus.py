@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from tokentrace import contract as c
 from tokentrace.analyzers.cache import NO_CAUSE, CacheVerdict, analyze_cache
 from tokentrace.analyzers.observers import FirstSighting
 from tokentrace.analyzers.outcome import COMPLETED, PARTS, measures_of
@@ -94,6 +95,17 @@ SERIES = {
     "tokentrace_instance_info": ("gauge", "One per instance: its engine, engine version and host."),
     "tokentrace_kv_cache_bytes": ("gauge", "Bytes held by the instance's prefix cache (latest heartbeat)."),
     "tokentrace_kv_cache_max_bytes": ("gauge", "The prefix cache's byte limit (latest heartbeat)."),
+    "tokentrace_node_memory_bytes": (
+        "gauge", "A distributed instance's node (its rank): its weights, its prompt cache's KV, the memory MLX holds "
+        "there and the memory the node can still give it (kind weights, kv, held, free; latest report)."),
+    "tokentrace_node_step_seconds": (
+        "counter", "A distributed instance's node: seconds of engine steps (part busy), of the steps it timed (part "
+        "timed: one in 8), and within those its compute and its waits on the ring (part compute, ring_wait)."),
+    "tokentrace_node_last_heartbeat_seconds": (
+        "gauge", "A distributed instance's node: when its process last reported (epoch seconds; the control plane)."),
+    "tokentrace_node_last_step_seconds": (
+        "gauge", "A distributed instance's node: when its last engine step ended (epoch seconds; the data plane). A "
+        "node whose heartbeats go on while its steps stop is stalled."),
     "tokentrace_requests": ("counter", "Requests by slowness category (the analyzers' category of each request)."),
     "tokentrace_abnormal_requests": ("counter", "Requests whose category component is abnormal for their instance."),
     "tokentrace_cache_lookups": ("counter", "Requests by cache verdict result and cause ('none': nothing to explain)."),
@@ -139,7 +151,7 @@ FOLD_AT_ROWS = 50_000
 #: whether or not anything scrapes (verdicts waited for the next scrape, 15 s apart by default).
 FOLD_EVERY_S = 1.0
 #: The tables of a committed batch that a fold reads (with the packed decode steps).
-_FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes")
+_FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes", "steps", "load_stages")
 
 
 @dataclass
@@ -206,6 +218,7 @@ class MetricsState:
         self.gauges: dict[tuple[str, tuple], float] = {}
         self._beat_t: dict[str, int] = {}
         self._model_of: dict[str, str] = {}
+        self._node: dict[str, tuple[str, str]] = {}  #: a node's instance id -> (the instance it is part of, rank)
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
@@ -288,6 +301,9 @@ class MetricsState:
                 # Which sides report the instance, known from their first batch (a gateway sends its
                 # upstreams' lifecycle at start): the first request's verdicts wait for its partner too.
                 self._sides.setdefault(r["instance_id"], set()).add(_from_gateway(r))
+                node = _node_of(r["attributes"])
+                if node is not None:
+                    self._node[r["instance_id"]] = node
         if "requests" in tables:
             # One chunk a column: polars converts an Arrow table chunk by chunk, then joins them (one
             # chunk a batch took 0.37 instead of 0.09 us of fold CPU a span; issue 17, fifteenth round).
@@ -295,6 +311,7 @@ class MetricsState:
         if "decode_steps" in tables:
             self._fold_itl(tables["decode_steps"])
         self._fold_heartbeats(rows["heartbeats"])
+        self._fold_nodes(rows["steps"], rows["load_stages"])
         self._fold_routes(rows["routes"])
         for row in rows["cache_evictions"]:
             r = dict(zip(TABLES["cache_evictions"], row, strict=True))
@@ -431,11 +448,48 @@ class MetricsState:
                       "tokentrace_kv_cache_max_bytes": b["cache_max_bytes"],
                       "vllm:kv_cache_usage_perc": b["cache_bytes"] / b["cache_max_bytes"]
                       if b["cache_bytes"] is not None and b["cache_max_bytes"] else None}
-            for name, value in values.items():
-                if value is None:
-                    self.gauges.pop((name, labels), None)
-                else:
-                    self.gauges[(name, labels)] = float(value)
+            self._set(labels, values)
+            if instance in self._node:
+                node = self._node_labels(instance)
+                self._set(node, {"tokentrace_node_last_heartbeat_seconds": b["t_ns"] / 1e9})
+                for kind, key in (("kv", "cache_bytes"), ("held", "memory_bytes"), ("free", "memory_free_bytes")):
+                    self._set((*node, ("kind", kind)), {"tokentrace_node_memory_bytes": b[key]})
+
+    def _set(self, labels: tuple, values: dict[str, float | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                self.gauges.pop((name, labels), None)
+            else:
+                self.gauges[(name, labels)] = float(value)
+
+    def _node_labels(self, instance: str) -> tuple:
+        """A node's series: the instance it is part of, and its rank."""
+        of, rank = self._node[instance]
+        return self._labels(of, self._model_of.get(instance), rank=rank)
+
+    def _fold_nodes(self, steps: list[tuple], stages: list[tuple]) -> None:
+        """A distributed instance's nodes: their step time split and their weights (issue 46)."""
+        for row in stages:
+            s = dict(zip(TABLES["load_stages"], row, strict=True))
+            if s["instance_id"] in self._node and s["name"] == c.SPAN_LOAD_WEIGHTS and s["bytes"] is not None:
+                self._set((*self._node_labels(s["instance_id"]), ("kind", "weights")),
+                          {"tokentrace_node_memory_bytes": s["bytes"]})
+        last: dict[str, int] = {}
+        for row in steps:
+            s = dict(zip(TABLES["steps"], row, strict=True))
+            instance, duration = s["instance_id"], s["duration_ns"] or 0
+            if instance not in self._node:
+                continue
+            labels = self._node_labels(instance)
+            parts = {"busy": duration}
+            if s["compute_ns"] is not None:
+                parts.update(timed=duration, compute=s["compute_ns"], ring_wait=s["ring_wait_ns"] or 0)
+            for part, ns in parts.items():
+                self.counters[("tokentrace_node_step_seconds", (*labels, ("part", part)))] += ns / 1e9
+            last[instance] = max(last.get(instance, 0), s["start_ns"] + duration)
+        for instance, t_ns in last.items():
+            key = ("tokentrace_node_last_step_seconds", self._node_labels(instance))
+            self.gauges[key] = max(self.gauges.get(key, 0.0), t_ns / 1e9)
 
     def _note_partners(self, frame: pl.DataFrame) -> None:
         """Which sides report each instance, and the queued requests whose second row this is (or
@@ -706,6 +760,18 @@ def _escape(value: str) -> str:
 LOSS_KINDS = {"damaged span file": "span_file", "damaged journal bytes": "journal_bytes",
               "missing journal records": "journal_records_missing",
               "journal record the store cannot take": "batch_refused"}
+
+
+def _node_of(attributes: str | None) -> tuple[str, str] | None:
+    """(the instance it is a node of, its rank) of a distributed engine's rank's resource; None else."""
+    if not attributes or c.NODE_OF not in attributes:
+        return None
+    try:
+        values = json.loads(attributes)
+    except ValueError:
+        return None
+    of, rank = values.get(c.NODE_OF), values.get(c.NODE_RANK)
+    return (of, str(rank)) if isinstance(of, str) and isinstance(rank, int) else None
 
 
 def _from_gateway(resource: dict) -> bool:
