@@ -189,6 +189,72 @@ def _measured_ratio(collector, phase: str, request_id: str) -> tuple[float, floa
     return rows["ring"], rows["ring/rank1"]
 
 
+def _assert_the_instances_page_shows_the_nodes(collector, data: dict, page: str) -> None:
+    """The instances page of a 3,1 pipeline (its JSON twin and HTML, read before the collector
+    stopped): both nodes inside the instance, in ring order, each with what it holds, its memory as
+    it reported it, its load, and its time split as its steps say."""
+    rows = {row["instance_id"]: row for row in data["instances"]}
+    assert rows["ring/rank1"]["node_of"] == "ring" and rows["ring"]["node_of"] is None
+    cluster = rows["ring"]["cluster"]
+    nodes = cluster["nodes"]
+    assert [(n["rank"], n["instance_id"], n["placement"]) for n in nodes] == [
+        (0, "ring", "layers 1-3 of 4"), (1, "ring/rank1", "layers 0-0 of 4")]
+    weights = dict(collector.sql("SELECT instance_id, bytes FROM load_stages WHERE name = 'model.load.weights'"))
+    beats = {i: (kv, free) for i, kv, free in collector.sql(
+        "SELECT instance_id, arg_max(kv_bytes_per_token, t_ns), arg_max(memory_free_bytes, t_ns) FROM heartbeats "
+        "GROUP BY instance_id")}
+    for node in nodes:
+        assert node["weight_bytes"] == weights[node["instance_id"]] > 0
+        assert (node["kv_bytes_per_token"], node["memory_free_bytes"]) == beats[node["instance_id"]]
+        assert node["memory_free_bytes"] > 0 and node["tokens_fit"] == node["memory_free_bytes"] // node[
+            "kv_bytes_per_token"]
+        assert node["load"]["ms"] > 0 and node["load"]["slowest_stage"]
+        a = node["activity"]
+        assert a["compute"] + a["ring"] + a["rest"] + a["idle"] == pytest.approx(1, abs=0.002), a
+        stored = collector.sql("SELECT count(*), count(compute_ns), sum(duration_ns), sum(compute_ns), "
+                               "sum(ring_wait_ns), sum(duration_ns) FILTER (WHERE compute_ns IS NOT NULL) "
+                               "FROM steps WHERE instance_id = ?", [node["instance_id"]])[0]
+        count, timed, busy, compute, ring, timed_ns = stored
+        assert (a["steps"], a["timed_steps"]) == (count, timed) and timed > 0
+        assert a["busy"] == pytest.approx(busy / 1e9 / a["seconds"], rel=2e-3, abs=2e-4)
+        assert a["compute"] == pytest.approx(a["busy"] * compute / timed_ns, abs=2e-4)
+        assert a["ring"] == pytest.approx(a["busy"] * ring / timed_ns, abs=2e-4)
+    # Three layers against one: rank 0 computes longer, rank 1 waits longer; rank 0's KV per token is
+    # three times rank 1's, so on one host its free memory holds fewer tokens: it binds.
+    assert nodes[0]["activity"]["compute"] > nodes[1]["activity"]["compute"]
+    assert nodes[1]["activity"]["ring"] > nodes[0]["activity"]["ring"]
+    assert nodes[0]["kv_bytes_per_token"] == 3 * nodes[1]["kv_bytes_per_token"]
+    assert cluster["binding_rank"] == 0 and cluster["missing_ranks"] == []
+    assert 'data-instance="ring/rank1"' not in page  # drawn inside its instance, not as one of its own
+    assert page.index('data-node="ring"') < page.index('data-node="ring/rank1"')
+    assert 'id="binding-rank">rank 0<' in page and "layers 0-0 of 4" in page
+
+
+def _assert_metrics_show_the_nodes(collector, exposition: str) -> None:
+    """/metrics: each node's step time by part and its memory, labelled with its instance and rank,
+    equal to what the ranks reported."""
+    samples = {}
+    for line in exposition.splitlines():
+        if line.startswith("tokentrace_node_"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    for rank, instance in ((0, "ring"), (1, "ring/rank1")):
+        busy, timed, compute, ring = collector.sql(
+            "SELECT sum(duration_ns), sum(duration_ns) FILTER (WHERE compute_ns IS NOT NULL), sum(compute_ns), "
+            "sum(ring_wait_ns) FROM steps WHERE instance_id = ?", [instance])[0]
+        for part, ns in (("busy", busy), ("timed", timed), ("compute", compute), ("ring_wait", ring)):
+            (value,) = [v for k, v in samples.items() if k.startswith("tokentrace_node_step_seconds_total{")
+                        and 'instance_id="ring"' in k and f'rank="{rank}"' in k and f'part="{part}"' in k]
+            assert value == pytest.approx(ns / 1e9, rel=1e-6), (part, rank)
+        weights = collector.sql("SELECT bytes FROM load_stages WHERE instance_id = ? AND name = ?",
+                                [instance, contract.SPAN_LOAD_WEIGHTS])[0][0]
+        assert [v for k, v in samples.items() if k.startswith("tokentrace_node_memory_bytes{") and f'rank="{rank}"' in k
+                and 'kind="weights"' in k] == [weights]
+        last_step = collector.sql("SELECT max(start_ns + duration_ns) FROM steps WHERE instance_id = ?", [instance])
+        assert [v for k, v in samples.items() if k.startswith("tokentrace_node_last_step_seconds{")
+                and f'rank="{rank}"' in k] == [pytest.approx(last_step[0][0] / 1e9)]
+
+
 def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_waits_on_the_ring(
         engine_factory, collector_factory, qwen2_model):
     # Rank 0 holds three layers, rank 1 one: rank 0 computes about three times as long per step.
@@ -202,7 +268,18 @@ def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_wa
                         headers={"X-Request-Id": "ring-decode"}).status_code == 200
     assert cluster.stop() == 0
     verdicts = {phase: _verdict(collector, f"ring-{phase}") for phase in ("prefill", "decode")}
+    pages = (httpx.get(f"{collector.url}/instances.json", headers=collector.headers, timeout=60).json(),
+             httpx.get(f"{collector.url}/instances", headers=collector.headers, timeout=60).text)
+    request_pages = {phase: httpx.get(f"{collector.url}/requests/ring-{phase}.json", headers=collector.headers,
+                                      timeout=60).json() for phase in ("prefill", "decode")}
+    html = httpx.get(f"{collector.url}/requests/ring-decode", headers=collector.headers, timeout=60).text
+    exposition = httpx.get(f"{collector.url}/metrics", headers=collector.headers, timeout=60).text
     collector.stop()
+    _assert_the_instances_page_shows_the_nodes(collector, *pages)
+    _assert_metrics_show_the_nodes(collector, exposition)
+    for phase, page in request_pages.items():  # the request page: its steps on each node, as the verdict says
+        assert page["nodes"][phase] == _cluster_evidence(verdicts[phase])["ranks"]
+    assert 'class="node-steps" data-phase="decode"' in html and 'data-rank="1"' in html
     for phase, verdict in verdicts.items():
         assert verdict["category"] == phase, verdict
         data = item = _cluster_evidence(verdict)
