@@ -480,8 +480,14 @@ def _decode(verdict: SlowVerdict, facts: SlowFacts) -> None:
                 f"{base['samples']} comparable requests." if base.get("value") else "; no baseline yet."),
         {"tpot_ms": tpot, "baseline_tpot_ms": base.get("value")},
     ))
-    context = (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
-    verdict.evidence.append(Evidence("context", f"Context grew to {context} tokens.", {"context_tokens": context}))
+    prompt, completion = r.get("prompt_tokens"), r.get("completion_tokens")
+    if prompt is None or completion is None:  # unknown stays unknown: never "grew to 0 tokens"
+        missing = " and ".join(name for name, value in (("prompt", prompt), ("output", completion)) if value is None)
+        verdict.evidence.append(Evidence("context", f"Context size unknown: no {missing} token count was reported.",
+                                         {"context_tokens": None}))
+    else:
+        verdict.evidence.append(Evidence("context", f"Context grew to {prompt + completion} tokens.",
+                                         {"context_tokens": prompt + completion}))
     bandwidth = memory_bandwidth(r, tpot, facts.steps, facts.hardware) if facts.hardware else None
     if bandwidth is not None:
         verdict.evidence.append(bandwidth)

@@ -109,5 +109,13 @@ def test_instances_page_shows_the_exo_instance_and_the_cold_start_links_to_it(tm
     files = section.locator("td[data-state=files_present]").all_inner_texts()
     assert files == ["yes", "yes"]
     assert "mini-1" in section.inner_text() and "mini-2" in section.inner_text()
+    # The same node table as a tokentrace cluster's: Exo's device ranks in order, what each holds (its
+    # end layer is exclusive), the free memory /state reports; what /state does not say is n/a.
+    rows = section.locator("table.nodes tr[data-node]")
+    assert rows.evaluate_all("rows => rows.map(r => [r.dataset.rank, r.dataset.node])") == [["0", n1], ["1", n2]]
+    assert section.locator("td[data-metric=placement]").all_inner_texts() == ["layers 0-23 of 48", "layers 24-47 of 48"]
+    free = section.locator("td[data-metric=memory_free_bytes]")
+    assert free.evaluate_all("cells => cells.map(c => c.dataset.value)") == ["14000000000", "22000000000"]
+    assert section.locator("td[data-metric=weight_bytes]").all_inner_texts() == ["n/a", "n/a"]
     browser_page.screenshot("exo-instances")
     browser_page.assert_clean()

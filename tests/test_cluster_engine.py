@@ -422,3 +422,133 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=5).status_code
     except httpx.HTTPError:
         return None
+
+
+def _launched_ranks(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the processes mlx.launch started (its children, from any of its threads, carry
+    MLX_RANK)."""
+    ranks = {}
+    for child in " ".join(p.read_text() for p in Path(f"/proc/{launcher_pid}/task").glob("*/children")).split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"MLX_RANK=")), None)
+        if rank is not None:
+            ranks[rank] = int(child)
+    return ranks
+
+
+def _no_eos(model: Path) -> dict[str, dict[str, float]]:
+    """mlx_lm.server's ``logit_bias`` (it has no ignore_eos) that makes a random model say " the"
+    again and again: no early end, and every token a whole word that streams as its own chunk (byte
+    tokens wait in the detokenizer, and a whole answer of them arrives as one chunk)."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    return {"logit_bias": {str(vocab["\u0120the"]): 100.0}}
+
+
+def _streamed(pool: ThreadPoolExecutor, gateway, request_id: str, model: Path):
+    """A long streamed chat through the gateway, begun in ``pool``; returns the future and an event
+    set once its first content arrived."""
+    started = threading.Event()
+
+    def run():
+        events = []
+        with gateway.client.stream("POST", gateway.url + "/v1/chat/completions", headers={"X-Request-Id": request_id},
+                                   json={"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 4000,
+                                         "stream": True, **_no_eos(model)}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    started.set()
+        return response.status_code, events
+
+    return pool.submit(run), started
+
+
+def test_a_stock_distributed_mlx_lm_server_behind_the_gateway_is_one_upstream_whose_broken_streams_fail(
+        tmp_path, collector_factory, qwen2_model):
+    """A cluster tokentrace does not run (issue 46, item 5): stock ``mlx_lm server --pipeline`` under
+    ``mlx.launch`` (2 ranks, ring) behind ``tokentrace gateway``. From outside it is one upstream: its
+    requests are timed at the gateway, its ranks are invisible (no nodes, no per-rank split). A rank
+    stopped mid-answer is a stream that stops: failed after --request-timeout; a rank killed makes
+    mlx.launch end the whole cluster, and rank 0's HTTP/1.0 body just ends: the gateway must call
+    that stream unfinished (it used to pass as a completed decode) and tell the client."""
+    from harness_gateway import GatewayProcess, verdict
+
+    collector = collector_factory().start()
+    port = free_port()
+    log = (tmp_path / "stock.log").open("wb")
+    launcher = subprocess.Popen([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
+                                 "--starting-port", str(free_port()), sys.executable, "-m", "mlx_lm", "server",
+                                 "--model", str(qwen2_model), "--pipeline", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    gateway = None
+    try:
+        wait_for(lambda: _status(f"http://127.0.0.1:{port}/health") == 200, 180, "stock distributed mlx_lm.server")
+        ranks = _launched_ranks(launcher.pid)
+        assert set(ranks) == {0, 1}, ranks
+        gateway = GatewayProcess(tmp_path, {"ring": f"http://127.0.0.1:{port}"}, "--request-timeout", "5",
+                                 collector=collector).start()
+        assert gateway.health()["upstreams"][0]["kind"] == "mlx_lm"
+
+        answer = gateway.chat([{"role": "user", "content": "a long story"}], "stock-decode", max_tokens=64,
+                              **_no_eos(qwen2_model))
+        assert answer["status"] == 200 and answer["text"].count("the") == 64, answer
+        seen = verdict(collector, "stock-decode")
+        assert seen["slow"]["outcome"] == "completed" and seen["slow"]["instance_id"] == "ring"
+        assert seen["slow"]["category"] == "decode", seen["slow"]["evidence"]  # the gateway's own token times
+        assert "cluster" not in {e["kind"] for e in seen["slow"]["evidence"]}  # no rank is visible from outside
+        context = {e["kind"]: e for e in seen["slow"]["evidence"]}["context"]
+        row = httpx.get(collector.url + "/requests/stock-decode.json", timeout=30).json()["request"]
+        assert context["context_tokens"] == row["prompt_tokens"] + 64 == row["prompt_tokens"] + row["completion_tokens"]
+        # A client that turns usage off: no token counts reach the gateway; the context is unknown
+        # (it used to be "Context grew to 0 tokens").
+        quiet = gateway.chat([{"role": "user", "content": "a long story"}], "stock-no-usage", max_tokens=64,
+                             stream_options={"include_usage": False}, **_no_eos(qwen2_model))
+        assert quiet["status"] == 200 and quiet["usage"] is None
+        evidence = {e["kind"]: e for e in verdict(collector, "stock-no-usage")["slow"]["evidence"]}
+        assert evidence["context"]["context_tokens"] is None, evidence
+        assert evidence["context"]["text"].startswith("Context size unknown"), evidence["context"]
+        # Tokens the detokenizer holds (lone continuation bytes) arrive as one chunk at the end: the
+        # gateway saw no decode, and says unknown (it used to say 0.0 ms).
+        vocab = json.loads((qwen2_model / "tokenizer.json").read_text())["model"]["vocab"]
+        held = gateway.chat([{"role": "user", "content": "bytes"}], "stock-held", max_tokens=32,
+                            logit_bias={str(vocab["\u00a9"]): 100.0})
+        chunks = [e for e in held["events"] if e["choices"] and e["choices"][0]["delta"].get("content")]
+        assert held["status"] == 200 and len(chunks) == 1, held["events"]
+        breakdown = verdict(collector, "stock-held")["slow"]["breakdown_ms"]
+        assert breakdown["decode"] is None and breakdown["ttft"] is not None, breakdown
+
+        with ThreadPoolExecutor(1) as pool:
+            # Stopped: the stream stops; the client gets an error once --request-timeout passes.
+            future, started = _streamed(pool, gateway, "stock-stopped", qwen2_model)
+            assert started.wait(60)
+            os.kill(ranks[1], signal.SIGSTOP)
+            status, events = future.result(60)
+            assert status == 200 and "read timeout" in events[-1]["error"]["message"], events[-1]
+            assert verdict(collector, "stock-stopped")["slow"]["outcome"] == "failed"
+            os.kill(ranks[1], signal.SIGCONT)
+            assert gateway.chat([{"role": "user", "content": "again"}], "stock-resumed", max_tokens=8)["status"] == 200
+
+            # Killed: mlx.launch ends both ranks; the open answer's body simply ends.
+            future, started = _streamed(pool, gateway, "stock-killed", qwen2_model)
+            assert started.wait(60)
+            os.kill(ranks[1], signal.SIGKILL)
+            status, events = future.result(60)
+        assert status == 200 and "stream ended unfinished" in events[-1]["error"]["message"], events[-1]
+        killed = verdict(collector, "stock-killed")["slow"]
+        assert killed["outcome"] == "failed" and killed["category"] is None, killed
+        assert "stream ended unfinished" in killed["evidence"][0]["text"]
+        launcher.wait(60)  # the launcher ended the cluster
+        refused = gateway.chat([{"role": "user", "content": "after"}], "stock-after", max_tokens=8, stream=False)
+        assert refused["status"] == 503 and refused["body"]["error"]["type"] == "no_upstream", refused["body"]
+
+        # The instances page: one upstream, no nodes.
+        page = httpx.get(collector.url + "/instances.json", timeout=30).json()
+        (ring,) = [row for row in page["instances"] if row["instance_id"] == "ring"]
+        assert ring["cluster"] is None
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(30)
+        log.close()

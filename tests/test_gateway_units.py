@@ -11,7 +11,7 @@ import pytest
 from tokentrace import contract as c
 from tokentrace.engine_shim.gateway.adapters.base import CHAT, COMPLETIONS, FRAMING_SSE, Adapter, Facts, Probe
 from tokentrace.engine_shim.gateway.app import RateLimiter, _without_usage
-from tokentrace.engine_shim.gateway.measure import documents, token_kinds
+from tokentrace.engine_shim.gateway.measure import documents, token_kinds, unfinished
 from tokentrace.engine_shim.gateway.prompt import fingerprint_local, routing_blocks
 from tokentrace.engine_shim.gateway.router import Router
 from tokentrace.engine_shim.gateway.settings import add_setting_arguments, settings_from_args
@@ -96,6 +96,16 @@ def test_documents_are_timed_by_the_chunk_that_completes_them():
     for _, payload in found:
         Adapter("a", "http://a", None, Probe("openai")).facts_from_payload(facts, payload, CHAT)
     assert facts.prompt_tokens == 3 and facts.cached_tokens is None
+
+
+def test_a_stream_is_unfinished_only_without_done_a_finish_reason_or_an_error():
+    part = (1, b'data: {"choices":[{"index":0,"delta":{"content":"the"},"finish_reason":null}]}\n\n')
+    assert unfinished([part, part])  # the body ended mid-answer (a stock mlx_lm.server whose rank died)
+    assert not unfinished([part, (2, b"data: [DONE]\n\n")])
+    assert not unfinished([part, (2, b"data: [DONE]")])  # no trailing blank line: still done
+    assert not unfinished([part, (2, b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n')])
+    assert not unfinished([part, (2, b'data: {"error":{"message":"generation failed"}}\n\n')])  # it said why
+    assert unfinished([])  # a 200 stream with no byte at all
 
 
 def test_the_usage_chunk_the_gateway_asked_for_is_withheld_and_the_rest_passes_byte_for_byte():

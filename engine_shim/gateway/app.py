@@ -36,6 +36,7 @@ from tokentrace.engine_shim.gateway.adapters.base import (
     Route,
     StaleConnectionRetry,
 )
+from tokentrace.engine_shim.gateway.measure import unfinished
 from tokentrace.engine_shim.gateway.observe import Observer
 from tokentrace.engine_shim.gateway.prompt import routing_blocks
 from tokentrace.engine_shim.gateway.records import Exchange
@@ -374,14 +375,19 @@ class Gateway:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                 if gone.done():
                     raise _ClientGone
+            if (exchange.streamed and response.status_code == 200
+                    and response.headers.get("content-type", "").startswith("text/event-stream")
+                    and unfinished(exchange.chunks)):
+                raise _Unfinished
             await send({"type": "http.response.body", "body": pending, "more_body": False})
         except (_ClientGone, OSError):
             exchange.client_disconnected = True
-        except httpx.HTTPError as exc:
-            exchange.error_type = f"upstream_broke: {_describe(exc)}"
-            self._fail(exchange.decision.upstream, _describe(exc))
+        except (httpx.HTTPError, _Unfinished) as exc:
+            reason = UNFINISHED if isinstance(exc, _Unfinished) else _describe(exc)
+            exchange.error_type = f"upstream_broke: {reason}"
+            self._fail(exchange.decision.upstream, reason)
             if exchange.streamed and not gone.done():
-                event = json.dumps(_error(f"upstream {exchange.decision.upstream.name} failed mid-stream",
+                event = json.dumps(_error(f"upstream {exchange.decision.upstream.name} failed mid-stream: {reason}",
                                           "upstream_error"))
                 try:
                     await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(),
@@ -396,6 +402,14 @@ class Gateway:
 
 class _ClientGone(Exception):
     """The client disconnected while the answer streamed."""
+
+
+#: A stream the upstream closed before it finished (measure.unfinished): its process died mid-answer.
+UNFINISHED = "stream ended unfinished (no finish_reason, no [DONE])"
+
+
+class _Unfinished(Exception):
+    """The upstream closed a streamed answer before it finished."""
 
 
 async def _disconnected(receive) -> None:

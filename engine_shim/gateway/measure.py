@@ -23,6 +23,7 @@ from typing import Any
 from tokentrace.engine_shim.gateway.adapters.base import (
     FRAMING_JSON,
     FRAMING_NDJSON,
+    FRAMING_SSE,
     Adapter,
     Facts,
 )
@@ -93,6 +94,24 @@ def documents(chunks: list[tuple[int, bytes]], framing: str):
         payload = _loads(buffer) if framing == FRAMING_NDJSON else _sse_data(buffer)
         if payload is not None:
             yield chunks[-1][0], payload
+
+
+def unfinished(chunks: list[tuple[int, bytes]]) -> bool:
+    """Whether a streamed SSE answer ended before it finished: its connection closed with no
+    ``data: [DONE]``, no choice with a ``finish_reason`` and no error document. An upstream whose
+    process died mid-generation ends so: a stock ``mlx_lm.server`` (HTTP/1.0: the body ends when the
+    connection closes) under ``mlx.launch``, whose other rank was killed, looks like a normal end
+    of body to HTTP. Read once, at the end of a stream, and only past a tail without ``[DONE]``."""
+    if b"[DONE]" in b"".join(data for _, data in chunks[-3:])[-64:]:
+        return False
+    for _, payload in documents(chunks, FRAMING_SSE):
+        if not isinstance(payload, dict):
+            continue
+        if payload.get("error"):
+            return False
+        if any(isinstance(choice, dict) and choice.get("finish_reason") for choice in payload.get("choices") or ()):
+            return False
+    return True
 
 
 def _sse_data(block: bytes) -> Any:

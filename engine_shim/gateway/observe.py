@@ -262,7 +262,10 @@ class Observer:
             attrs[c.FIRST_CONTENT_MS] = first_content
         if exchange.end_ns is not None:
             attrs[c.E2E_MS] = (exchange.end_ns - exchange.arrival_ns) / 1e6
-        if len(measured.token_ns) >= 1:
+        if len(measured.token_ns) >= 2 or (measured.token_ns and facts.completion_tokens == 1):
+            # Decode is seen in the token events' times: two or more, or the one of a one-token answer.
+            # One event of a longer answer, or of an unknown count (a detokenizer held byte tokens back
+            # and sent them together), shows no decode: unknown, never 0.
             decode = (measured.token_ns[-1] - measured.token_ns[0]) / 1e6
             attrs[c.DECODE_MS] = decode
             outputs = facts.completion_tokens or len(measured.token_ns)
