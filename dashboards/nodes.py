@@ -124,10 +124,9 @@ def _memory(beat: dict | None, session_tokens: float | None) -> dict[str, Any]:
             "memory_free_bytes": free, "tokens_fit": tokens, "sessions_fit": sessions, "heartbeat_ns": beat["t_ns"]}
 
 
-def clusters_of(reader: TraceReader, health: list[dict[str, Any]], now_ns: int) -> dict[str, dict[str, Any]]:
-    """Per distributed instance (by its id): its nodes in ring order and what binds it (module docstring)."""
-    from tokentrace.dashboards.cache_page import session_length  # cache_page imports the instances page
-
+def node_list(reader: TraceReader) -> dict[str, list[dict[str, Any]]]:
+    """Per distributed instance (by its id), its nodes as each reported itself, in ring order: rank,
+    ranks, the node's own instance id, host, placement and weight bytes (named query ``nodes``)."""
     found: dict[str, list[dict]] = {}
     for row in reader.frame("nodes").to_dicts():
         attrs = _attributes(row["node_attributes"])
@@ -138,6 +137,16 @@ def clusters_of(reader: TraceReader, health: list[dict[str, Any]], now_ns: int) 
             "rank": rank, "ranks": _int(attrs.get(c.NODE_RANKS)), "instance_id": row["instance_id"],
             "host": row["host_name"], "placement": _attributes(row["shard_attributes"]).get(c.NODE_PLACEMENT),
             "weight_bytes": row["weight_bytes"], "runner_stage": None, "stages": None})
+    for nodes in found.values():
+        nodes.sort(key=lambda n: n["rank"])
+    return found
+
+
+def clusters_of(reader: TraceReader, health: list[dict[str, Any]], now_ns: int) -> dict[str, dict[str, Any]]:
+    """Per distributed instance (by its id): its nodes in ring order and what binds it (module docstring)."""
+    from tokentrace.dashboards.cache_page import session_length  # cache_page imports the instances page
+
+    found = node_list(reader)
     if not found:
         return {}
     status = {row["instance_id"]: row for row in health}
@@ -146,7 +155,6 @@ def clusters_of(reader: TraceReader, health: list[dict[str, Any]], now_ns: int) 
     since = (now_ns - ACTIVITY_S * 10**9) // BUCKET_NS * BUCKET_NS
     result = {}
     for of, nodes in found.items():
-        nodes.sort(key=lambda n: n["rank"])
         requests = reader.requests(since_ns=now_ns - SESSION_WINDOW_NS, instance_id=of, limit=SESSION_REQUESTS)
         session_tokens = session_length(requests)
         # From the cluster's latest start when that is more recent: not minutes of idle before it ran.

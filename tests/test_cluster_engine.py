@@ -255,8 +255,54 @@ def _assert_metrics_show_the_nodes(collector, exposition: str) -> None:
                 and f'rank="{rank}"' in k] == [pytest.approx(last_step[0][0] / 1e9)]
 
 
+def _assert_the_timeline_opens_the_instance_into_its_nodes(collector, closed: dict, opened: dict) -> None:
+    """/timeline.json: the cluster is one lane (rank 1 is no lane of its own, its load is on its node's
+    row); opened, each node's row holds every step that rank stored, timed ones split as stored."""
+    for data in (closed, opened):
+        assert data["lanes"] == ["ring"], data["lanes"]
+        assert (data["nodes"]["lane"], data["nodes"]["rank"], data["nodes"]["name"], data["nodes"]["placement"]) == (
+            [0, 0], [0, 1], ["ring", "ring/rank1"], ["layers 1-3 of 4", "layers 0-0 of 4"])
+        loads = data["loads"]
+        assert sorted(zip(loads["lane"], loads["node"], strict=True), key=str) == [(0, 1), (0, None)]
+    assert closed["open"] == [] and closed["steps"]["node"] == []
+    assert opened["open"] == ["ring"] and not opened["steps_truncated"]
+    steps = opened["steps"]
+    for row, instance in enumerate(("ring", "ring/rank1")):
+        mine = [i for i, node in enumerate(steps["node"]) if node == row]
+        count, timed, busy, compute, ring = collector.sql(
+            "SELECT count(*), count(compute_ns), sum(duration_ns), sum(compute_ns), sum(ring_wait_ns) FROM steps "
+            "WHERE instance_id = ?", [instance])[0]
+        assert len(mine) == count and sum(steps["compute"][i] is not None for i in mine) == timed > 0
+        assert sum(steps["end"][i] - steps["start"][i] for i in mine) == pytest.approx(busy / 1e6, abs=count * 2e-3)
+        assert sum(steps["compute"][i] or 0 for i in mine) == pytest.approx(compute / 1e6, abs=timed * 1e-3)
+        assert sum(steps["ring"][i] or 0 for i in mine) == pytest.approx(ring / 1e6, abs=timed * 1e-3)
+        assert [steps["start"][i] for i in mine] == sorted(steps["start"][i] for i in mine)
+
+
+def _open_the_cluster_on_the_timeline(browser_page, url: str) -> None:
+    """In Chromium: a click on the cluster's name opens it into its nodes (the page's URL keeps it),
+    its steps are drawn on two rows, and a second click closes it."""
+    page = browser_page.page
+    browser_page.open(url + "/timeline?since=1h")
+    canvas = page.locator("canvas#timeline")
+    page.wait_for_function("document.getElementById('timeline').dataset.drawn !== undefined")
+    assert canvas.get_attribute("data-open") == "" and "click a cluster" in page.locator("#tl-summary").inner_text()
+    box = canvas.bounding_box()
+    top = page.evaluate("window.tokentraceTimeline.timeline.laneTop[0]")
+    page.mouse.click(box["x"] + 30, box["y"] + top + 18)  # the lane's name, in the gutter
+    page.wait_for_function("document.getElementById('timeline').dataset.open === 'ring'")
+    page.wait_for_function("Number(document.getElementById('timeline').dataset.nodeSteps) > 0")
+    assert "open=ring" in page.url and "opened into its nodes" in page.locator("#tl-summary").inner_text()
+    browser_page.screenshot("timeline-nodes")
+    assert canvas.bounding_box()["y"] == box["y"]  # nothing above it moved: the name is where it was
+    page.mouse.click(box["x"] + 30, box["y"] + top + 18)
+    page.wait_for_function("document.getElementById('timeline').dataset.open === ''")
+    assert "open=" not in page.url
+    browser_page.assert_clean()
+
+
 def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_waits_on_the_ring(
-        engine_factory, collector_factory, qwen2_model):
+        engine_factory, collector_factory, qwen2_model, browser_page):
     # Rank 0 holds three layers, rank 1 one: rank 0 computes about three times as long per step.
     collector = collector_factory().start()
     cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--split", "3,1", "--prefill-step-size", "64",
@@ -274,7 +320,11 @@ def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_wa
                                       timeout=60).json() for phase in ("prefill", "decode")}
     html = httpx.get(f"{collector.url}/requests/ring-decode", headers=collector.headers, timeout=60).text
     exposition = httpx.get(f"{collector.url}/metrics", headers=collector.headers, timeout=60).text
+    timelines = [httpx.get(f"{collector.url}/timeline.json", params={"since": "1h", **extra}, timeout=60).json()
+                 for extra in ({}, {"open": ["ring", "no-such-instance", "ring"]})]  # once; unknown: ignored
+    _open_the_cluster_on_the_timeline(browser_page, collector.url)
     collector.stop()
+    _assert_the_timeline_opens_the_instance_into_its_nodes(collector, *timelines)
     _assert_the_instances_page_shows_the_nodes(collector, *pages)
     _assert_metrics_show_the_nodes(collector, exposition)
     for phase, page in request_pages.items():  # the request page: its steps on each node, as the verdict says

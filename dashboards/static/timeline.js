@@ -4,7 +4,10 @@
  * inside their lane (first row free at their start), drawn phase by phase (one path per colour, so
  * 10,000 requests are a few dozen thousand rects and a handful of fills), and found again under the
  * mouse by a binary search in their row. Wheel zooms around the cursor, drag pans, double-click
- * resets; hover shows a request's numbers, click opens /requests/{id}. */
+ * resets; hover shows a request's numbers, click opens /requests/{id}. A distributed instance's lane
+ * opens into its nodes (a click on its name: the twin is fetched again with open=<instance>): one
+ * row per rank under its requests, each engine step of that rank a block, a timed step split into
+ * its compute, its wait on the ring and the rest, in proportion (not in order). */
 (function () {
   "use strict";
   const css = getComputedStyle(document.documentElement);
@@ -18,7 +21,9 @@
   // request that did not complete: red).
   const CATEGORY_COLORS = {cold_start: color("load_wait"), queueing: color("queue"), prefill: color("prefill"),
                            decode: color("decode"), undecomposed: color("other")};
-  const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12, LANE_MIN = 42;
+  const GUTTER = 148, AXIS = 24, MARK = 12, GAP = 6, RIGHT = 12, LANE_MIN = 42, NODE_H = 16;
+  // A node's step (the instances page's colours): compute, waiting on the ring, the rest; untimed: grey.
+  const STEP_COLORS = {compute: "#2f6fdb", ring: "#e6a23c", rest: "#8893a6", untimed: "#b8c0cc"};
   const fmt = (v) => window.tokentraceCharts.fmt("ms", v);
 
   class Timeline {
@@ -53,12 +58,20 @@
       this.evT = rebase(data.evictions.t);
       this.loadStart = rebase(data.loads.start);
       this.loadEnd = rebase(data.loads.end);
+      this.stepStart = rebase(data.steps.start);
+      this.stepEnd = rebase(data.steps.end);
       this.layout();
       if (!this.view) this.reset();
       else if (followNow) { const d = data.now - oldNow; this.view = [this.view[0] + d, this.view[1] + d]; }
       this.summary.textContent = this.n.toLocaleString() + (this.n === 1 ? " request" : " requests") + " on " +
         data.lanes.length + " instance" +
-        (data.lanes.length === 1 ? "" : "s") + (data.truncated ? " (newest " + this.n + " shown)" : "");
+        (data.lanes.length === 1 ? "" : "s") + (data.truncated ? " (newest " + this.n + " shown)" : "") +
+        (data.open.length ? " · " + data.open.join(", ") + " opened into its nodes (" +
+          data.steps.node.length.toLocaleString() + " steps" + (data.steps_truncated ? ", the newest" : "") + ")"
+          : data.nodes.lane.length ? " · click a cluster's name to open it into its nodes" : "");
+      this.canvas.dataset.open = data.open.join(",");
+      const legend = document.getElementById("tl-node-legend");
+      if (legend) legend.style.visibility = data.open.length ? "visible" : "hidden";  // its room kept: no jump
       this.draw();
     }
 
@@ -76,6 +89,18 @@
         ends[k] = this.end[i];
         this.row[i] = k;
         this.rows[lane][k].push(i);
+      }
+      // Node rows per lane (ring order), which lanes are open, and each node's steps (sorted by start).
+      const nodes = this.data.nodes;
+      this.laneNodes = Array.from({length: lanes}, () => []);
+      nodes.lane.forEach((lane, k) => this.laneNodes[lane].push(k));
+      this.opened = new Set(this.data.open.map((name) => this.data.lanes.indexOf(name)));
+      this.stepFrom = new Int32Array(nodes.lane.length).fill(0);
+      this.stepTo = new Int32Array(nodes.lane.length).fill(0);
+      const sn = this.data.steps.node;
+      for (let k = 0; k < sn.length; k++) {
+        if (k === 0 || sn[k] !== sn[k - 1]) this.stepFrom[sn[k]] = k;
+        this.stepTo[sn[k]] = k + 1;
       }
       this.chunkOrdinal = new Int32Array(this.chunkStart.length);
       const seen = new Map();
@@ -95,9 +120,19 @@
       const room = Math.max(260, window.innerHeight - this.canvas.getBoundingClientRect().top - 24);
       this.rowH = Math.max(3, Math.min(16, Math.floor((room - AXIS - lanes * (MARK + GAP)) / total)));
       this.laneTop = [];
+      this.nodeTop = new Float64Array(this.data ? this.data.nodes.lane.length : 0);
       let y = AXIS;
-      // At least LANE_MIN tall: the instance name and row count are drawn in the gutter.
-      for (const c of counts) { this.laneTop.push(y); y += Math.max(LANE_MIN, MARK + c * this.rowH) + GAP; }
+      // At least LANE_MIN tall: the instance name and row count are drawn in the gutter. An opened
+      // lane's node rows go under its requests, NODE_H each.
+      counts.forEach((c, lane) => {
+        this.laneTop.push(y);
+        let h = MARK + c * this.rowH;
+        if (this.opened && this.opened.has(lane)) {
+          h = Math.max(h + 4, MARK + 26);  // below the lane's name and counts in the gutter
+          for (const k of this.laneNodes[lane]) { this.nodeTop[k] = y + h; h += NODE_H; }
+        }
+        y += Math.max(LANE_MIN, h) + GAP;
+      });
       this.height = Math.max(y, 120);
       const dpr = window.devicePixelRatio || 1;
       this.width = this.canvas.clientWidth;
@@ -190,6 +225,7 @@
       }
       ctx.fill();
       this.paintMarks(ctx, visible, h);
+      this.paintNodes(ctx);
       if (this.hover >= 0) {
         const i = this.hover, x0 = this.x(this.start[i]);
         ctx.strokeStyle = "#1d2330";
@@ -225,15 +261,62 @@
         ctx.fillRect(0, top - GAP / 2, this.width, bottom - top + GAP);
         ctx.fillStyle = "#1d2330";
         ctx.textAlign = "left";
-        let label = name || "(no instance)";
+        const nodes = this.laneNodes[lane], open = this.opened.has(lane);
+        let label = (nodes.length ? (open ? "▾ " : "▸ ") : "") + (name || "(no instance)");
         while (label.length > 3 && ctx.measureText(label).width > GUTTER - 16) label = label.slice(0, -2) + "…";
         ctx.fillText(label, 8, top + MARK + 6);
         const rows = this.rows[lane].length;
         ctx.fillStyle = "#667085";
         ctx.font = "11px system-ui, sans-serif";
-        ctx.fillText(rows + " row" + (rows === 1 ? "" : "s"), 8, top + MARK + 20);
+        ctx.fillText(rows + " row" + (rows === 1 ? "" : "s") + (nodes.length ? " · " + nodes.length + " nodes" : ""),
+                     8, top + MARK + 20);
+        if (open) {
+          ctx.font = "10px system-ui, sans-serif";
+          for (const k of nodes) {
+            let text = "rank " + d.nodes.rank[k] + (d.nodes.placement[k] ? " · " + d.nodes.placement[k] : "");
+            while (text.length > 3 && ctx.measureText(text).width > GUTTER - 20) text = text.slice(0, -2) + "…";
+            ctx.fillText(text, 16, this.nodeTop[k] + NODE_H / 2);
+          }
+        }
         ctx.font = "12px system-ui, sans-serif";
       });
+    }
+
+    /* An opened lane's nodes: each step of each rank a block on its row; a timed step split into
+     * compute, ring wait and the rest of the step, in proportion. */
+    paintNodes(ctx) {
+      const d = this.data, [v0, v1] = this.view, st = d.steps, h = NODE_H - 4;
+      const paths = {compute: [], ring: [], rest: [], untimed: []};
+      let drawn = 0;
+      for (const lane of this.opened) {
+        for (const k of this.laneNodes[lane]) {
+          const y = this.nodeTop[k] + 2;
+          ctx.fillStyle = "rgba(255,255,255,0.7)";
+          ctx.fillRect(GUTTER, y - 1, this.width - GUTTER, h + 2);
+          let lo = this.stepFrom[k], hi = this.stepTo[k];
+          while (lo < hi) {  // first step that ends after v0 (steps of one rank do not overlap)
+            const mid = (lo + hi) >> 1;
+            if (this.stepEnd[mid] < v0) lo = mid + 1; else hi = mid;
+          }
+          for (let i = lo; i < this.stepTo[k] && this.stepStart[i] <= v1; i++) {
+            const x0 = this.x(this.stepStart[i]), w = Math.max(0.5, this.x(this.stepEnd[i]) - x0);
+            drawn++;
+            if (st.compute[i] === null) { paths.untimed.push([x0, y, w]); continue; }
+            const whole = this.stepEnd[i] - this.stepStart[i] || 1;
+            const c = w * Math.min(1, st.compute[i] / whole), r = w * Math.min(1, (st.ring[i] || 0) / whole);
+            paths.compute.push([x0, y, c]);
+            paths.ring.push([x0 + c, y, Math.min(r, w - c)]);
+            paths.rest.push([x0 + c + r, y, Math.max(0, w - c - r)]);
+          }
+        }
+      }
+      for (const [part, rects] of Object.entries(paths)) {
+        ctx.fillStyle = STEP_COLORS[part];
+        ctx.beginPath();
+        for (const [x, y, w] of rects) if (w > 0) ctx.rect(x, y, w, h);
+        ctx.fill();
+      }
+      this.canvas.dataset.nodeSteps = String(drawn);
     }
 
     paintMarkers(ctx) {
@@ -241,8 +324,11 @@
       ctx.fillStyle = "#8893a6";
       for (let k = 0; k < this.loadStart.length; k++) {
         if (this.loadEnd[k] < v0 || this.loadStart[k] > v1) continue;
+        const node = d.loads.node[k];
+        // A rank's own load: on its node's row, when its lane is open.
+        if (node !== null && !this.opened.has(d.loads.lane[k])) continue;
         const x0 = Math.max(GUTTER, this.x(this.loadStart[k])), x1 = this.x(this.loadEnd[k]);
-        const top = this.laneTop[d.loads.lane[k]] + 2;
+        const top = node !== null ? this.nodeTop[node] + 2 : this.laneTop[d.loads.lane[k]] + 2;
         ctx.fillRect(x0, top, Math.max(2, x1 - x0), MARK - 4);
         if (x1 - x0 > 60) {
           ctx.fillStyle = "#fff";
@@ -379,6 +465,40 @@
       return -1;
     }
 
+    /* The lane whose name (in the gutter) was clicked, if it has nodes to open; else -1. */
+    toggleAt(px, py) {
+      if (!this.data || px >= GUTTER) return -1;
+      for (let l = this.laneTop.length - 1; l >= 0; l--) {
+        if (py >= this.laneTop[l]) return py <= this.laneTop[l] + MARK + 26 && this.laneNodes[l].length ? l : -1;
+      }
+      return -1;
+    }
+
+    /* The node step under the mouse: its index in data.steps, or -1. */
+    stepAt(px, py) {
+      if (!this.data || px < GUTTER) return -1;
+      const t = this.t(px), tol = 2 * (this.view[1] - this.view[0]) / (this.width - GUTTER - RIGHT);
+      for (const lane of this.opened) {
+        for (const k of this.laneNodes[lane]) {
+          if (py < this.nodeTop[k] || py >= this.nodeTop[k] + NODE_H) continue;
+          let lo = this.stepFrom[k], hi = this.stepTo[k];
+          while (lo < hi) { const mid = (lo + hi) >> 1; if (this.stepEnd[mid] < t - tol) lo = mid + 1; else hi = mid; }
+          return lo < this.stepTo[k] && this.stepStart[lo] <= t + tol ? lo : -1;
+        }
+      }
+      return -1;
+    }
+
+    describeStep(i) {
+      const d = this.data, st = d.steps, k = st.node[i], step = st.end[i] - st.start[i];
+      const rows = [["rank " + d.nodes.rank[k] + " · " + d.nodes.name[k]],
+                    ["holds", d.nodes.placement[k] || "n/a"], ["step", fmt(step)]];
+      if (st.compute[i] === null) rows.push(["split", "not timed (one step in 8 is)"]);
+      else rows.push(["compute", fmt(st.compute[i])], ["waiting on the ring", fmt(st.ring[i])],
+                     ["rest of step", fmt(Math.max(0, step - st.compute[i] - (st.ring[i] || 0)))]);
+      return rows;
+    }
+
     eviction(px, py) {
       const d = this.data;
       for (let k = 0; k < this.evT.length; k++) {
@@ -456,6 +576,9 @@
         const i = this.hit(e.offsetX, e.offsetY);
         if (i !== this.hover) { this.hover = i; this.draw(); }
         if (i >= 0) { c.style.cursor = "pointer"; this.show(this.describe(i), e.clientX, e.clientY); return; }
+        if (this.toggleAt(e.offsetX, e.offsetY) >= 0) { c.style.cursor = "pointer"; this.tooltip.classList.add("hidden"); return; }
+        const step = this.stepAt(e.offsetX, e.offsetY);
+        if (step >= 0) { c.style.cursor = ""; this.show(this.describeStep(step), e.clientX, e.clientY); return; }
         c.style.cursor = "";
         const k = this.eviction(e.offsetX, e.offsetY);
         if (k >= 0) {
@@ -469,6 +592,8 @@
       c.addEventListener("mouseleave", () => { this.hover = -1; this.tooltip.classList.add("hidden"); this.draw(); });
       c.addEventListener("click", (e) => {
         if (drag && drag.moved) return;
+        const lane = this.toggleAt(e.offsetX, e.offsetY);
+        if (lane >= 0 && this.onToggle) { this.onToggle(this.data.lanes[lane]); return; }
         const i = this.hit(e.offsetX, e.offsetY);
         if (i >= 0) location.href = "/requests/" + encodeURIComponent(this.data.requests.id[i]);
       });
@@ -593,8 +718,25 @@
   document.getElementById("zoom-in").addEventListener("click", () => tl.zoom(0.5));
   document.getElementById("zoom-out").addEventListener("click", () => tl.zoom(2));
   document.getElementById("zoom-reset").addEventListener("click", () => { tl.reset(); tl.draw(); });
-  document.addEventListener("tokentrace:tick", async () => {
+  const refresh = async () => {
     const response = await fetch(canvas.dataset.src, {credentials: "same-origin"});
     if (response.ok) { const data = await response.json(); tl.load(data); table.update(data); }
-  });
+  };
+  document.addEventListener("tokentrace:tick", refresh);
+  // Open or close a cluster into its nodes: the twin's and the page's ?open= both change (a reload or
+  // a shared link keeps it), then the twin is fetched again.
+  tl.onToggle = (name) => {
+    const opened = (url) => {
+      const open = new Set(url.searchParams.getAll("open"));
+      if (open.has(name)) open.delete(name); else open.add(name);
+      url.searchParams.delete("open");
+      for (const o of open) url.searchParams.append("open", o);
+      return url;
+    };
+    const twin = opened(new URL(canvas.dataset.src, location.href));
+    canvas.dataset.src = twin.pathname + twin.search;
+    history.replaceState(null, "", opened(new URL(location.href)));
+    refresh();
+  };
+  window.tokentraceTimeline.toggle = (name) => tl.onToggle(name);
 })();
