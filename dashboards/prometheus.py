@@ -288,8 +288,9 @@ class MetricsState:
     def _fold_batches(self, batches: list[dict[str, pa.Table]]) -> None:
         tables = {name: pa.concat_tables(parts) for name in (*_FOLDED, "decode_steps")
                   if (parts := [b[name] for b in batches if name in b])}
+        # (steps stay Arrow: a busy engine's steps are most of a batch's rows, and only a cluster's are read)
         rows = {name: list(zip(*(c.to_pylist() for c in tables[name].columns), strict=True)) if name in tables else []
-                for name in _FOLDED if name != "requests"}
+                for name in _FOLDED if name not in ("requests", "steps")}
         for row in rows["resources"]:
             r = dict(zip(TABLES["resources"], row, strict=True))
             if r["instance_id"]:
@@ -311,7 +312,7 @@ class MetricsState:
         if "decode_steps" in tables:
             self._fold_itl(tables["decode_steps"])
         self._fold_heartbeats(rows["heartbeats"])
-        self._fold_nodes(rows["steps"], rows["load_stages"])
+        self._fold_nodes(tables.get("steps"), rows["load_stages"])
         self._fold_routes(rows["routes"])
         for row in rows["cache_evictions"]:
             r = dict(zip(TABLES["cache_evictions"], row, strict=True))
@@ -467,29 +468,32 @@ class MetricsState:
         of, rank = self._node[instance]
         return self._labels(of, self._model_of.get(instance), rank=rank)
 
-    def _fold_nodes(self, steps: list[tuple], stages: list[tuple]) -> None:
-        """A distributed instance's nodes: their step time split and their weights (issue 46)."""
+    def _fold_nodes(self, steps: pa.Table | None, stages: list[tuple]) -> None:
+        """A distributed instance's nodes: their step time split and their weights (issue 46). Only
+        the steps of instances that are nodes are read, summed per node in Arrow."""
         for row in stages:
             s = dict(zip(TABLES["load_stages"], row, strict=True))
             if s["instance_id"] in self._node and s["name"] == c.SPAN_LOAD_WEIGHTS and s["bytes"] is not None:
                 self._set((*self._node_labels(s["instance_id"]), ("kind", "weights")),
                           {"tokentrace_node_memory_bytes": s["bytes"]})
-        last: dict[str, int] = {}
-        for row in steps:
-            s = dict(zip(TABLES["steps"], row, strict=True))
-            instance, duration = s["instance_id"], s["duration_ns"] or 0
-            if instance not in self._node:
-                continue
-            labels = self._node_labels(instance)
-            parts = {"busy": duration}
-            if s["compute_ns"] is not None:
-                parts.update(timed=duration, compute=s["compute_ns"], ring_wait=s["ring_wait_ns"] or 0)
-            for part, ns in parts.items():
-                self.counters[("tokentrace_node_step_seconds", (*labels, ("part", part)))] += ns / 1e9
-            last[instance] = max(last.get(instance, 0), s["start_ns"] + duration)
-        for instance, t_ns in last.items():
-            key = ("tokentrace_node_last_step_seconds", self._node_labels(instance))
-            self.gauges[key] = max(self.gauges.get(key, 0.0), t_ns / 1e9)
+        if steps is None or not self._node:
+            return
+        mine = steps.select(["instance_id", "start_ns", "duration_ns", "compute_ns", "ring_wait_ns"]).filter(
+            pc.is_in(steps["instance_id"], value_set=pa.array(list(self._node), pa.string())))
+        if not mine.num_rows:
+            return
+        timed = pl.col("compute_ns").is_not_null()
+        sums = pl.from_arrow(mine).group_by("instance_id").agg(
+            busy=pl.col("duration_ns").fill_null(0).sum(), timed=pl.col("duration_ns").filter(timed).fill_null(0).sum(),
+            compute=pl.col("compute_ns").sum(), ring_wait=pl.col("ring_wait_ns").filter(timed).fill_null(0).sum(),
+            last=(pl.col("start_ns") + pl.col("duration_ns").fill_null(0)).max(), timed_steps=timed.sum())
+        for s in sums.iter_rows(named=True):
+            labels = self._node_labels(s["instance_id"])
+            # a node that timed no step (tensor placement) has no split: busy alone, never a 0 compute
+            for part in ("busy", "timed", "compute", "ring_wait") if s["timed_steps"] else ("busy",):
+                self.counters[("tokentrace_node_step_seconds", (*labels, ("part", part)))] += (s[part] or 0) / 1e9
+            key = ("tokentrace_node_last_step_seconds", labels)
+            self.gauges[key] = max(self.gauges.get(key, 0.0), s["last"] / 1e9)
 
     def _note_partners(self, frame: pl.DataFrame) -> None:
         """Which sides report each instance, and the queued requests whose second row this is (or
