@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokentrace import contract as c
-from tokentrace.analyzers.evidence import NO_CAUSE, Evidence  # noqa: F401 - NO_CAUSE is re-exported
+from tokentrace.analyzers.evidence import NO_CAUSE, Evidence, fmt_bytes  # noqa: F401 - NO_CAUSE is re-exported
 from tokentrace.analyzers.outcome import COMPLETED, outcome_of
 from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.store import TraceReader
@@ -124,6 +124,9 @@ class CacheFacts:
     #: earlier segments that end like the one this prompt's reuse stopped in (tail_matches rows):
     #: read only when it stopped inside the first block
     tail_matches: list[dict] = field(default_factory=list)
+    #: a distributed instance's nodes as their heartbeats stood when its longer entry went (its
+    #: eviction, else this lookup): node_heartbeats_at rows, one per rank; [] for one process
+    nodes: list[dict] = field(default_factory=list)
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -160,7 +163,7 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     stopped_in = _holding(segments, cached) if cached < block else None
     tail = stopped_in.get("tail_hash") if stopped_in else None
     # Only a lookup that reused less than a block can be a model or template change.
-    (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity), \
+    (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes), \
         (matches, divergences, earlier), (identity, previous), tails = \
         reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
                         lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
@@ -173,16 +176,17 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
                                             [seen_prompt["request_id"]]).get(seen_prompt["request_id"], [])
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
                       divergences, earlier, loads, previous, identity, granularity, seen_prompt, prompt_segments,
-                      tails)
+                      tails, nodes)
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
            cached: int) -> tuple:
-    """(seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity): the deepest
-    block of this prompt any earlier prompt or entry had, the earlier prompt (lookup) that had the
-    deepest and where it leaves this one (``diverge``), per instance the deepest cached, what ended this
-    instance's longer entry (an eviction, else model loads since) and the other instances' entries,
-    and the tokens per block this instance reuses in (``cache_granularity_at``)."""
+    """(seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes): the
+    deepest block of this prompt any earlier prompt or entry had, the earlier prompt (lookup) that had
+    the deepest and where it leaves this one (``diverge``), per instance the deepest cached, what ended
+    this instance's longer entry (an eviction, else model loads since) and the other instances'
+    entries, the tokens per block this instance reuses in (``cache_granularity_at``), and where this
+    instance is distributed, its nodes' memory when that entry went (``node_heartbeats_at``)."""
     reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
     prompts = [row for row in reach if row["source"] == "lookup" and row["request_id"] is not None]
@@ -196,7 +200,7 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
     granularity = sizes[0]["block_tokens"] if sizes and (sizes[0]["block_tokens"] or 0) > block else None
     longer = _longer(cached_on, block, prompt, cached, {here_key: granularity})
     here = next((row for row in longer if row["instance_id"] == here_key), None)
-    eviction, loads = None, []
+    eviction, loads, nodes = None, [], []
     if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
         if eviction is None:
@@ -205,11 +209,12 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
             rows = reader.rows("loads_in", since_ns=here["t_ns"], until_ns=t)
             loads = list({row["load_id"]: row for row in rows
                           if row["instance_id"] == here_key and here["t_ns"] < row["start_ns"] < t}.values())
+        nodes = reader.rows("node_heartbeats_at", instance_id=here_key, t_ns=eviction["t_ns"] if eviction else t)
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []
     return seen, seen_prompt, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}, \
-        granularity
+        granularity, nodes
 
 
 def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict], hashes: list[int], t: int,
@@ -604,7 +609,48 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
          "inserted_at_ns": eviction["inserted_ns"], "lost_tokens": lost - verdict.cached_tokens,
          "cache_entries_after": eviction["cache_entries"], "cache_bytes_after": eviction["cache_bytes"]},
     ))
+    _binding_node(verdict, facts)
     return True
+
+
+def _binding_node(verdict: CacheVerdict, facts: CacheFacts) -> None:
+    """A distributed instance (issue 46): each node caches its own share of the KV (in pipeline
+    placement its layers'), rank 0 decides what the cache keeps and its byte limit counts rank 0's
+    share; the node whose memory binds is the one whose free memory holds the fewest more tokens of
+    its KV (without free memory reported: the one holding the most KV per token)."""
+    nodes = [dict(n, rank=c.node_rank(verdict.instance_id, n["instance_id"])) for n in facts.nodes
+             if n["kv_bytes_per_token"]]
+    first = next((n for n in nodes if n["rank"] == 0), None)
+    if len(nodes) < 2 or first is None:
+        return
+    limit = first["cache_max_bytes"]
+    for node in nodes:
+        node["ratio"] = node["kv_bytes_per_token"] / first["kv_bytes_per_token"]
+        free = node["memory_free_bytes"]
+        node["tokens_fit"] = int(free // node["kv_bytes_per_token"]) if free is not None else None
+        node["bytes_at_limit"] = round(limit * node["ratio"]) if limit else None
+    known = [n for n in nodes if n["tokens_fit"] is not None]
+    binding = (min(known, key=lambda n: (n["tokens_fit"], n["rank"])) if len(known) == len(nodes)
+               else max(nodes, key=lambda n: (n["ratio"], -n["rank"])))
+    text = (f"On this {len(nodes)}-node cluster each node caches its own share of the KV, and the cache's byte "
+            f"limit{f' ({fmt_bytes(limit)})' if limit else ''} counts rank 0's "
+            f"({fmt_bytes(first['kv_bytes_per_token'])} a token). ")
+    if binding["rank"] == 0:
+        text += "Memory binds at rank 0, the node the limit counts"
+    else:
+        text += (f"Memory binds at rank {binding['rank']}: it holds {binding['ratio']:.2g}x rank 0's KV per token"
+                 + (f", {fmt_bytes(binding['bytes_at_limit'])} when the cache is at its limit"
+                    if binding["bytes_at_limit"] else ""))
+    text += (f"; {fmt_bytes(binding['memory_free_bytes'])} was free there, room for {binding['tokens_fit']:,} more "
+             "tokens of its KV: a larger cache needs that room." if binding["tokens_fit"] is not None
+             else "; its free memory was not reported.")
+    verdict.evidence.append(Evidence(
+        "binding_node", text,
+        {"binding_rank": binding["rank"], "cache_max_bytes": limit, "limit_counts_rank": 0,
+         "nodes": [{key: node[key] for key in ("rank", "instance_id", "kv_bytes_per_token", "cache_bytes",
+                                               "memory_free_bytes", "tokens_fit", "bytes_at_limit")}
+                   for node in sorted(nodes, key=lambda n: n["rank"])]},
+    ))
 
 
 def _instance_change(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokentrace import contract as c
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms, plural
 from tokentrace.analyzers.outcome import (
@@ -269,12 +270,12 @@ def _stalled(verdict: SlowVerdict, facts: SlowFacts) -> None:
     own heartbeats) — the rank that stalled the others, when one did."""
     r, code = facts.request, facts.request["error_type"]
     end = r["end_ns"]
-    nodes = {_rank_of(verdict.instance_id, row["instance_id"]): row for row in facts.liveness}
+    nodes = {c.node_rank(verdict.instance_id, row["instance_id"]): row for row in facts.liveness}
     steps = [row["last_step_end_ns"] for row in nodes.values() if row["last_step_end_ns"] is not None]
     since = max(steps) if steps else None
     silent = sorted(rank for rank, row in nodes.items()
                     if since is not None and (row["last_heartbeat_ns"] or 0) < since)
-    later = {_rank_of(verdict.instance_id, row["instance_id"]) for row in facts.after if row["last_heartbeat_ns"]}
+    later = {c.node_rank(verdict.instance_id, row["instance_id"]) for row in facts.after if row["last_heartbeat_ns"]}
     if code == "RankLost" and len(silent) != 1 and later:
         # A rank lost fails the request at once, before any heartbeat could be missed: the ranks that
         # reported after the failure were alive; the one that never did again is the one lost.
@@ -521,11 +522,6 @@ def analyze_slowness(reader: TraceReader, request_id: str, slo: SloSpec | None =
     return verdict
 
 
-def _rank_of(instance_id: str, node: str) -> int:
-    """A node's rank: the instance itself is rank 0, ``<instance>/rank<r>`` rank r."""
-    return 0 if node == instance_id else int(node.rsplit("/rank", 1)[1])
-
-
 def rank_split(instance_id: str, nodes: list[dict], phase: str) -> list[dict[str, Any]]:
     """Per rank of a distributed instance, the mean of the steps it timed while a request was in
     ``phase`` (its node_steps rows): the compute of its layers, its waits on the ring, the rest of
@@ -534,18 +530,47 @@ def rank_split(instance_id: str, nodes: list[dict], phase: str) -> list[dict[str
     per_rank: dict[int, list[dict]] = {}
     for row in nodes:
         if row[flag] and row["duration_ns"]:
-            per_rank.setdefault(_rank_of(instance_id, row["instance_id"]), []).append(row)
+            per_rank.setdefault(c.node_rank(instance_id, row["instance_id"]), []).append(row)
     ranks = []
     for rank in sorted(per_rank):
         rows = per_rank[rank]
         mean = {key: sum(row[key] for row in rows) / len(rows) / 1e6 for key in ("compute_ns", "ring_wait_ns",
                                                                                 "duration_ns")}
+        # The CPU its process used in those waits, where it reported it: the ring's receive polls, so
+        # a wait normally uses as much CPU as time, and the rest of it the rank spent off its CPU.
+        cpu = [row for row in rows if row.get("ring_wait_cpu_ns") is not None]
+        wait_cpu = sum(row["ring_wait_cpu_ns"] for row in cpu) / len(cpu) / 1e6 if cpu else None
+        off = sum(max(row["ring_wait_ns"] - row["ring_wait_cpu_ns"], 0) for row in cpu) / len(cpu) / 1e6 if cpu \
+            else None
         ranks.append({"rank": rank, "instance_id": rows[0]["instance_id"], "steps": len(rows),
                       "compute_ms": round(mean["compute_ns"], 3), "ring_wait_ms": round(mean["ring_wait_ns"], 3),
                       "step_ms": round(mean["duration_ns"], 3),
                       "rest_ms": round(max(mean["duration_ns"] - mean["compute_ns"] - mean["ring_wait_ns"], 0), 3),
-                      "wait_share": round(mean["ring_wait_ns"] / mean["duration_ns"], 3)})
+                      "wait_share": round(mean["ring_wait_ns"] / mean["duration_ns"], 3),
+                      "wait_cpu_ms": None if wait_cpu is None else round(wait_cpu, 3),
+                      "off_cpu_ms": None if off is None else round(off, 3)})
     return ranks
+
+
+#: A rank whose ring waits used at least this share of their time in CPU shows that the ring's
+#: receive polls here (MLX's ring backend does); only then is a wait with less CPU read as time off
+#: the CPU (a backend that blocks in its receive uses none while it waits, starved or not).
+POLLING_SHARE = 0.8
+#: A rank off its CPU for at least this share of its waits is starved (other work had its CPU); less
+#: is the scheduling of a busy host, not named.
+STARVED_SHARE = 0.25
+
+
+def _starved(ranks: list[dict[str, Any]], link: float) -> tuple[dict[str, Any] | None, float]:
+    """(the rank most off its CPU while it waited, the ms of the no-rank-computing time that was ranks
+    starved rather than the ring): none where no rank's waits show that the receive polls, or no
+    rank was off its CPU for STARVED_SHARE of its waits."""
+    polling = any(r["wait_cpu_ms"] is not None and r["ring_wait_ms"] > 0
+                  and r["wait_cpu_ms"] >= POLLING_SHARE * r["ring_wait_ms"] for r in ranks)
+    off = [r for r in ranks if r["off_cpu_ms"] and r["off_cpu_ms"] >= STARVED_SHARE * r["ring_wait_ms"]]
+    if not polling or not off:
+        return None, 0.0
+    return max(off, key=lambda r: r["off_cpu_ms"]), min(link, sum(r["off_cpu_ms"] for r in off))
 
 
 def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
@@ -563,15 +588,25 @@ def _cluster(verdict: SlowVerdict, facts: SlowFacts, phase: str) -> None:
     slow = max(ranks, key=lambda r: r["compute_ms"])
     fast = min(ranks, key=lambda r: r["compute_ms"])
     ratio = slow["compute_ms"] / fast["compute_ms"] if fast["compute_ms"] else None
-    bottleneck = "ring" if link > slow["compute_ms"] else f"rank {slow['rank']}"
+    # No rank computing is the link, unless a rank was off its CPU then: starved, its own time lost.
+    starved, lost = _starved(ranks, link)
+    ring = link - lost
+    worst = max(ranks, key=lambda r: r["compute_ms"] + (lost if starved is r else 0.0))
+    cost = worst["compute_ms"] + (lost if starved is worst else 0.0)
+    bottleneck = "ring" if ring > cost else f"rank {worst['rank']}"
     waits = ", ".join(f"{r['wait_share']:.0%} of rank {r['rank']}'s" for r in ranks)
     versus = (f"rank {slow['rank']} computes its layers {ratio:.1f}x as long as rank {fast['rank']} "
               if ratio is not None else f"rank {slow['rank']} computes its layers longest ")
+    off = (f"; rank {starved['rank']} was off its CPU for {fmt_ms(starved['off_cpu_ms'])} of its "
+           f"{fmt_ms(starved['ring_wait_ms'])} waits (starved by other work on its CPU: the ring's receive polls, "
+           f"so a waiting rank uses as much CPU as time), {fmt_ms(lost)} of the {fmt_ms(link)} in which no rank "
+           "computed" if starved is not None else "")
     verdict.evidence.append(Evidence("cluster", (
         f"{phase.capitalize()} on {len(ranks)} ranks ({plural(min(r['steps'] for r in ranks), 'timed step')}): "
         f"{versus}({fmt_ms(slow['compute_ms'])} vs {fmt_ms(fast['compute_ms'])} per step); waiting on the ring "
-        f"took {waits} step time; the ring itself (no rank computing) {fmt_ms(link)} of each {fmt_ms(step)} step "
-        f"({link / step:.0%}). Bottleneck: {bottleneck}."), {
-        "phase": phase, "ranks": ranks, "step_ms": round(step, 3), "ring_ms": round(link, 3),
-        "ring_share": round(link / step, 3), "slowest_rank": slow["rank"],
+        f"took {waits} step time{off}; the ring itself (no rank computing{', not starved' if starved else ''}) "
+        f"{fmt_ms(ring)} of each {fmt_ms(step)} step ({ring / step:.0%}). Bottleneck: {bottleneck}."), {
+        "phase": phase, "ranks": ranks, "step_ms": round(step, 3), "ring_ms": round(ring, 3),
+        "ring_share": round(ring / step, 3), "slowest_rank": slow["rank"],
+        "starved_rank": starved["rank"] if starved else None, "starved_ms": round(lost, 3),
         "compute_ratio": round(ratio, 2) if ratio is not None else None, "bottleneck": bottleneck}))

@@ -352,10 +352,11 @@ static int steps(decoder_t *d, const span_t *s) {
     const attr_t *requests = attrs_get(a, K_STEPS_REQUESTS);
     TRY(string_elements(d, requests, &names, &n_names));
     TRY(column_of(a, K_STEPS_MEMBERS, &members, &n_members));
-    const int64_t *compute, *ring_wait;
-    size_t n_compute, n_ring_wait;
+    const int64_t *compute, *ring_wait, *ring_wait_cpu;
+    size_t n_compute, n_ring_wait, n_ring_wait_cpu;
     TRY(column_of(a, K_STEPS_COMPUTE, &compute, &n_compute));
     TRY(column_of(a, K_STEPS_RING_WAIT, &ring_wait, &n_ring_wait));
+    TRY(column_of(a, K_STEPS_RING_WAIT_CPU, &ring_wait_cpu, &n_ring_wait_cpu));
     /* normalize._check_steps */
     TRY(check_offsets(starts, n, s->start));
     for (size_t i = 0; i < n; i++)
@@ -394,6 +395,8 @@ static int steps(decoder_t *d, const span_t *s) {
         /* a rank's compute and ring wait: null where it did not time the step (-1) or sent none */
         TRY(put_i64_opt(t, i < n_compute && compute[i] >= 0, at_or_zero(compute, n_compute, i)));
         TRY(put_i64_opt(t, i < n_ring_wait && ring_wait[i] >= 0, at_or_zero(ring_wait, n_ring_wait, i)));
+        TRY(put_i64_opt(t, i < n_ring_wait_cpu && ring_wait_cpu[i] >= 0,
+                        at_or_zero(ring_wait_cpu, n_ring_wait_cpu, i)));
         TRY(row_end(t, d->span_index));
     }
     return 0;

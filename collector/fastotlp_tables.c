@@ -46,7 +46,7 @@ static const colspec_t PREFILL_CHUNKS[] = {
 static const colspec_t STEPS[] = {
     {"instance_id", S}, {"start_ns", L}, {"duration_ns", L}, {"prefill_seqs", L}, {"decode_seqs", L},
     {"prefill_tokens", L}, {"decode_tokens", L}, {"prefill_request_ids", COL_LIST_STR},
-    {"decode_request_ids", COL_LIST_STR}, {"compute_ns", L}, {"ring_wait_ns", L},
+    {"decode_request_ids", COL_LIST_STR}, {"compute_ns", L}, {"ring_wait_ns", L}, {"ring_wait_cpu_ns", L},
 };
 static const colspec_t CACHE_LOOKUPS[] = {
     {"request_id", S}, {"instance_id", S}, {"start_ns", L}, {"end_ns", L}, {"prompt_tokens", L},

@@ -429,6 +429,7 @@ def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
     prefill_tokens, decode_tokens = _column(a, c.STEPS_PREFILL_TOKENS), _column(a, c.STEPS_DECODE_TOKENS)
     names, members = _list(a.get(c.STEPS_REQUESTS)), _column(a, c.STEPS_MEMBERS)
     compute, ring_wait = _column(a, c.STEPS_COMPUTE), _column(a, c.STEPS_RING_WAIT)
+    ring_wait_cpu = _column(a, c.STEPS_RING_WAIT_CPU)
     origin, cursor, rows = span.start_time_unix_nano, 0, scope.batch.rows["steps"]
     _check_steps(origin, starts, prefill_seqs[:len(starts)] + decode_seqs[:len(starts)], members, len(names))
     for i, offset in enumerate(starts):
@@ -438,7 +439,7 @@ def _steps(scope: _Scope, span, a: dict, ids: tuple) -> None:
         rows.append((
             scope.instance_id, origin + offset, _at(durations, i), n_prefill, n_decode,
             _at(prefill_tokens, i), _at(decode_tokens, i), picked[:n_prefill], picked[n_prefill:],
-            _timed(_at(compute, i)), _timed(_at(ring_wait, i)),
+            _timed(_at(compute, i)), _timed(_at(ring_wait, i)), _timed(_at(ring_wait_cpu, i)),
         ))
 
 

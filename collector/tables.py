@@ -40,6 +40,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "steps": (
         "instance_id", "start_ns", "duration_ns", "prefill_seqs", "decode_seqs", "prefill_tokens",
         "decode_tokens", "prefill_request_ids", "decode_request_ids", "compute_ns", "ring_wait_ns",
+        "ring_wait_cpu_ns",
     ),
     "cache_lookups": (
         "request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "matched_tokens", "match",
@@ -94,7 +95,7 @@ TYPES: dict[str, tuple[str, ...]] = {
     "phases": ("VARCHAR",) * 3 + ("BIGINT",) * 5 + ("VARCHAR",),
     "prefill_chunks": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 5,
     "decode_steps": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT"),
-    "steps": ("VARCHAR",) + ("BIGINT",) * 6 + ("VARCHAR[]", "VARCHAR[]", "BIGINT", "BIGINT"),
+    "steps": ("VARCHAR",) + ("BIGINT",) * 6 + ("VARCHAR[]", "VARCHAR[]", "BIGINT", "BIGINT", "BIGINT"),
     "cache_lookups": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 4 + ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",),
     "prefix_blocks": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT"),
     "segments": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT", "VARCHAR",

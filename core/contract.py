@@ -34,6 +34,16 @@ HOST_MEMORY_BANDWIDTH_GBS = "tokentrace.host.memory_bandwidth_gbs"
 NODE_RANK = "tokentrace.node.rank"
 NODE_RANKS = "tokentrace.node.ranks"
 NODE_OF = "tokentrace.node.of"
+
+
+def node_instance_id(instance_id: str, rank: int) -> str:
+    """A distributed engine's rank's own instance id: the instance itself for rank 0, ``<instance>/rank<r>``."""
+    return instance_id if rank == 0 else f"{instance_id}/rank{rank}"
+
+
+def node_rank(instance_id: str, node: str) -> int:
+    """The rank of a node of ``instance_id`` by its own instance id (node_instance_id's inverse)."""
+    return 0 if node == instance_id else int(node.rsplit("/rank", 1)[1])
 NODE_PLACEMENT = "tokentrace.node.placement"
 
 # --- Span names -----------------------------------------------------------------------------------
@@ -165,6 +175,7 @@ STEPS_PREFILL_TOKENS = "tokentrace.steps.prefill_tokens"
 STEPS_DECODE_TOKENS = "tokentrace.steps.decode_tokens"
 STEPS_COMPUTE = "tokentrace.steps.compute"
 STEPS_RING_WAIT = "tokentrace.steps.ring_wait"
+STEPS_RING_WAIT_CPU = "tokentrace.steps.ring_wait_cpu"
 STEPS_REQUESTS = "tokentrace.steps.requests"
 STEPS_MEMBERS = "tokentrace.steps.members"
 
@@ -497,6 +508,9 @@ SPANS: tuple[SpanSpec, ...] = (
                "the others"),
             _a(STEPS_RING_WAIT, "int[]", "ns", "the same rank's time waiting on the ring in those steps (receiving "
                "the previous rank's activation, gathering every rank's output), -1 where not timed"),
+            _a(STEPS_RING_WAIT_CPU, "int[]", "ns", "the CPU time the same rank's process used during those waits "
+               "(the ring's receive polls: a wait that used less CPU than its length spent the rest off the CPU, "
+               "starved by other processes, not waiting on the link), -1 where not timed"),
         ),
     ),
     SpanSpec(

@@ -335,7 +335,8 @@ def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_wa
         data = item = _cluster_evidence(verdict)
         ranks = {r["rank"]: r for r in data["ranks"]}
         assert set(ranks) == {0, 1} and data["slowest_rank"] == 0 and data["bottleneck"] == "rank 0", item
-        assert 2.0 <= data["compute_ratio"] <= 4.5, item  # three layers against one
+        # three layers against one (each step's fixed costs bring it below 3 on this shared 2-core host)
+        assert 1.7 <= data["compute_ratio"] <= 4.5, item
         rank0, rank1 = _measured_ratio(collector, phase, f"ring-{phase}")
         assert data["compute_ratio"] == pytest.approx(rank0 / rank1, rel=0.02), (item, rank0, rank1)
         assert ranks[1]["wait_share"] > ranks[0]["wait_share"]  # the fast rank waits for the slow one
@@ -375,6 +376,15 @@ def test_a_straggling_rank_is_named_with_the_compute_ratio_the_ranks_measured(en
     rank0, rank1_compute = _measured_ratio(collector, "decode", "ring-straggler")
     assert item["compute_ratio"] == pytest.approx(rank1_compute / rank0, rel=0.02) and item["compute_ratio"] > 2, item
     assert "rank 1 computes its layers" in item["text"], item["text"]
+    # Its waits on the ring were mostly time off its CPU (the busy process had it), not the link: the
+    # time in which no rank computed is rank 1 starved (it used to be called the ring, the bottleneck).
+    (off,) = collector.sql("SELECT avg(greatest(ring_wait_ns - ring_wait_cpu_ns, 0)) FROM steps WHERE instance_id = "
+                           "'ring/rank1' AND compute_ns IS NOT NULL AND list_contains(decode_request_ids, ?)",
+                           ["ring-straggler"])[0]
+    rank1 = {r["rank"]: r for r in item["ranks"]}[1]
+    assert rank1["off_cpu_ms"] == pytest.approx(off / 1e6, abs=1e-3) and rank1["off_cpu_ms"] > 0.25 * rank1[
+        "ring_wait_ms"], rank1
+    assert item["starved_rank"] == 1 and item["starved_ms"] > 0 and "rank 1 was off its CPU" in item["text"], item
 
 
 def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_again_once_it_steps(
@@ -576,6 +586,9 @@ def test_a_stock_distributed_mlx_lm_server_behind_the_gateway_is_one_upstream_wh
             assert status == 200 and "read timeout" in events[-1]["error"]["message"], events[-1]
             assert verdict(collector, "stock-stopped")["slow"]["outcome"] == "failed"
             os.kill(ranks[1], signal.SIGCONT)
+            # The gateway may have marked it down meanwhile (a failed request, polls that timed out): it
+            # serves again once a poll finds it up.
+            wait_for(lambda: not gateway.health()["upstreams"][0]["down"], 60, "the upstream up again")
             assert gateway.chat([{"role": "user", "content": "again"}], "stock-resumed", max_tokens=8)["status"] == 200
 
             # Killed: mlx.launch ends both ranks; the open answer's body simply ends.
@@ -602,3 +615,41 @@ def test_a_stock_distributed_mlx_lm_server_behind_the_gateway_is_one_upstream_wh
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(30)
         log.close()
+
+
+def test_a_capacity_miss_on_a_cluster_names_the_node_whose_memory_binds(engine_factory, collector_factory,
+                                                                        qwen2_model):
+    """Issue 46: in pipeline placement each rank caches its own layers' KV. With rank 1 holding three
+    layers of four (``--split 1,3``), it holds three times rank 0's KV per token on the same host:
+    its memory binds, though the cache's byte limit counts rank 0's share. A capacity miss says so,
+    as the instances page does."""
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--split", "1,3", "--cache-max-entries", "1",
+                             model=qwen2_model, instance_id="ring", collector=collector).start()
+    first = [{"role": "user", "content": " ".join(f"alpha{i}" for i in range(120))}]
+    other = [{"role": "user", "content": " ".join(f"beta{i}" for i in range(120))}]
+    for request_id, messages in (("cap-a", first), ("cap-b", other), ("cap-a-again", first)):
+        assert cluster.chat(messages, max_tokens=2, headers={"X-Request-Id": request_id}).status_code == 200
+    cluster.stop()
+    answer = httpx.get(f"{collector.url}/api/requests/cap-a-again/verdict", timeout=60).json()["cache"]
+    page = httpx.get(f"{collector.url}/instances.json", params={"instance": "ring"}, timeout=60).json()
+    cli = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "cache", "--request-id", "cap-a-again",
+                          "--url", collector.url], capture_output=True, text=True, timeout=120)
+    collector.stop()
+    assert answer["cause"] == "capacity", answer
+    evidence = {e["kind"]: e for e in answer["evidence"]}
+    assert evidence["eviction"]["evicted_by"] == "cap-b"
+    binding = evidence["binding_node"]
+    evicted_at = evidence["eviction"]["evicted_at_ns"]
+    nodes = {n["rank"]: n for n in binding["nodes"]}
+    assert set(nodes) == {0, 1} and binding["binding_rank"] == 1, binding
+    for rank, instance in ((0, "ring"), (1, "ring/rank1")):  # as each rank's last heartbeat before the eviction
+        kv, free = collector.sql("SELECT arg_max(kv_bytes_per_token, t_ns), arg_max(memory_free_bytes, t_ns) "
+                                 "FROM heartbeats WHERE instance_id = ? AND t_ns <= ?", [instance, evicted_at])[0]
+        assert (nodes[rank]["kv_bytes_per_token"], nodes[rank]["memory_free_bytes"]) == (kv, free)
+        assert nodes[rank]["tokens_fit"] == free // kv
+    assert nodes[1]["kv_bytes_per_token"] == 3 * nodes[0]["kv_bytes_per_token"]  # three layers against one
+    assert "Memory binds at rank 1: it holds 3x rank 0's KV per token" in binding["text"], binding["text"]
+    assert cli.returncode == 0 and "Memory binds at rank 1" in cli.stdout, cli.stdout + cli.stderr
+    (row,) = [r for r in page["instances"] if r["instance_id"] == "ring"]
+    assert row["cluster"]["binding_rank"] == 1  # the instances page names the same node

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     node = _node(settings)
     instance_id = settings.service_instance_id
     if node.get(contract.NODE_RANK):
-        instance_id = f"{instance_id}/rank{node[contract.NODE_RANK]}"
+        instance_id = contract.node_instance_id(instance_id, node[contract.NODE_RANK])
     resource = engine_resource(instance_id, settings.served_name, model_dir=settings.model,
                                chat_template=settings.chat_template,
                                memory_bandwidth_gbs=settings.memory_bandwidth_gbs)

@@ -281,6 +281,10 @@ class StepTimer:
     wait). What is left of the step (embedding, norm, head and sampling, which every rank computes
     alike) is the rest. The wrappers sit in the model's layer list; an untimed step passes through
     them untouched.
+
+    Beside each wait's length, the CPU time the process used during it: the ring's receive polls
+    its sockets, so a rank that waits on the link burns about as much CPU as wall time, and one that
+    another process keeps off its CPU burns less (its wait is then partly starvation, not the link).
     """
 
     def __init__(self, model: Any, every: int = TIMED_EVERY):
@@ -292,7 +296,7 @@ class StepTimer:
         self.receives = inner.pipeline_rank < inner.pipeline_size - 1
         self.armed = False
         self.steps = 0
-        self._start = self._last = self._compute = self._wait = 0
+        self._start = self._last = self._compute = self._wait = self._last_cpu = self._wait_cpu = 0
         first, last = inner.start_idx, inner.end_idx - 1
         inner.layers[first] = _Mark(inner.layers[first], self, before=True, after=first == last)
         if last != first:
@@ -309,27 +313,30 @@ class StepTimer:
 
         mx.synchronize(self.stream)
         self._start = self._last = time.perf_counter_ns()
-        self._compute = self._wait = 0
+        self._last_cpu = time.process_time_ns()
+        self._compute = self._wait = self._wait_cpu = 0
         self.armed = True
         return True
 
-    def finish(self) -> tuple[int, int, int]:
-        """After a timed step: this rank's (compute, ring wait, whole step) in ns."""
+    def finish(self) -> tuple[int, int, int, int]:
+        """After a timed step: this rank's (compute, ring wait, whole step, CPU used in the ring
+        waits) in ns."""
         import mlx.core as mx
 
         mx.synchronize(self.stream)
         self.armed = False
-        return self._compute, self._wait, time.perf_counter_ns() - self._start
+        return self._compute, self._wait, time.perf_counter_ns() - self._start, self._wait_cpu
 
     def stamp(self, part: str) -> None:
         """A boundary reached: the time since the last one was ``compute`` (the rank's layers),
         ``wait`` (on the ring) or ``rest``."""
-        now = time.perf_counter_ns()
+        now, cpu = time.perf_counter_ns(), time.process_time_ns()
         if part == "compute":
             self._compute += now - self._last
         elif part == "wait":
             self._wait += now - self._last
-        self._last = now
+            self._wait_cpu += cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
 
 
 class _Mark:
@@ -362,11 +369,12 @@ class _Mark:
 
 class timed_step:
     """``with timed_step(timer):`` around one engine step; ``result`` is then (compute, ring wait,
-    whole step) in ns when the step was timed, else None (no timer, or not this step's turn)."""
+    whole step, CPU in the ring waits) in ns when the step was timed, else None (no timer, or not
+    this step's turn)."""
 
     def __init__(self, timer: StepTimer | None):
         self.timer = timer
-        self.result: tuple[int, int, int] | None = None
+        self.result: tuple[int, int, int, int] | None = None
 
     def __enter__(self) -> timed_step:
         self.armed = self.timer is not None and self.timer.arm()

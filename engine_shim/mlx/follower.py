@@ -222,6 +222,7 @@ class Follower:
         if self._timer is not None:
             window.compute_ns.append(timed.result[0] if timed.result else -1)
             window.ring_wait_ns.append(timed.result[1] if timed.result else -1)
+            window.ring_wait_cpu_ns.append(timed.result[3] if timed.result else -1)
         if len(window.start_ns) >= WINDOW_STEPS or end - window.start_ns[0] >= WINDOW_NS:
             self._flush_window()
 

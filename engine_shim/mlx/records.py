@@ -153,10 +153,12 @@ class StepWindow:
     prefill_tokens: list[int] = field(default_factory=list)  #: prompt tokens computed in each step
     decode_tokens: list[int] = field(default_factory=list)  #: tokens generated in each step
     members: list[str] = field(default_factory=list)  #: request ids: prefilling then decoding, per step
-    #: A distributed engine's rank, per step: its compute and its waits on the ring in ns (steps it
-    #: timed; -1 for the others, which it did not). Empty for one process.
+    #: A distributed engine's rank, per step: its compute, its waits on the ring and the CPU its
+    #: process used in those waits, in ns (steps it timed; -1 for the others, which it did not).
+    #: Empty for one process.
     compute_ns: list[int] = field(default_factory=list)
     ring_wait_ns: list[int] = field(default_factory=list)
+    ring_wait_cpu_ns: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.start_ns)

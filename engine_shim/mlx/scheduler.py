@@ -382,7 +382,7 @@ class Scheduler:
         return [(job, -1, "error") for job in faulty]
 
     def _record_step(self, start: int, end: int, prompt_responses: list, generated: list,
-                     timing: tuple[int, int, int] | None = None) -> None:
+                     timing: tuple[int, int, int, int] | None = None) -> None:
         window, running = self._window, self._running
         members = window.members
         batch = len(prompt_responses)
@@ -414,6 +414,7 @@ class Scheduler:
         if self._timer is not None:
             window.compute_ns.append(timing[0] if timing else -1)
             window.ring_wait_ns.append(timing[1] if timing else -1)
+            window.ring_wait_cpu_ns.append(timing[3] if timing else -1)
         if len(window.start_ns) >= WINDOW_STEPS or end - window.start_ns[0] >= WINDOW_NS:
             self._flush_window()
 

@@ -186,6 +186,7 @@ class SpanBuilder:
         if window.compute_ns:  # a pipeline rank: its compute and ring waits on the steps it timed
             attributes[c.STEPS_COMPUTE] = list(window.compute_ns)
             attributes[c.STEPS_RING_WAIT] = list(window.ring_wait_ns)
+            attributes[c.STEPS_RING_WAIT_CPU] = list(window.ring_wait_cpu_ns)
         self._leaf(c.SPAN_ENGINE_STEPS, start, end, attributes)
 
     def load(self, record: LoadRecord) -> None:

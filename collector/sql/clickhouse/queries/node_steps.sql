@@ -1,6 +1,6 @@
 -- The steps a distributed instance's nodes timed while a request prefilled or decoded in them
 -- (duckdb/queries/node_steps.sql).
-SELECT instance_id, start_ns, duration_ns, compute_ns, ring_wait_ns,
+SELECT instance_id, start_ns, duration_ns, compute_ns, ring_wait_ns, ring_wait_cpu_ns,
        toBool(has(prefill_request_ids, {request_id:Nullable(String)})) AS prefilling,
        toBool(has(decode_request_ids, {request_id:Nullable(String)})) AS decoding
 FROM steps

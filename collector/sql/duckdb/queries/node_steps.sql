@@ -1,7 +1,7 @@
 -- The steps a distributed instance's nodes (the instance itself, rank 0, and its ranks above 0,
 -- which report as <instance>/rank<r>) timed in [t0_ns, t1_ns] while a request prefilled or decoded
--- in them: each rank's compute and its waits on the ring (issue 46).
-SELECT instance_id, start_ns, duration_ns, compute_ns, ring_wait_ns,
+-- in them: each rank's compute, its waits on the ring and the CPU it used in them (issue 46).
+SELECT instance_id, start_ns, duration_ns, compute_ns, ring_wait_ns, ring_wait_cpu_ns,
        list_contains(prefill_request_ids, $request_id) AS prefilling,
        list_contains(decode_request_ids, $request_id) AS decoding
 FROM steps
