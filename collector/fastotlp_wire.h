@@ -46,14 +46,16 @@ static inline uint64_t varint_pack8(uint64_t w) {
     return (w & 0x000000000fffffffULL) | ((w & 0x0fffffff00000000ULL) >> 4);
 }
 
-/* A field's tag. Field 0 and tags beyond 32 bits are malformed (upb: "invalid tag"). */
+/* A field's tag. Field 0, tags beyond 32 bits and tags written in more than 5 bytes (padded with
+ * continuation bytes: upb reads a tag as a 32-bit varint) are malformed (upb: "invalid tag"). */
 static inline int wire_tag(reader_t *r, uint32_t *field, uint32_t *wire_type) {
     uint64_t tag;
     if (r->p < r->end && *r->p < 0x80) {  /* fields 1-15: one byte */
         tag = *r->p++;
     } else {
+        const uint8_t *start = r->p;
         TRY(wire_varint(r, &tag));
-        if (tag > UINT32_MAX) return FALLBACK;
+        if (tag > UINT32_MAX || r->p - start > 5) return FALLBACK;
     }
     *field = (uint32_t)(tag >> 3);
     *wire_type = (uint32_t)(tag & 7);

@@ -13,6 +13,7 @@ hypothesis keeps no database: every run tries the same bodies."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -21,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import DecodeError
 from harness_fastpath import assert_same, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -250,6 +252,27 @@ def test_generated_protobuf_bodies_decode_the_same_on_both_decoders():
 
     run()
     assert taken[True] >= 20 and taken[False] >= 20, taken  # both paths exercised, not one always
+
+
+REGRESSIONS = Path(__file__).parent / "fixtures" / "fuzz-regressions"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in REGRESSIONS.iterdir() if p.name.startswith("crash-")))
+def test_bodies_the_fuzzer_found_are_refused_or_decoded_by_both(path):
+    """Each input the sanitized fuzzer stopped on (tests/fuzz), replayed on every run: the compiled
+    decoder once took a tag written in 10 bytes (a padded varint) that protobuf refuses."""
+    agree((REGRESSIONS / path).read_bytes(), PB_ENCODING)
+
+
+@pytest.mark.parametrize("length", range(1, 11))
+def test_a_tag_is_refused_by_both_when_written_in_more_than_five_bytes(length):
+    """upb reads a tag as a 32-bit varint: 5 bytes at most, however small its value."""
+    tag = bytes([0xa9] + [0x80] * (length - 2) + [0x00]) if length > 1 else bytes([0x29])  # field 5, fixed64
+    body = tag + b"metry..s"
+    refused = length > 5
+    with pytest.raises(DecodeError) if refused else contextlib.nullcontext():
+        ExportTraceServiceRequest.FromString(body)
+    agree(body, PB_ENCODING)
 
 
 def test_generated_bytes_around_real_bodies_decode_the_same_or_are_refused_by_both():
