@@ -160,6 +160,11 @@ def user(seed: int, count: int = 12) -> dict:
 
 # --- a path's processes ----------------------------------------------------------------------------
 
+#: Output tokens of the decode-bound request (decode must outweigh a short prompt's prefill many times
+#: over).
+DECODE = 64
+
+
 @dataclass
 class Topology:
     """Where one path's requests go, and what its engines can do.
@@ -186,6 +191,7 @@ class Topology:
     #: until a generation ends, so no signal from it says the slots are taken in time.
     burst: bool = False
     long_tokens: int = 120  #: output tokens of a generation that holds a slot while another waits
+    decode_tokens: int = DECODE  #: output tokens of the decode-bound request
     #: output tokens asked by the request the client hangs up on (it must still be generating then,
     #: and its prompt plus these must fit the context, or it is refused rather than cancelled)
     cancel_tokens: int = 2000
@@ -358,10 +364,6 @@ def reply(text: str) -> dict:
     return {"role": "assistant", "content": text or "ok"}
 
 
-#: Output tokens of the decode-bound request (decode must outweigh a short prompt's prefill many times
-#: over).
-DECODE = 64
-
 # --- the situations ------------------------------------------------------------------------------------
 
 def before_restart(t: Topology, shared: bool = False) -> None:
@@ -410,7 +412,7 @@ def before_restart(t: Topology, shared: bool = False) -> None:
     t.cells["prefill"] = {"rid": t.prefix + "prefill"}
     t.chat("main", "prefill", [t.user(80, t.long_words)], 1)
     t.cells["decode"] = {"rid": t.prefix + "decode"}
-    t.chat("main", "decode", [t.user(81, 6)], DECODE)
+    t.chat("main", "decode", [t.user(81, 6)], t.decode_tokens)
     t.lap("prefill, decode")
 
     first = [t.system(30), t.user(31)]

@@ -48,7 +48,10 @@ def run_path(workdir, gguf):
         # (the situation was then not built); 1,500 hold the slot for a while (context 2,048).
         topology = Topology(PATH, collector, {"main": gateways["main"].url, "narrow": gateways["narrow"].url,
                                               "move": (gateways["rr"].url, gateways["rr"].url)},
-                            slots=1, fillers=2, prefix="tl-", long_tokens=1500)
+                            slots=1, fillers=2, prefix="tl-", long_tokens=1500,
+                            # 64 tokens take llama-server ~2 ms: not decode-bound against a few ms of
+                            # stream and scheduling noise (a CI run once found 6.6 ms after the last token)
+                            decode_tokens=512)
 
         def restart() -> None:
             servers["a"].stop()
