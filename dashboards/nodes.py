@@ -48,6 +48,16 @@ def _attributes(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def node_of(resource_attributes: str | None) -> tuple[str, int] | None:
+    """(the instance it is a node of, its rank) from a distributed engine's rank's resource
+    attributes (JSON); None for anything else."""
+    if not resource_attributes or c.NODE_OF not in resource_attributes:
+        return None
+    attrs = _attributes(resource_attributes)
+    of, rank = attrs.get(c.NODE_OF), _int(attrs.get(c.NODE_RANK))
+    return (of, rank) if isinstance(of, str) and rank is not None else None
+
+
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -129,12 +139,13 @@ def node_list(reader: TraceReader) -> dict[str, list[dict[str, Any]]]:
     ranks, the node's own instance id, host, placement and weight bytes (named query ``nodes``)."""
     found: dict[str, list[dict]] = {}
     for row in reader.frame("nodes").to_dicts():
-        attrs = _attributes(row["node_attributes"])
-        of, rank = attrs.get(c.NODE_OF), _int(attrs.get(c.NODE_RANK))
-        if not isinstance(of, str) or rank is None:
+        node = node_of(row["node_attributes"])
+        if node is None:
             continue
+        of, rank = node
         found.setdefault(of, []).append({
-            "rank": rank, "ranks": _int(attrs.get(c.NODE_RANKS)), "instance_id": row["instance_id"],
+            "rank": rank, "ranks": _int(_attributes(row["node_attributes"]).get(c.NODE_RANKS)),
+            "instance_id": row["instance_id"],
             "host": row["host_name"], "placement": _attributes(row["shard_attributes"]).get(c.NODE_PLACEMENT),
             "weight_bytes": row["weight_bytes"], "runner_stage": None, "stages": None})
     for nodes in found.values():

@@ -43,6 +43,7 @@ from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_s
 from tokentrace.collector.store import TraceReader, as_columns
 from tokentrace.collector.tables import TABLES
 from tokentrace.contract import OBSERVER, OBSERVER_GATEWAY
+from tokentrace.dashboards.nodes import node_of
 from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.metrics")
@@ -302,9 +303,9 @@ class MetricsState:
                 # Which sides report the instance, known from their first batch (a gateway sends its
                 # upstreams' lifecycle at start): the first request's verdicts wait for its partner too.
                 self._sides.setdefault(r["instance_id"], set()).add(_from_gateway(r))
-                node = _node_of(r["attributes"])
+                node = node_of(r["attributes"])
                 if node is not None:
-                    self._node[r["instance_id"]] = node
+                    self._node[r["instance_id"]] = (node[0], str(node[1]))
         if "requests" in tables:
             # One chunk a column: polars converts an Arrow table chunk by chunk, then joins them (one
             # chunk a batch took 0.37 instead of 0.09 us of fold CPU a span; issue 17, fifteenth round).
@@ -764,18 +765,6 @@ def _escape(value: str) -> str:
 LOSS_KINDS = {"damaged span file": "span_file", "damaged journal bytes": "journal_bytes",
               "missing journal records": "journal_records_missing",
               "journal record the store cannot take": "batch_refused"}
-
-
-def _node_of(attributes: str | None) -> tuple[str, str] | None:
-    """(the instance it is a node of, its rank) of a distributed engine's rank's resource; None else."""
-    if not attributes or c.NODE_OF not in attributes:
-        return None
-    try:
-        values = json.loads(attributes)
-    except ValueError:
-        return None
-    of, rank = values.get(c.NODE_OF), values.get(c.NODE_RANK)
-    return (of, str(rank)) if isinstance(of, str) and isinstance(rank, int) else None
 
 
 def _from_gateway(resource: dict) -> bool:
