@@ -83,9 +83,10 @@ def test_a_request_queued_at_the_gateway_in_front_of_mlx_lm_server_is_queueing(t
                             collector=collector).start()
         system = {"role": "system", "content": "You are the queue assistant. Answer briefly. " * 4}
         # Written back to back on connections opened beforehand (GatewayProcess.burst): the second
-        # waits at the gateway for the first's whole 200-token answer.
+        # waits at the gateway for the first's whole 600-token answer (200 made a ~200 ms wait, and one
+        # CI run on a busy machine took 21 ms for mlx_lm.server's own prefill: less than 10x).
         answers = gw.burst([([system, {"role": "user", "content": "Tell me a long story."}], "q-long",
-                             {"max_tokens": 200}),
+                             {"max_tokens": 600}),
                             ([system, {"role": "user", "content": "Say hi."}], "q-short", {"max_tokens": 2})])
         assert [a["status"] for a in answers] == [200, 200]
     finally:
