@@ -210,6 +210,17 @@ ROLE_ASSISTANT = "assistant"
 ROLE_TOOL = "tool"
 ROLE_TOOLS = "tools"
 ROLE_PROMPT = "prompt"
+#: Chat roles some clients send that the contract folds into its closed set of segment roles.
+_ROLE_ALIASES = {"developer": ROLE_SYSTEM, "function": ROLE_TOOL, "ipython": ROLE_TOOL}
+
+
+def segment_role(role: object) -> str:
+    """The contract's segment role for a chat message's role (unknown roles count as user input);
+    every observer that cuts a chat into segments names them by this one rule."""
+    role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
+    return role if role in (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL) else ROLE_USER
+
+
 #: What one of ``tokentrace.cache.entries`` is: a prompt entry (MLX prefix cache), a KV block (vLLM
 #: paged cache), a slot (llama.cpp, one cached sequence per slot) or a token.
 UNIT_ENTRY = "entry"

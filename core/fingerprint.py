@@ -71,6 +71,20 @@ def segment_tail_hash(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZ
     return to_signed(_digest(_token_bytes(tokens[-block_size:]))) or 1
 
 
+def message_spans(whole: Sequence[int], prefixes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The token span of each chat message in the prompt ``whole``, given the rendering of the first
+    k messages (no generation prompt) as ``prefixes[k - 1]``: message k ends where that rendering
+    stops sharing tokens with the whole prompt (never before the previous message's end)."""
+    spans, start = [], 0
+    for prefix in prefixes:
+        n = min(len(prefix), len(whole))
+        shared = next((i for i in range(n) if prefix[i] != whole[i]), n)
+        end = max(shared, start)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
 def full_blocks(token_count: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """How many complete blocks ``token_count`` tokens fill."""
     return token_count // block_size

@@ -147,7 +147,7 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
         assert gateway.health()["upstreams"][0]["kind"] == "vllm-plugin"
         long = [{"role": "system", "content": words(500, 560)}, {"role": "user", "content": words(501, 20)}]
         # p-1 and p-edit stream without usage (the client's own stream_options): the gateway learns no
-        # cached tokens, and only the plugin's request row says what vLLM reused.
+        # cached tokens; the plugin's request row and its lookup say what vLLM reused.
         quiet = {"stream_options": {"include_usage": False}}
         answers = [gateway.chat(long, "p-0", model=MODEL, max_tokens=2),
                    gateway.chat(long, "p-1", model=MODEL, max_tokens=2, **quiet)]
@@ -178,9 +178,11 @@ def test_vllm_with_the_plugin_is_counted_once_and_capacity_meets_its_evictions(m
     # row came last, the gateway's None half the time).
     stored = dict(collector.sql("SELECT request_id, cached_tokens FROM requests WHERE request_id IN ('p-1', 'p-edit') "
                                 "AND observer = 'plugin'"))
-    unmeasured = collector.sql("SELECT request_id, matched_tokens FROM cache_lookups "
-                               "WHERE request_id IN ('p-1', 'p-edit')")
-    assert sorted(unmeasured) == [("p-1", None), ("p-edit", None)], unmeasured
+    # The plugin sends each lookup (the tokens vLLM ran, what it reused) and says so on /metrics; the
+    # gateway then sends none: one lookup per request, under the plugin's instance.
+    lookups = collector.sql("SELECT request_id, instance_id, matched_tokens FROM cache_lookups "
+                            "WHERE request_id IN ('p-1', 'p-edit')")
+    assert sorted(lookups) == [("p-1", "vllm-p", stored["p-1"]), ("p-edit", "vllm-p", stored["p-edit"])], lookups
     assert stored["p-1"] > 0 and repeat["cached_tokens"] == stored["p-1"], (stored, repeat)
     assert repeat["result"] == "hit" and repeat["cause"] is None, repeat
     assert 0 < edit["cached_tokens"] == stored["p-edit"] < edit["prompt_tokens"], (stored, edit)

@@ -106,3 +106,40 @@ def eviction(
         }),
         **cache_state(unit, entries_after, bytes_after),
     }
+
+
+def prompt_lookup(
+    *,
+    request_id: str,
+    prompt_length: int,
+    block_size: int,
+    hashes: Sequence[int],
+    matched: int | None,
+    segments: Sequence[tuple[str, int, int, int, int]] = (),
+    snippets: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Attributes of an ``llm.cache.lookup`` built by an observer outside the engine's cache (the
+    gateway, the vLLM plugin): the prompt's fingerprint, its segments as (role, start, end, content
+    hash, tail hash), and the tokens the engine reused (None: unknown, left out)."""
+    attributes: dict[str, Any] = {
+        c.REQUEST_ID: request_id, c.CACHE_PROMPT_TOKENS: prompt_length, c.CACHE_BLOCK_SIZE: block_size,
+        c.CACHE_BLOCK_HASHES: list(hashes),
+    }
+    if matched is not None:
+        attributes[c.CACHE_MATCHED_TOKENS] = matched
+        attributes[c.CACHE_MATCH] = c.MATCH_PREFIX if matched else c.MATCH_NONE
+    if segments:
+        roles, starts, ends, content, tails = (list(column) for column in zip(*segments, strict=True))
+        attributes.update({c.SEGMENT_ROLES: roles, c.SEGMENT_STARTS: starts, c.SEGMENT_ENDS: ends,
+                           c.SEGMENT_HASHES: content, c.SEGMENT_TAIL_HASHES: tails})
+        if snippets is not None:
+            attributes[c.SEGMENT_SNIPPETS] = list(snippets)
+    return attributes
+
+
+def prompt_insert(*, request_id: str, prompt_length: int, block_size: int, held: Sequence[int]) -> dict[str, Any]:
+    """Attributes of the ``llm.cache.insert`` such an observer infers once the engine served the
+    prompt: it now holds the prompt's blocks ``held`` (those the engine caches whole)."""
+    return {c.REQUEST_ID: request_id, c.ENTRY_FINGERPRINT: held[-1],
+            c.ENTRY_TOKENS: min(prompt_length, len(held) * block_size), c.CACHE_BLOCK_SIZE: block_size,
+            c.CACHE_BLOCK_HASHES: list(held)}

@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from tokentrace import __version__
 from tokentrace import contract as c
+from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.gateway.adapters.base import OBSERVER_GATEWAY, Adapter
 from tokentrace.engine_shim.gateway.measure import Measured, gaps_ms, measure, quantile
 from tokentrace.engine_shim.gateway.prompt import (
@@ -206,9 +207,9 @@ class Observer:
             # gateway's row is the outer view the store merges with it (docs/gateway.md "Upstreams
             # that report themselves"): arrival, admission wait, the client's end. The phases inside
             # are the upstream's; the gateway adds the prompt's fingerprint where the upstream sends
-            # none (the vLLM plugin).
+            # none (a vLLM plugin that cannot watch its vLLM's prompts).
             self._queue_span(tracer, context, exchange)
-            if "fingerprint" not in adapter.measures:
+            if "fingerprint" not in adapter.measures and not adapter.probe_result.details.get("fingerprint"):
                 self._cache_spans(tracer, context, exchange, measured, printed)
         else:
             self._children(tracer, context, exchange, measured, printed)
@@ -352,11 +353,8 @@ class Observer:
         self._span(tracer, context, c.SPAN_CACHE_LOOKUP, exchange.arrival_ns, sent, attrs)
         if held and exchange.status == 200 and not exchange.error_type:
             end = exchange.end_ns or sent
-            self._span(tracer, context, c.SPAN_CACHE_INSERT, end, end, {
-                c.REQUEST_ID: rid, c.ENTRY_FINGERPRINT: held[-1],
-                c.ENTRY_TOKENS: min(printed.length, len(held) * printed.block_size),
-                c.CACHE_BLOCK_SIZE: printed.block_size, c.CACHE_BLOCK_HASHES: held,
-            })
+            self._span(tracer, context, c.SPAN_CACHE_INSERT, end, end, encode.prompt_insert(
+                request_id=rid, prompt_length=printed.length, block_size=printed.block_size, held=held))
 
     @staticmethod
     def _held_blocks(exchange: Exchange, printed: PromptPrint) -> list[int]:
@@ -370,23 +368,11 @@ class Observer:
 
     def _lookup_attrs(self, rid: str, printed: PromptPrint, prompt_tokens: int | None,
                       cached: int | None) -> dict[str, Any]:
-        attrs: dict[str, Any] = {
-            c.REQUEST_ID: rid, c.CACHE_PROMPT_TOKENS: printed.length, c.CACHE_BLOCK_SIZE: printed.block_size,
-            c.CACHE_BLOCK_HASHES: printed.hashes,
-        }
-        matched = self._in_units(printed, prompt_tokens, cached)
-        if matched is not None:
-            attrs[c.CACHE_MATCHED_TOKENS] = matched
-            attrs[c.CACHE_MATCH] = c.MATCH_PREFIX if matched else c.MATCH_NONE
-        if printed.segments:
-            attrs[c.SEGMENT_ROLES] = [s.role for s in printed.segments]
-            attrs[c.SEGMENT_STARTS] = [s.start for s in printed.segments]
-            attrs[c.SEGMENT_ENDS] = [s.end for s in printed.segments]
-            attrs[c.SEGMENT_HASHES] = [s.hash for s in printed.segments]
-            attrs[c.SEGMENT_TAIL_HASHES] = [s.tail for s in printed.segments]
-            if self.capture:
-                attrs[c.SEGMENT_SNIPPETS] = [s.snippet or "" for s in printed.segments]
-        return attrs
+        return encode.prompt_lookup(
+            request_id=rid, prompt_length=printed.length, block_size=printed.block_size, hashes=printed.hashes,
+            matched=self._in_units(printed, prompt_tokens, cached),
+            segments=[(s.role, s.start, s.end, s.hash, s.tail) for s in printed.segments],
+            snippets=[s.snippet or "" for s in printed.segments] if self.capture else None)
 
     @staticmethod
     def _in_units(printed: PromptPrint, prompt_tokens: int | None, cached: int | None) -> int | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from tokentrace import contract as c
 from tokentrace.engine_shim.gateway.adapters.base import Adapter, Route
-from tokentrace.fingerprint import block_hashes, segment_hash, segment_tail_hash
+from tokentrace.fingerprint import block_hashes, message_spans, segment_hash, segment_tail_hash
 
 UNIT_TOKENS = "tokens"
 UNIT_BYTES = "bytes"
@@ -98,14 +98,6 @@ def routing_blocks(route: Route, body: dict[str, Any], block_size: int) -> list[
         prompt = body.get(route.prompt_field)
         data = prompt.encode() if isinstance(prompt, str) else b""
     return block_hashes(data, block_size * 4) if data else []
-
-
-def role_of(message: dict[str, Any]) -> str:
-    """The contract segment role of a message (unknown roles count as user)."""
-    role = message.get("role")
-    if role in (c.ROLE_SYSTEM, c.ROLE_USER, c.ROLE_ASSISTANT, c.ROLE_TOOL):
-        return role
-    return c.ROLE_SYSTEM if role == "developer" else c.ROLE_USER
 
 
 class LocalTokenizer:
@@ -212,21 +204,13 @@ def _printed(whole: list[int], prefixes: list[list[int] | None], messages: list[
     if len(prefixes) != len(messages) or any(p is None for p in prefixes):
         return printed  # segments unknown: one fingerprint only
     start = 0
-    for message, prefix in zip(messages, prefixes, strict=True):
-        end = max(_shared(prefix, whole), start)  # type: ignore[arg-type]
+    for message, (start, end) in zip(messages, message_spans(whole, prefixes), strict=True):  # type: ignore[arg-type]
         snippet = message_text(message)[:SNIPPET_CHARS] if capture else None
-        printed.segments.append(Segment(role_of(message), start, end, segment_hash(whole[start:end]), snippet,
+        printed.segments.append(Segment(c.segment_role(message.get("role")), start, end,
+                                        segment_hash(whole[start:end]), snippet,
                                         segment_tail_hash(whole[start:end], block_size)))
         start = end
     if start < len(whole):  # the generation prompt (e.g. "<|im_start|>assistant\n")
         printed.segments.append(Segment(c.ROLE_ASSISTANT, start, len(whole), segment_hash(whole[start:]), None))
     return printed
 
-
-def _shared(prefix: list[int], whole: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = min(len(prefix), len(whole))
-    for i in range(n):
-        if prefix[i] != whole[i]:
-            return i
-    return n

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokentrace.contract import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_SYSTEM, ROLE_TOOL, ROLE_TOOLS, ROLE_USER
+from tokentrace.contract import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_TOOLS, ROLE_USER, segment_role
 
 #: Characters kept per segment snippet with --capture-content (head and tail halves).
 SNIPPET_CHARS = 96
@@ -28,9 +28,6 @@ SNIPPET_CHARS = 96
 HEAD_SEGMENTS = 64
 TAIL_SEGMENTS = 2
 
-_ROLES = {ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL}
-#: Roles some clients send that the contract folds into its closed set.
-_ROLE_ALIASES = {"developer": ROLE_SYSTEM, "function": ROLE_TOOL, "ipython": ROLE_TOOL}
 
 
 @dataclass
@@ -58,12 +55,6 @@ def snippet(text: str, limit: int = SNIPPET_CHARS) -> str:
         return text
     half = (limit - 1) // 2
     return text[:half] + "…" + text[len(text) - half :]
-
-
-def contract_role(role: str) -> str:
-    """The contract's segment role for a chat message role (unknown roles count as user input)."""
-    role = _ROLE_ALIASES.get(role, role)
-    return role if role in _ROLES else ROLE_USER
 
 
 def build_text_prompt(tokenizer: Any, prompt: str | Sequence[int], capture_content: bool) -> Prompt:
@@ -135,7 +126,7 @@ def _render_pieces(
     for k in _cut_points(len(messages)):
         text = render(k, False)
         if text is not None and full.startswith(text):
-            cuts.append((len(text), contract_role(str(messages[k - 1].get("role", "")))))
+            cuts.append((len(text), segment_role(messages[k - 1].get("role"))))
     pieces: list[tuple[str, str]] = []
     done = 0
     for position, role in cuts:

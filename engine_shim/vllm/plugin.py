@@ -50,8 +50,16 @@ from tokentrace.engine_shim.vllm.kv_events import (
     subscriber_endpoint,
 )
 from tokentrace.engine_shim.vllm.names import client_request_id
+from tokentrace.engine_shim.vllm.prompts import PromptLog, Refusal
+from tokentrace.engine_shim.vllm.prompts import install as watch_prompts
 from tokentrace.engine_shim.vllm.report_mode import install as ask_for_full_reports
-from tokentrace.engine_shim.vllm.steps import StepWindow, heartbeat_record, request_record
+from tokentrace.engine_shim.vllm.steps import (
+    StepWindow,
+    cache_records,
+    heartbeat_record,
+    refusal_record,
+    request_record,
+)
 from tokentrace.hardware import vllm_resource
 
 # A child of vLLM's logger: vLLM configures "vllm" only (its handler, format and level; no
@@ -74,16 +82,29 @@ class _Runtime:
         self.instance = os.environ.get(ENV_INSTANCE) or f"vllm-{socket.gethostname()}-{os.getpid()}"
         self.model = str(_get(vllm_config, "model_config.served_model_name", "") or "")
         self.block_bytes_per_token = _kv_bytes_per_token(vllm_config)
+        self.engine_block = _get(vllm_config, "cache_config.block_size")
+        self.prompts = PromptLog()
+        self.prompts.on_refusal = self.refused
+        try:
+            watching = watch_prompts(self.prompts)
+        except Exception:
+            log.exception("tokentrace: could not watch vLLM's prompts; no fingerprints or refusals")
+            watching = False
         self.pumps: dict[int, SpanPump] = {}
         self.load_reported = False
         self.first_response = threading.Event()
         atexit.register(self.close)
-        _announce(self.instance)
+        _announce(self.instance, watching)
 
     def close(self) -> None:
         """Flush every pump; runs at interpreter exit (vLLM's API server exits normally on SIGTERM)."""
         for pump in self.pumps.values():
             pump.close()
+
+    def refused(self, refusal: Refusal) -> None:
+        """A request the frontend answered with an error before any engine saw it (API-server
+        process: one for all engines)."""
+        self.pump(0).submit(refusal_record(refusal, self.model))
 
     def pump(self, engine_index: int) -> SpanPump:
         if engine_index not in self.pumps:
@@ -169,14 +190,15 @@ def _kv_bytes_per_token(vllm_config: Any) -> int | None:
 PLUGIN_METRIC = "tokentrace_plugin_info"
 
 
-def _announce(instance: str) -> None:
-    """Register ``tokentrace_plugin_info{instance=...} 1`` in this process's Prometheus registry
-    (the one vLLM's /metrics serves with a single API server)."""
+def _announce(instance: str, prompts: bool) -> None:
+    """Register ``tokentrace_plugin_info{instance=...,prompts="1"|"0"} 1`` in this process's
+    Prometheus registry (the one vLLM's /metrics serves with a single API server); ``prompts``: the
+    plugin sends each prompt's fingerprint itself (a gateway in front then sends none)."""
     try:
         from prometheus_client import Gauge
 
         Gauge(PLUGIN_METRIC, "the tokentrace plugin reports this vLLM's requests",
-              ["instance"]).labels(instance).set(1)
+              ["instance", "prompts"]).labels(instance, "1" if prompts else "0").set(1)
     except Exception:  # a second registration, or no prometheus_client: only detection is lost
         log.debug("tokentrace: %s not registered", PLUGIN_METRIC, exc_info=True)
 
@@ -268,7 +290,10 @@ class TokentraceStatLogger(StatLoggerBase):
             first = not runtime.first_response.is_set()
             runtime.first_response.set()
             reuse = self._tracker.take(str(finished.request_id)) if self._tracker is not None else None
-            records.append(request_record(ts, finished, client_request_id, runtime.model, first, reuse))
+            record = request_record(ts, finished, client_request_id, runtime.model, first, reuse)
+            records.append(record)
+            records.extend(cache_records(record, finished, runtime.prompts.take(str(finished.request_id)),
+                                         runtime.engine_block))
         records.extend(self._steps.flush(now_ns, force=final))
         if self._latest is not None and (final or now_ns / 1e9 - self._last_heartbeat >= HEARTBEAT_S):
             self._last_heartbeat = now_ns / 1e9

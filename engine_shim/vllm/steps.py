@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace import contract as c
+from tokentrace.contract import DEFAULT_BLOCK_SIZE
 from tokentrace.engine_shim.emit import encode
-from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord
+from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord, new_span_id, new_trace_id
 
 #: vLLM FinishReason strings (vllm/v1/engine/__init__.py::FINISH_REASON_STRINGS) -> contract values.
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error",
@@ -91,7 +92,45 @@ def request_record(
     if evidence:
         attrs[c.UPSTREAM_EVIDENCE] = json.dumps(evidence, separators=(",", ":"), sort_keys=True)
     events = [SpanEvent(c.EVENT_FIRST_RESPONSE, end_ns)] if first else []
-    return SpanRecord(c.SPAN_REQUEST, end_ns - int(e2e * 1e9), end_ns, attrs, events, server=True)
+    return SpanRecord(c.SPAN_REQUEST, end_ns - int(e2e * 1e9), end_ns, attrs, events, server=True,
+                      trace_id=new_trace_id(), span_id=new_span_id())
+
+
+def cache_records(root: SpanRecord, finished: Any, printed: Any, engine_block: int | None) -> list[SpanRecord]:
+    """The ``llm.cache.lookup`` of a finished request whose prompt the plugin saw (``printed``, a
+    ``prompts.Printed``), at its admission (arrival + queue), and the ``llm.cache.insert`` vLLM's
+    prefix cache then holds: the prompt's complete ``engine_block``-token blocks, as the gateway
+    infers it in front of a vLLM (children of the request span ``root``)."""
+    if printed is None or not printed.hashes:
+        return []
+    rid = root.attributes[c.REQUEST_ID]
+    block = DEFAULT_BLOCK_SIZE
+    admitted = min(root.start_ns + int(max(float(finished.queued_time), 0.0) * 1e9), root.end_ns)
+    ids = {"trace_id": root.trace_id, "parent_span_id": root.span_id}
+    matched = min(int(finished.num_cached_tokens), printed.length)
+    # vLLM caches whole blocks: the lookup's fingerprint covers the prompt's complete ones, so that a
+    # repeat reusing all of them is a hit (the gateway's rule, engine_shim/gateway/observe.py).
+    held = printed.hashes if not engine_block else \
+        printed.hashes[: printed.length // engine_block * engine_block // block]
+    records = [SpanRecord(c.SPAN_CACHE_LOOKUP, admitted, admitted, encode.prompt_lookup(
+        request_id=rid, prompt_length=printed.length, block_size=block, hashes=held or printed.hashes,
+        matched=matched, segments=printed.segments), **ids)]
+    if held:
+        records.append(SpanRecord(c.SPAN_CACHE_INSERT, root.end_ns, root.end_ns, encode.prompt_insert(
+            request_id=rid, prompt_length=printed.length, block_size=block, held=held), **ids))
+    return records
+
+
+def refusal_record(refusal: Any, model: str) -> SpanRecord:
+    """The ``llm.request`` of a request vLLM's frontend answered with an error before its engine saw
+    it (a ``prompts.Refusal``): its id, status and error, no phases (none ran)."""
+    attrs: dict[str, Any] = {c.REQUEST_ID: refusal.request_id, c.HTTP_STATUS: refusal.status,
+                             c.ERROR_TYPE: refusal.error_type, c.PROVIDER_NAME: c.ENGINE_VLLM}
+    if refusal.model or model:
+        attrs[c.MODEL] = refusal.model or model
+    if refusal.max_tokens is not None:
+        attrs[c.MAX_TOKENS] = int(refusal.max_tokens)
+    return SpanRecord(c.SPAN_REQUEST, refusal.start_ns, max(refusal.end_ns, refusal.start_ns), attrs, server=True)
 
 
 class StepWindow:

@@ -119,28 +119,11 @@ def truth(tmp_path_factory):
     return lambda path: both("both")[path]
 
 
-#: From runs of both paths (2026-12-06), on this session's code: on the direct path every cache cause
-#: is "unknown" (no prompt fingerprint reaches the store: the plugin sends none) and refused or
-#: cancelled requests are never stored. Every surface agrees with the API wherever a request is
-#: stored (/metrics' request counters disagreed until they were counted with the verdicts,
-#: docs/metrics.md). (System-message prefix changes behind the gateway were wrong until its segments
-#: left the generation prompt out of the last message and a message edited with nothing shared
-#: after it became a prefix change.)
-WRONG_ANSWER: dict[tuple[str, str], str] = {
-    ("vllm", "prefill"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "hit"): "completed, category prefill, cache partial, cause unknown",
-    ("vllm", "capacity"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "prefix_multi_start"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "prefix_multi_middle"): "completed, category prefill, cache partial, cause unknown",
-    ("vllm", "prefix_multi_end"): "completed, category prefill, cache partial, cause unknown",
-    ("vllm", "prefix_oneshot_start"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "prefix_oneshot_middle"): "completed, category prefill, cache partial, cause unknown",
-    ("vllm", "prefix_oneshot_end"): "completed, category prefill, cache partial, cause unknown",
-    ("vllm", "instance_change"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "restart"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "too_short"): "completed, category prefill, cache miss, cause unknown",
-    ("vllm", "refused"): "tv-refused was never stored",
-}
+#: Every situation is right on both paths (2026-12-07). Until the plugin watched vLLM's prompts
+#: (engine_shim/vllm/prompts.py), every cache cause on the direct path was "unknown" (no prompt
+#: fingerprint reached the store) and a refused request was never stored: those cells were marked
+#: wrong here. Every surface agrees with the API wherever a request is stored.
+WRONG_ANSWER: dict[tuple[str, str], str] = {}
 #: The short request must reach vLLM's scheduler after the long generations that fill its four
 #: slots. vLLM CPU on two cores starves its own API server while it generates, so nothing it says
 #: (first content, its /metrics) tells in time that the slots are taken; the five requests are sent
@@ -162,9 +145,7 @@ UNRELIABLE: dict[tuple[str, str], str] = {
     # The same race at the gateway: the long request and the short one reach it together (burst), and
     # once here (2026-12-06, after a CI run it passed in) the short one took the slot first: prefill.
     ("gateway-vllm", "queueing_gateway"): "the gateway may take the burst's short request before the long one"}
-WRONG_SURFACES: dict[tuple[str, str], str] = {
-    ("vllm", "refused"): "tv-refused was never stored",
-}
+WRONG_SURFACES: dict[tuple[str, str], str] = {}
 UNRELIABLE_SURFACES: dict[tuple[str, str], str] = {("vllm", "cancelled"): CANCELLED}
 
 

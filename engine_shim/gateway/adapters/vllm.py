@@ -10,9 +10,11 @@ With the plugin (``VllmPluginAdapter``; ``--adapter NAME=vllm-plugin``, or detec
 ``tokentrace_plugin_info{instance="..."}`` line the plugin adds to ``/metrics``) vLLM reports every
 request itself: the gateway emits no request row, only its hop, joined on the ``X-Request-Id`` it
 forwards (vLLM builds its request id from that header; ``tokentrace.engine_shim.vllm.names.client_request_id``).
-The plugin sends no prompt fingerprint, so the gateway still sends the lookup (fingerprint from
-``/tokenize``, segments) and what the upstream then holds, under the plugin's instance id (the
-metric's label), where the plugin's block evictions are.
+A plugin that watches vLLM's prompts (``prompts="1"`` on that line) sends each request's lookup
+(fingerprint and segments from the token ids vLLM ran) and what the cache then holds itself; for
+one that cannot (a vLLM whose frontend it does not know), the gateway still sends them (fingerprint
+from ``/tokenize``, segments) under the plugin's instance id (the metric's label), where the
+plugin's block evictions are.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tokentrace.engine_shim.gateway.adapters.openai import get_json
 #: A metric line the tokentrace vLLM plugin exposes on vLLM's /metrics (detection only).
 PLUGIN_METRIC = "tokentrace_plugin_info"
 _PLUGIN_INSTANCE = re.compile(PLUGIN_METRIC + r'\{[^}]*instance="([^"]*)"')
+_PLUGIN_PROMPTS = re.compile(PLUGIN_METRIC + r'\{[^}]*prompts="1"')
 #: vLLM's cache configuration gauge; its block_size label is the prefix cache's granularity.
 _BLOCK_SIZE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 _GAUGE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
@@ -58,7 +61,7 @@ class VllmAdapter(Adapter):
         return cls._probe(*probe)
 
     @classmethod
-    def _probe(cls, version: str | None, instance: str | None, block: int) -> Probe:
+    def _probe(cls, version: str | None, instance: str | None, block: int, prompts: bool) -> Probe:
         return Probe(kind=cls.kind, version=version, cache_block_tokens=block)
 
     async def tokenize(self, route: Route, body: dict[str, Any],
@@ -113,14 +116,15 @@ class VllmPluginAdapter(VllmAdapter):
         return Probe(kind=cls.kind, reports_itself=True, observer=OBSERVER_PLUGIN)
 
     @classmethod
-    def _probe(cls, version: str | None, instance: str | None, block: int) -> Probe:
+    def _probe(cls, version: str | None, instance: str | None, block: int, prompts: bool) -> Probe:
         return Probe(kind=cls.kind, version=version, reports_itself=True, observer=OBSERVER_PLUGIN,
-                     instance_id=instance or None, cache_block_tokens=block)
+                     instance_id=instance or None, cache_block_tokens=block,
+                     details={"fingerprint": True} if prompts else {})
 
 
-async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, str | None, int] | None:
-    """(version, the plugin's instance id or None without the plugin, KV block size) when
-    ``base_url`` is vLLM."""
+async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | None, str | None, int, bool] | None:
+    """(version, the plugin's instance id or None without the plugin, KV block size, whether the
+    plugin sends prompt fingerprints) when ``base_url`` is vLLM."""
     base = base_url.rstrip("/")
     version = await get_json(client, base + "/version")
     if not isinstance(version, dict) or "version" not in version:
@@ -133,7 +137,8 @@ async def _probe_vllm(client: httpx.AsyncClient, base_url: str) -> tuple[str | N
         return None
     found = _PLUGIN_INSTANCE.search(metrics.text)
     block = _BLOCK_SIZE.search(metrics.text)
-    return str(version["version"]), (found.group(1) if found else None), int(block.group(1)) if block else 1
+    return (str(version["version"]), (found.group(1) if found else None), int(block.group(1)) if block else 1,
+            _PLUGIN_PROMPTS.search(metrics.text) is not None)
 
 
 def parse_gauges(text: str) -> dict[str, float]:
