@@ -155,6 +155,10 @@ FOLD_EVERY_S = 1.0
 _FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes", "steps", "load_stages")
 
 
+#: A request row's token counts, in the order ``_count`` reads them.
+TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+
 @dataclass
 class Histogram:
     """Cumulative-at-render bucket counts, their sum and count."""
@@ -360,9 +364,12 @@ class MetricsState:
             c[("vllm:request_success", self._labels(instance, model, finished_reason=reason))] += n
         if self.slo is not None:
             self._fold_slo(keyed)
-        # Latency and cache numbers are the completed requests', as in the report.
+        # Latency, token and cache numbers are the completed requests', as in the report. Those of a
+        # request queued for its verdicts are counted with them, from the merged row they read
+        # (``_count``): the first row here may be the gateway's alone, without the engine's cached
+        # tokens (issue 44). The rest are counted now.
         keyed = keyed.filter(pl.col("outcome") == COMPLETED)
-        sums = keyed.group_by("instance_id", "model").agg(
+        sums = keyed.slice(room).group_by("instance_id", "model").agg(
             pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
             # Prefix-cache tokens over the rows that know both counts (report.reuse_known).
             pl.col("prompt_tokens").filter(pl.col("cached_tokens").is_not_null()).sum().alias("queried"),
@@ -379,9 +386,8 @@ class MetricsState:
             if r["knows_cache"]:
                 c[("vllm:prefix_cache_queries", labels)] += r["queried"] or 0
                 c[("vllm:prefix_cache_hits", labels)] += r["hits"] or 0
-        # The latency histograms of a request queued for its verdicts are folded with them, from the
-        # merged row they read (``_count``): the first row here may be the gateway's alone, without
-        # the engine's queue, prefill and decode (issue 44). The rest are folded now.
+        # Likewise the latency histograms: the gateway's row has none of the engine's queue, prefill
+        # and decode.
         self._fold_histograms(keyed.slice(room))
         self._queue_verdicts(keyed)
 
@@ -526,9 +532,10 @@ class MetricsState:
         # at once (a Python step per request cost fold CPU: docs/benchmarks.md, Issue 17).
         room = max(0, self._max_verdicts - len(self._verdicts))
         now = time.monotonic()
-        columns = [column for column, _, _ in HISTOGRAMS.values()]
+        columns = [column for column, _, _ in HISTOGRAMS.values()] + list(TOKEN_COLUMNS)
         rows = frame.select("request_id", "instance_id", "model", "category", *columns).head(room).rows()
-        # Each with its first row's latencies, folded should its verdicts fail to read the merged row.
+        # Each with its first row's latencies and tokens, folded should its verdicts fail to read the
+        # merged row.
         self._verdicts.extend((now + self._wait_for(row[1]), now + PARTNER_WAIT_S, *row[:4],
                                dict(zip(columns, row[4:], strict=True))) for row in rows)
         self._queued.update(row[0] for row in rows)
@@ -668,12 +675,20 @@ class MetricsState:
         if judged.slow is not None and judged.slow.abnormal:
             c[("tokentrace_abnormal_requests", (*labels, ("category", judged.slow.category)))] += 1
         row = self._latencies(judged.row) if judged.row is not None else first
-        if row is not None:
-            for name, (column, bounds, _) in HISTOGRAMS.items():
-                value = row.get(column)
-                if value is not None:
-                    self.histograms.setdefault((name, labels), Histogram(bounds)).observe(
-                        np.array([value / 1000.0]))
+        if row is None:
+            return
+        for name, (column, bounds, _) in HISTOGRAMS.items():
+            value = row.get(column)
+            if value is not None:
+                self.histograms.setdefault((name, labels), Histogram(bounds)).observe(np.array([value / 1000.0]))
+        prompt, completion, cached = (row.get(column) for column in TOKEN_COLUMNS)
+        if prompt is not None:
+            c[("vllm:prompt_tokens", labels)] += prompt
+        if completion is not None:
+            c[("vllm:generation_tokens", labels)] += completion
+        if prompt is not None and cached is not None:  # the rows that know both counts (report.reuse_known)
+            c[("vllm:prefix_cache_queries", labels)] += prompt
+            c[("vllm:prefix_cache_hits", labels)] += cached
 
     def _latencies(self, row: dict) -> dict:
         """A merged request row as the fold reads a frame of them (``with_categories``): ``e2e_ms``

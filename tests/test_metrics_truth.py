@@ -279,3 +279,31 @@ def test_a_failed_verdict_is_logged_and_counted_apart_never_as_a_cause(tmp_path,
     assert 'cause="error"' not in text
     assert f'tokentrace_cache_lookups_total{{{labels},result="miss",cause="unknown"}} 1' in text
     assert any("the slowness verdict of request r1 failed" in r.getMessage() for r in caplog.records)
+
+
+def test_token_counters_count_the_merged_row_not_the_first_observers(tmp_path):
+    """Issue 44: a request the gateway and its engine both reported was counted in the token counters
+    from the row folded first — the gateway's, which did not know the engine's cached tokens (a
+    client that streamed without usage) — so its prefix-cache hits never reached /metrics while the
+    report and the verdicts read the merged row's."""
+    store = DuckDBStore(tmp_path / "m.duckdb")
+    state = MetricsState(store)
+    try:
+        outer = dict(zip(TABLES["requests"], _row("both", 1, 1.0), strict=True))
+        outer.update(observer="gateway", cached_tokens=None, span_id="s-gateway")
+        inner = dict(zip(TABLES["requests"], _row("both", 1, 1.0), strict=True))
+        inner.update(observer="engine", cached_tokens=32, start_ns=1_000_000_000 + 2_000_000)
+        _written(store, state, [tuple(outer[name] for name in TABLES["requests"])])
+        state.render({"accepted_spans": 0, "rejected": {}})  # a scrape folds the gateway's row alone
+        _written(store, state, [tuple(inner[name] for name in TABLES["requests"])])
+        wait_for(lambda: state.drain_verdicts() == 0 and _counted(state, "tokentrace_requests"), 30,
+                 "the request counted")
+        merged = store.request("both")
+        tokens = {series: sum(_counted(state, series).values()) for series in (
+            "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+    finally:
+        state.close()
+        store.close()
+    assert merged["cached_tokens"] == 32
+    assert tokens == {"vllm:prompt_tokens": 40, "vllm:generation_tokens": 4, "vllm:prefix_cache_queries": 40,
+                      "vllm:prefix_cache_hits": 32}

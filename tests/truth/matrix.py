@@ -571,6 +571,9 @@ def _advice(where: list[str]) -> dict:
     return json.loads(out)
 
 
+#: /metrics token counters the surfaces check reads (docs/metrics.md).
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                  "vllm:prefix_cache_hits_total")
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} ([0-9.e+-]+)$')
 
 
@@ -586,8 +589,9 @@ def _metrics(text: str) -> dict[str, Counter]:
             key = (labels.get("outcome"), labels.get("category"))
         elif name == "tokentrace_cache_lookups_total":
             key = (labels.get("result"), labels.get("cause"))
-        elif name.removesuffix("_count") in HISTOGRAMS or name.removesuffix("_sum") in HISTOGRAMS:
-            key = ()  # a latency histogram's observations or their sum, every instance's
+        elif (name.removesuffix("_count") in HISTOGRAMS or name.removesuffix("_sum") in HISTOGRAMS
+              or name in TOKEN_COUNTERS):
+            key = ()  # a latency histogram's observations or their sum, a token counter: every instance's
         else:
             continue
         series.setdefault(name, Counter())[key] += float(match.group(3))
@@ -772,6 +776,16 @@ def check_surfaces(g: Gathered, situation: str) -> None:
             total = g.metrics.get(f"{name}_sum", Counter()).get((), 0)
             assert total == pytest.approx(sum(values) / 1000, abs=1e-6 * max(1, len(values))), (
                 f"/metrics {name}_sum", total, sum(values) / 1000)
+        # The token counters count every completed request's merged row too (they counted the first
+        # row folded: a gateway's, without the engine's cached tokens; issue 44).
+        both = [row for row in rows if row.get("prompt_tokens") is not None and row.get("cached_tokens") is not None]
+        for name, want in (
+                ("vllm:prompt_tokens_total", sum(row.get("prompt_tokens") or 0 for row in rows)),
+                ("vllm:generation_tokens_total", sum(row.get("completion_tokens") or 0 for row in rows)),
+                ("vllm:prefix_cache_queries_total", sum(row["prompt_tokens"] for row in both)),
+                ("vllm:prefix_cache_hits_total", sum(row["cached_tokens"] for row in both))):
+            got = g.metrics.get(name, Counter()).get((), 0)
+            assert got == want, (f"/metrics {name}", got, want)
         lookups = g.metrics.get("tokentrace_cache_lookups_total", Counter())
         key = _lookup(verdict)
         want = sum(1 for v in completed if _lookup(v) == key)
