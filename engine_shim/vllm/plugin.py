@@ -50,11 +50,12 @@ from tokentrace.engine_shim.vllm.kv_events import (
     subscriber_endpoint,
 )
 from tokentrace.engine_shim.vllm.names import client_request_id
-from tokentrace.engine_shim.vllm.prompts import PromptLog, Refusal
+from tokentrace.engine_shim.vllm.prompts import Abort, PromptLog, Refusal
 from tokentrace.engine_shim.vllm.prompts import install as watch_prompts
 from tokentrace.engine_shim.vllm.report_mode import install as ask_for_full_reports
 from tokentrace.engine_shim.vllm.steps import (
     StepWindow,
+    abort_record,
     cache_records,
     heartbeat_record,
     refusal_record,
@@ -85,6 +86,7 @@ class _Runtime:
         self.engine_block = _get(vllm_config, "cache_config.block_size")
         self.prompts = PromptLog()
         self.prompts.on_refusal = self.refused
+        self.prompts.on_abort = self.aborted
         try:
             watching = watch_prompts(self.prompts)
         except Exception:
@@ -105,6 +107,10 @@ class _Runtime:
         """A request the frontend answered with an error before any engine saw it (API-server
         process: one for all engines)."""
         self.pump(0).submit(refusal_record(refusal, self.model))
+
+    def aborted(self, abort: Abort) -> None:
+        """A request aborted before its engine finished it (the client went away)."""
+        self.pump(0).submit(abort_record(abort, client_request_id, self.model))
 
     def pump(self, engine_index: int) -> SpanPump:
         if engine_index not in self.pumps:

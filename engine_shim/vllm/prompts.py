@@ -12,7 +12,11 @@ process, each keeping references only (nothing is hashed or tokenized on the req
   returned or an exception raised becomes a refused request (its HTTP status as vLLM's
   ``create_error_response`` gives it);
 - ``InputProcessor.assign_request_id``: the prompt token ids the engine will run, under the
-  request's external id.
+  request's external id;
+- ``OutputProcessor.abort_requests``: a request aborted before it finished (the client went away, or
+  the frontend gave up on it) never reaches the stat loggers, which see only requests the engine
+  finished; what the output processor knew of it (arrival, tokens so far) becomes a request with
+  vLLM's finish reason ``abort`` (tokentrace's ``cancelled``).
 
 When the request finishes, the export thread computes tokentrace's chained block hashes of those
 token ids (the same ones the KV-event tracker gives evicted blocks) and the chat's segments: message
@@ -76,6 +80,18 @@ class Refusal:
 
 
 @dataclass
+class Abort:
+    """A request vLLM aborted before its engine finished it."""
+
+    external_id: str  #: vLLM's external request id
+    start_ns: int  #: its arrival (wall clock)
+    end_ns: int
+    prompt_tokens: int | None
+    output_tokens: int
+    max_tokens: int | None
+
+
+@dataclass
 class Printed:
     """One prompt's fingerprint, as the export thread computes it."""
 
@@ -95,6 +111,7 @@ class PromptLog:
         self._reached: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self.on_refusal: Callable[[Refusal], None] | None = None
+        self.on_abort: Callable[[Abort], None] | None = None
 
     def chat(self, external_id: str, chat: Chat) -> None:
         self._put(self._chats, external_id, chat)
@@ -117,6 +134,11 @@ class PromptLog:
             table[key] = value
             if len(table) > MAX_PENDING:
                 table.popitem(last=False)
+
+    def forget(self, external_id: str) -> None:
+        with self._lock:
+            self._tokens.pop(external_id, None)
+            self._chats.pop(external_id, None)
 
     def take(self, external_id: str) -> Printed | None:
         """The finished request's fingerprint (computed here, off the request path), or None."""
@@ -182,6 +204,10 @@ def install(prompt_log: PromptLog) -> bool:
     except ImportError:
         log.info("tokentrace: this vLLM's frontend has moved; no prompt fingerprints or refusals")
         return False
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except ImportError:
+        OutputProcessor = None  # aborted requests then stay unrecorded
     if not all(callable(getattr(cls, name, None)) for cls, name in (
             (OpenAIServingChat, "_create_chat_completion"), (OpenAIServingCompletion, "_create_completion"),
             (OpenAIServingChat, "_base_request_id"), (InputProcessor, "assign_request_id"))):
@@ -203,7 +229,43 @@ def install(prompt_log: PromptLog) -> bool:
             log.debug("tokentrace: could not keep a prompt's token ids", exc_info=True)
 
     InputProcessor.assign_request_id = staticmethod(assign_request_id)  # type: ignore[method-assign]
+    if OutputProcessor is not None and callable(getattr(OutputProcessor, "abort_requests", None)):
+        OutputProcessor.abort_requests = _aborting(OutputProcessor.abort_requests)
     return True
+
+
+def _aborting(original: Callable) -> Callable:
+    """``OutputProcessor.abort_requests``, telling the prompt log of each request it aborts that its
+    engine had not finished (those it still holds state for)."""
+
+    @functools.wraps(original)
+    def abort_requests(self: Any, request_ids: Any, internal: bool, *args: Any, **kwargs: Any) -> Any:
+        aborted = []
+        try:
+            request_ids = list(request_ids)
+            for rid in request_ids:
+                for internal_id in ([rid] if internal else list(self.external_req_ids.get(rid, ()))):
+                    state = self.request_states.get(internal_id)
+                    if state is not None and getattr(state, "stats", None) is not None:
+                        aborted.append(state)
+        except Exception:
+            log.debug("tokentrace: could not read an aborted request", exc_info=True)
+        result = original(self, request_ids, internal, *args, **kwargs)
+        now = time.time_ns()
+        for state in aborted:
+            try:
+                if _LOG is not None and _LOG.on_abort is not None:
+                    prompt = getattr(state, "prompt_token_ids", None)
+                    _LOG.on_abort(Abort(str(state.external_req_id), int(state.stats.arrival_time * 1e9), now,
+                                        len(prompt) if prompt is not None else None,
+                                        int(state.stats.num_generation_tokens),
+                                        getattr(state, "max_tokens_param", None)))
+                    _LOG.forget(str(state.external_req_id))  # never finished: its prompt is not kept
+            except Exception:
+                log.debug("tokentrace: could not report an aborted request", exc_info=True)
+        return result
+
+    return abort_requests
 
 
 def _handler(original: Callable, prefix: str) -> Callable:

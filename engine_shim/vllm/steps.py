@@ -121,6 +121,21 @@ def cache_records(root: SpanRecord, finished: Any, printed: Any, engine_block: i
     return records
 
 
+def abort_record(abort: Any, request_id: Callable[[str], str], model: str) -> SpanRecord:
+    """The ``llm.request`` of a request vLLM aborted before its engine finished it (a
+    ``prompts.Abort``): vLLM's finish reason ``abort`` (``cancelled``), the tokens it had generated,
+    no phases (vLLM's stat loggers never see it)."""
+    attrs: dict[str, Any] = {c.REQUEST_ID: request_id(abort.external_id), c.FINISH_REASONS: [FINISH_REASONS["abort"]],
+                             c.OUTPUT_TOKENS: abort.output_tokens, c.PROVIDER_NAME: c.ENGINE_VLLM}
+    if abort.prompt_tokens is not None:
+        attrs[c.INPUT_TOKENS] = abort.prompt_tokens
+    if model:
+        attrs[c.MODEL] = model
+    if abort.max_tokens is not None:
+        attrs[c.MAX_TOKENS] = int(abort.max_tokens)
+    return SpanRecord(c.SPAN_REQUEST, abort.start_ns, max(abort.end_ns, abort.start_ns), attrs, server=True)
+
+
 def refusal_record(refusal: Any, model: str) -> SpanRecord:
     """The ``llm.request`` of a request vLLM's frontend answered with an error before its engine saw
     it (a ``prompts.Refusal``): its id, status and error, no phases (none ran)."""
