@@ -85,6 +85,15 @@ def message_spans(whole: Sequence[int], prefixes: Sequence[Sequence[int]]) -> li
     return spans
 
 
+def held_hashes(hashes: list[int], length: int, engine_block: int | None,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
+    """The block hashes of a ``length``-token prompt that an engine caching whole blocks of
+    ``engine_block`` tokens (vLLM's paged cache) can hold: those of its complete engine blocks."""
+    if not engine_block or engine_block <= 1:
+        return hashes
+    return hashes[: length // engine_block * engine_block // block_size]
+
+
 def full_blocks(token_count: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """How many complete blocks ``token_count`` tokens fill."""
     return token_count // block_size

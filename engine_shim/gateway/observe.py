@@ -46,6 +46,7 @@ from tokentrace.engine_shim.gateway.prompt import (
     fingerprint_local,
 )
 from tokentrace.engine_shim.gateway.records import Clock, Exchange
+from tokentrace.fingerprint import held_hashes
 from tokentrace.threads import os_named
 
 log = logging.getLogger(__name__)
@@ -362,9 +363,9 @@ class Observer:
         B tokens (vLLM) keeps only the prompt's complete B-token blocks."""
         adapter = exchange.decision.upstream.adapter if exchange.decision else None
         granularity = adapter.probe_result.cache_block_tokens if adapter is not None else 1
-        if granularity <= 1 or printed.unit != "tokens":
+        if printed.unit != "tokens":
             return printed.hashes
-        return printed.hashes[: printed.length // granularity * granularity // printed.block_size]
+        return held_hashes(printed.hashes, printed.length, granularity, printed.block_size)
 
     def _lookup_attrs(self, rid: str, printed: PromptPrint, prompt_tokens: int | None,
                       cached: int | None) -> dict[str, Any]:

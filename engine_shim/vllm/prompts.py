@@ -1,9 +1,10 @@
-"""What vLLM's OpenAI server was asked: each prompt's fingerprint and segments, and the requests it
-refused before they reached the engine (docs/vllm.md, "Prompts and refusals").
+"""What vLLM's OpenAI server was asked: each prompt's fingerprint and segments, the requests it
+refused before they reached the engine, and those it aborted before the engine finished them
+(docs/vllm.md, "Prompts and refusals").
 
 vLLM's stat loggers see a finished request's counts and times, never its prompt, and a request the
 frontend refuses (a prompt over the context, an unknown model, a bad parameter) never reaches the
-engine, so they never see it at all. The plugin therefore wraps three methods in the API-server
+engine, so they never see it at all. The plugin therefore wraps four methods in the API-server
 process, each keeping references only (nothing is hashed or tokenized on the request path):
 
 - ``OpenAIServingChat._create_chat_completion`` and ``OpenAIServingCompletion._create_completion``:
@@ -191,8 +192,9 @@ _LOG: PromptLog | None = None
 
 
 def install(prompt_log: PromptLog) -> bool:
-    """Wrap vLLM's chat and completion handlers and ``assign_request_id`` (once per process) so that
-    ``prompt_log`` hears of every prompt and refusal; False where this vLLM lacks the pieces."""
+    """Wrap vLLM's chat and completion handlers, ``assign_request_id`` and ``abort_requests`` (once per
+    process) so that ``prompt_log`` hears of every prompt, refusal and abort; False where this vLLM
+    lacks the pieces."""
     global _LOG
     if _LOG is not None:
         _LOG = prompt_log

@@ -18,6 +18,7 @@ from tokentrace import contract as c
 from tokentrace.contract import DEFAULT_BLOCK_SIZE
 from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord, new_span_id, new_trace_id
+from tokentrace.fingerprint import held_hashes
 
 #: vLLM FinishReason strings (vllm/v1/engine/__init__.py::FINISH_REASON_STRINGS) -> contract values.
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error",
@@ -110,8 +111,7 @@ def cache_records(root: SpanRecord, finished: Any, printed: Any, engine_block: i
     matched = min(int(finished.num_cached_tokens), printed.length)
     # vLLM caches whole blocks: the lookup's fingerprint covers the prompt's complete ones, so that a
     # repeat reusing all of them is a hit (the gateway's rule, engine_shim/gateway/observe.py).
-    held = printed.hashes if not engine_block else \
-        printed.hashes[: printed.length // engine_block * engine_block // block]
+    held = held_hashes(printed.hashes, printed.length, engine_block, block)
     records = [SpanRecord(c.SPAN_CACHE_LOOKUP, admitted, admitted, encode.prompt_lookup(
         request_id=rid, prompt_length=printed.length, block_size=block, hashes=held or printed.hashes,
         matched=matched, segments=printed.segments), **ids)]
