@@ -57,7 +57,7 @@ from tokentrace.analyzers.report import cause_candidates, declared_parts, routin
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.whatif import Capacity, Workload, own_model, recorded, replay
 from tokentrace.analyzers.workload import load_workload, prefill_rates
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.threads import name_os_thread
 from tokentrace.window import Slice
 

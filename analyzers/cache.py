@@ -47,7 +47,7 @@ from tokentrace import contract as c
 from tokentrace.analyzers.evidence import NO_CAUSE, Evidence, fmt_bytes  # noqa: F401 - NO_CAUSE is re-exported
 from tokentrace.analyzers.outcome import COMPLETED, outcome_of
 from tokentrace.analyzers.upstream import upstream_evidence
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.errors import NotFound
 
 CAUSES = ("capacity", "restart", "instance_change", "prefix_change", "model_change", "template_change",

@@ -133,7 +133,7 @@ def _from_db(args: argparse.Namespace) -> dict:
     # Each analysis imports its own module: slow and cache read rows (no polars, no pyarrow: their
     # start-up is duckdb's); session and report build frames (issue 17).
     from tokentrace.analyzers.slo import parse_slo
-    from tokentrace.collector.store_duckdb import DuckDBStore
+    from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
     slo = parse_slo(getattr(args, "slo", None))
     if args.analysis in ("report", "advise"):

@@ -4,7 +4,7 @@ A request that went through the gateway to an engine that reports itself (a toke
 with the plugin) has two ``requests`` rows with one request id: the engine's (``observer`` engine,
 plugin or native: the view inside) and the gateway's (``observer`` gateway: the view outside, from
 the client's arrival to its last byte). It is one request. The store's named queries merge the two
-rows into one (``collector/sql/<backend>/fragments/request_rows.sql``); /metrics, which counts rows
+rows into one (``collector/stores/sql/<backend>/fragments/request_rows.sql``); /metrics, which counts rows
 as the writer commits them, before either may have a partner, counts a request id once per pair of
 views with ``FirstSighting``.
 """

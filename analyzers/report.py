@@ -22,7 +22,7 @@ from tokentrace.analyzers.cache import NO_CAUSE, analyze_cache
 from tokentrace.analyzers.outcome import COMPLETED, UNDECOMPOSED, mask_unmeasured, observers, outcome_expr
 from tokentrace.analyzers.slo import SloSpec, attainment
 from tokentrace.analyzers.slowness import CATEGORIES
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.threads import name_os_thread
 from tokentrace.window import Slice
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import Evidence
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.hardware import peak_bandwidth
 
 

@@ -36,7 +36,7 @@ from tokentrace import contract as c
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.evidence import Evidence
 from tokentrace.analyzers.slowness import analyze_slowness
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.errors import NotFound
 
 MAX_TURNS = 200

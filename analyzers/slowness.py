@@ -53,7 +53,7 @@ from tokentrace.analyzers.outcome import (
 from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.upstream import upstream_evidence
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.errors import NotFound
 
 #: The error codes of a request a distributed engine failed because its ring stopped moving

@@ -83,7 +83,7 @@ def recorded_workload(args: argparse.Namespace):
     from tokentrace.analyzers.workload import load_workload
 
     if args.db:
-        from tokentrace.collector.store_duckdb import DuckDBStore
+        from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
         window, _ = window_and_slice(args, "1h")
         store = DuckDBStore(args.db, read_only=True)

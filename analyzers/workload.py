@@ -20,7 +20,7 @@ import polars as pl
 
 from tokentrace.analyzers.session import once
 from tokentrace.analyzers.whatif import InstanceFacts, TraceRequest, Workload
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.errors import ConfigError
 from tokentrace.window import Slice
 

@@ -6,7 +6,7 @@ drives it as bench/ingest.py does (4 senders over loopback, 512-span engine batc
 each distinct batch once), waits until the journal is merged, and reads the collector's CPU seconds
 (user + system, /proc) and its merges (``/healthz``). It prints, per round and variant, collector
 CPU microseconds a span acknowledged, spans/s, spans a merge, peak resident memory and the span files
-it listed when measured (collector/span_files.py: files, compactions done); then each
+it listed when measured (collector/stores/span_files.py: files, compactions done); then each
 variant's medians, its ratio to the first variant and the rounds in which it used less CPU a span
 than the first.
 
@@ -18,7 +18,7 @@ extensions built in place: ``python -c "from setuptools import setup; setup()" b
 Each collector is checked to run the variant's code (its extension modules mapped from the tree,
 its settings applied, its environment as given) before it is measured:
 
-    python bench/ab.py --variant half= --variant second=tokentrace.collector.journal.GATHER_S=1.0
+    python bench/ab.py --variant half= --variant second=tokentrace.collector.stores.journal.GATHER_S=1.0
     python bench/ab.py --variant old=tree:/tmp/old --variant new= --rounds 4 --seconds 25
     python bench/ab.py --variant mimalloc= --variant system=env:ARROW_DEFAULT_MEMORY_POOL=system
 """

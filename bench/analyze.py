@@ -47,9 +47,9 @@ from tokentrace import contract as c
 from tokentrace.analyzers.cache import analyze_cache
 from tokentrace.analyzers.report import summarize
 from tokentrace.analyzers.slowness import analyze_slowness
-from tokentrace.collector import span_files
-from tokentrace.collector.normalize import Batch, normalize
-from tokentrace.collector.store_duckdb import DuckDBStore, _attach
+from tokentrace.collector.decoding.normalize import Batch, normalize
+from tokentrace.collector.stores import span_files
+from tokentrace.collector.stores.store_duckdb import DuckDBStore, _attach
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
@@ -108,7 +108,7 @@ def build(path: Path, requests: int, base: int = BASE_CHUNKS, replicate: bool = 
     chunks = max(1, -(-requests // CHUNK))
     base = min(base, chunks)
     ingested = base if replicate else chunks
-    # Every span in the table span_rows, none in span files (collector/span_files.py): a replica
+    # Every span in the table span_rows, none in span files (collector/stores/span_files.py): a replica
     # copies the stored rows of its chunk in SQL, and the verdicts measured here read no span.
     span_files.MIN_SPANS = 1 << 62
     store = DuckDBStore(path)
@@ -117,7 +117,7 @@ def build(path: Path, requests: int, base: int = BASE_CHUNKS, replicate: bool = 
         for done, batch in enumerate(pool.imap(_generate, [(k, base) for k in range(ingested)]), start=1):
             store.write(batch)
             if replicate:
-                store.settle()  # the journaled batch is in the tables (collector/journal.py)
+                store.settle()  # the journaled batch is in the tables (collector/stores/journal.py)
                 con = store._con
                 ends.append({t: con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in _tables(con)})
             if done % 10 == 0:

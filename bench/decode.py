@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from synth import Workload, light_batches
 
-from tokentrace.collector import _fastotlp, fastpath
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.normalize import normalize
+from tokentrace.collector.decoding import _fastotlp, fastpath
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.decoding.normalize import normalize
 
 LIMIT = 65_536
 
@@ -116,7 +116,7 @@ def alternating(bodies: list[bytes], first, second, repeat: int) -> tuple[float,
 
 def other_build(path: str):
     """The decoder built at ``path``, loaded beside this one and configured as it is."""
-    spec = importlib.util.spec_from_file_location("tokentrace.collector._fastotlp", path)
+    spec = importlib.util.spec_from_file_location("tokentrace.collector.decoding._fastotlp", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path} is not a loadable build of the decoder")
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 """What exactly-once costs on ClickHouse (chdb), side by side in one run (docs/scale-out.md).
 
-1. Write side, as the collector does it (collector/once.py): the same batches written through a
+1. Write side, as the collector does it (collector/stores/once.py): the same batches written through a
    ``ClickHouseStore`` with the span check, and with the check switched off (every span taken as
    new) - spans/s of each.
 2. Read side, the alternative not taken: ``spans`` copied into a ReplacingMergeTree ordered by
@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from synth import Workload
 
-from tokentrace.collector import once, stores
-from tokentrace.collector.normalize import normalize
+from tokentrace.collector import stores
+from tokentrace.collector.decoding.normalize import normalize
+from tokentrace.collector.stores import once
 
 AGGREGATE = ("SELECT name, count(), quantile(0.99)(end_ns - start_ns) FROM {table} {final} "
              "GROUP BY name ORDER BY name")

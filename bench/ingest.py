@@ -3,9 +3,9 @@
 Drives ``tokentrace collector`` with OTLP protobuf batches of 512 engine-shaped spans (bench/synth.py;
 ``--shape light`` sends small generic spans instead)
 from 4 concurrent senders, bounded in requests and seconds, and prints spans/s persisted (journaled
-before the acknowledgement, collector/journal.py), export requests/s and LLM requests/s (llm.request
+before the acknowledgement, collector/stores/journal.py), export requests/s and LLM requests/s (llm.request
 spans), p50/p99 request latency, how long after the last acknowledgement everything was in the
-tables, and the raw ceiling measured in the same run: the parse stage (collector/ingest.py's
+tables, and the raw ceiling measured in the same run: the parse stage (collector/receiver/ingest.py's
 ``parse``, the compiled decoder where it applies) and the store's write role (journal, then merge)
 in one thread plus the store's merge thread, no HTTP, no queue.
 
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness_collector import CollectorProcess
 from synth import Workload, light_batches
 
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.ingest import parse
-from tokentrace.collector.otlp import PROTOBUF, Encoding
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.receiver.ingest import parse
+from tokentrace.collector.receiver.otlp import PROTOBUF, Encoding
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.errors import Overloaded
 
 _PROTOBUF = Encoding("protobuf", PROTOBUF)
@@ -91,7 +91,7 @@ def in_time_order(bodies: list) -> list:
     """The chunks' batches interleaved: the first of each chunk, then the second of each, and so on.
     Every chunk's workload starts at the same instant (synth.Workload's clock), so chunk after
     chunk replayed the same two minutes of span times again and again: past the writer's memory of
-    span keys (collector/once.py, 4M spans) every later span was late data, looked up in the store
+    span keys (collector/stores/once.py, 4M spans) every later span was late data, looked up in the store
     (a 90 s run fell to 9.5-9.9k spans/s past 4M spans). Interleaved, batches arrive in the order of their
     times, as the spans of many engines running at once do."""
     chunks = [bodies[at:at + _CHUNK] for at in range(0, len(bodies), _CHUNK)]
@@ -227,7 +227,7 @@ def drive(port: int, bodies: list[tuple[bytes, int]], senders: int, seconds: flo
 
     def sender(offset: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        # Each distinct batch once: a repeat would be a resend, stored once (collector/once.py).
+        # Each distinct batch once: a repeat would be a resend, stored once (collector/stores/once.py).
         for body, spans in bodies[offset::senders]:
             if time.perf_counter() >= deadline or not export(conn, body, spans):
                 break
@@ -317,14 +317,14 @@ def main() -> int:
     print(f"visible:   everything acknowledged was in the tables {lag * 1000:.0f} ms after the last acknowledgement")
     journal = health["journal"]
     files = journal.get("span_files")
-    if files and files["files"]:  # the spans of large merges in Parquet files (collector/span_files.py)
+    if files and files["files"]:  # the spans of large merges in Parquet files (collector/stores/span_files.py)
         print(f"files:     {files['spans']:,} spans in {files['files']} span files at the end of the run "
               f"(by level {files['files_by_level']}), {files['compactions']} compactions during it")
-    if "spills" in journal:  # the checkpoint's pause spilled to disk instead of refusing (collector/journal.py)
+    if "spills" in journal:  # the checkpoint's pause spilled to disk instead of refusing (collector/stores/journal.py)
         print(f"spilled:   {journal['spills']} batches spilled to disk while merges were held up")
     receiver = health["receiver"]
     if receiver["requests"]:
-        # Where a request waited (collector/ingest.py RECEIVER_STAGES): a stage much longer than its CPU
+        # Where a request waited (collector/receiver/ingest.py RECEIVER_STAGES): a stage much longer than its CPU
         # (µs per span above, spread over threads) is a wait for a core.
         stages = ", ".join(f"{stage} {spent / receiver['requests'] * 1000:.1f} ms"
                            for stage, spent in receiver["seconds"].items())

@@ -1,7 +1,7 @@
 """Late spans: what the writer's exact check costs for spans older than its memory of span keys.
 
 The writer judges a span new without a query when its key is not remembered and it ended after
-the memory's horizon (collector/once.py); a span that ended before it (an engine's spool replayed
+the memory's horizon (collector/stores/once.py); a span that ended before it (an engine's spool replayed
 after an outage, an exporter's backlog) is looked up in the store (named query ``span_keys``), on
 the writer thread every sender waits on. This fills a DuckDB store with ``--stored`` cached engine
 batches (bench/ingest.py's, ~460 spans each), opens it again (the memory loads what it held), then
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from ingest import _parse, make_bodies
 
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
 HOUR_NS = 3600 * 10**9
 

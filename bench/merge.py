@@ -7,7 +7,7 @@ its own and the sizes taken in turn, round after round, so that a host whose spe
 project's VM: up to 2x within an hour) moves every size alike. Prints, per size, the merge thread's
 CPU per span (``time.thread_time``: DuckDB runs its work on the calling thread with ``threads = 1``),
 how much of it the COMMIT (DuckDB's checkpoints among them) and the first-new-block frontiers
-(collector/frontier.py) took, and each size's ratio to the first. DuckDB's memory is bounded as the
+(collector/stores/frontier.py) took, and each size's ratio to the first. DuckDB's memory is bounded as the
 collector bounds it (``--memory-limit``, the collector's default): a checkpoint costs more under it.
 A checkpoint comes once 256 MB of rows went through DuckDB's WAL, which merges of this size seldom
 fill: a table's rows of one merge bypass the WAL when they fill a row group
@@ -15,7 +15,7 @@ fill: a table's rows of one merge bypass the WAL when they fill a row group
 measures (docs/benchmarks.md, Issue 17, twenty-third round).
 
 ``--spans`` measures what the ``spans`` rows cost the merge, beside the store as it is (``all``: a
-merge of ``span_files.MIN_SPANS`` or more writes them to a Parquet file, collector/span_files.py):
+merge of ``span_files.MIN_SPANS`` or more writes them to a Parquet file, collector/stores/span_files.py):
 ``table`` appends every row to DuckDB's table as the store did before the span files, ``lean``
 gives it every row with ``attributes`` and ``resource`` empty (NULL), ``none`` no rows at all (the
 typed tables as they are). ``lean`` and ``none`` are not what the store may keep (what a sender
@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import pyarrow as pa
 from ingest import _parse, make_bodies
 
-from tokentrace.collector import frontier, journal, span_files
 from tokentrace.collector.settings import SETTINGS
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.stores import frontier, journal, span_files
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
 #: Thread CPU seconds of the frontiers (the store calls frontier.fresh_frontiers in each merge).
 _FRONTIER_S = [0.0]

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from analyze import START_NS, build
 from synth import Workload
 
-from tokentrace.collector.normalize import Batch, normalize
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.normalize import Batch, normalize
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.dashboards.prometheus import MetricsState
 
 INGEST = {"accepted_spans": 0, "rejected": {"malformed": 3}, "queue_batches": 0, "queue_capacity": 256}

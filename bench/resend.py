@@ -4,7 +4,7 @@ A real collector over loopback (bench/ingest.py's senders and cached engine batc
 order). Phase 1 stores a set of batches. Then, for ``--seconds`` each and alternating
 ``--rounds`` times: 4 senders send new batches alone; and the same 4 senders beside a fifth that
 sends phase 1's batches again, as an exporter does after a lost acknowledgement or in a retry loop
-(exactly once: collector/once.py). Prints, per phase, new spans/s acknowledged and their p99, the
+(exactly once: collector/stores/once.py). Prints, per phase, new spans/s acknowledged and their p99, the
 resent spans/s, and the collector's duplicate count, which must equal the resent spans.
 
     python bench/resend.py [--seconds 8] [--rounds 2] [--stored 600]

@@ -1,4 +1,4 @@
-"""Span files benchmark: what storing a merge's spans in a Parquet file (collector/span_files.py)
+"""Span files benchmark: what storing a merge's spans in a Parquet file (collector/stores/span_files.py)
 costs and saves against DuckDB's own table, measured side by side in one run.
 
 Decodes engine-shaped batches (bench/synth.py, as bench/ingest.py sends them) and merges them
@@ -9,7 +9,7 @@ touch ``spans``: one trace (``trace.sql``, the request page), the writer's exact
 late spans (``span_keys.sql``), a count, and the writer's key memory at start
 (``span_key_minutes.sql``), median wall milliseconds of ``--reads`` each. Then the files are
 compacted as the compaction thread does, level by level (``FANOUT`` files into one), each group
-both rewritten (the way before) and joined (the way taken, collector/parquet_concat.py), timed
+both rewritten (the way before) and joined (the way taken, collector/stores/parquet_concat.py), timed
 (thread and process CPU: Arrow reads a file on threads of its own), and read again.
 
 Prints the merge CPU a span of each store (thread CPU, the final ``CHECKPOINT`` included: DuckDB
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ingest import _parse, make_bodies
 from merge import merge_all
 
-from tokentrace.collector import span_files
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.stores import span_files
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
 #: MIN_SPANS of the store that keeps every span in its table.
 NEVER = 1 << 62

@@ -38,14 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ingest import percentile
 from synth import Workload
 
-from tokentrace.collector import sqlfiles, stores
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.normalize import normalize
-from tokentrace.collector.store_clickhouse import _expand
-from tokentrace.collector.tables import PACKED
+from tokentrace.collector import stores
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.decoding.normalize import normalize
+from tokentrace.collector.decoding.tables import PACKED
+from tokentrace.collector.stores import sqlfiles
+from tokentrace.collector.stores.store_clickhouse import _expand
 
 BACKENDS = ("duckdb", "chdb")
-GROUP_SPANS = 50_000  # what the writer thread groups under load (collector/writer.py)
+GROUP_SPANS = 50_000  # what the writer thread groups under load (collector/stores/writer.py)
 _IDS = {"request_id", "trace_id", "span_id", "parent_span_id", "entry_request_id", "evicted_by_request_id"}
 _ID_LISTS = {"prefill_request_ids", "decode_request_ids"}
 _TIMES = {"start_ns", "end_ns", "t_ns", "seen_ns"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from tokentrace.collector.app import Collector, create_app
-from tokentrace.collector.budget import BodyDeadline
+from tokentrace.collector.receiver.app import Collector, create_app
+from tokentrace.collector.receiver.budget import BodyDeadline
 from tokentrace.collector.settings import CollectorConfig
 from tokentrace.collector.stores import open_store as _open
 
@@ -34,7 +34,7 @@ def build_app(config: CollectorConfig, store) -> FastAPI:
     app.include_router(verdicts)
     app.include_router(metrics)
     app.include_router(dashboard)
-    # Outermost: a body that stops arriving is cut off whatever it was sent to (collector/budget.py).
+    # Outermost: a body that stops arriving is cut off whatever it was sent to (collector/receiver/budget.py).
     app.add_middleware(BodyDeadline, timeout=config.body_timeout, min_rate=config.body_min_rate,
                        count=lambda: collector.counters.reject("body_timeout"))
     return app

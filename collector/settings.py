@@ -208,7 +208,7 @@ def load(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Col
     _check_store(values, given)
     _check_exposure(values)
     if values["spool_dir"]:
-        from tokentrace.collector.spool import check_directory
+        from tokentrace.collector.receiver.spool import check_directory
 
         check_directory(values["spool_dir"])
     return CollectorConfig(**values)

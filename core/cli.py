@@ -24,7 +24,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("analyze", "tokentrace.analyzers.cli", "verdicts: why a request was slow, why its cache lookup missed"),
     ("whatif", "tokentrace.analyzers.whatif_cli", "replay traffic through other cache sizes, instances and routing"),
     ("export", "tokentrace.dashboards.export_cli", "traces for other tools: Perfetto JSON, Mooncake traces"),
-    ("store", "tokentrace.collector.store_cli", "check a stopped collector's DuckDB store, or repair it"),
+    ("store", "tokentrace.collector.stores.store_cli", "check a stopped collector's DuckDB store, or repair it"),
     ("demo", "tokentrace.demo", "run the whole story on this machine on a tiny generated model"),
     ("engine", "tokentrace.engine_shim.mlx.cli", "serve an mlx-lm model (OpenAI API) and report every phase"),
     ("gateway", "tokentrace.engine_shim.gateway.cli", "route to OpenAI-compatible engines, observed from outside"),

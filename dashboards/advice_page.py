@@ -21,7 +21,7 @@ from fastapi import Query, Request
 from tokentrace.analyzers.advise import MAX_VERDICTS, advise
 from tokentrace.analyzers.render import ADVICE_KINDS
 from tokentrace.analyzers.slo import SloSpec
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards.causes import remembered_verdict
 from tokentrace.dashboards.web import page
 from tokentrace.window import Slice, window_ns

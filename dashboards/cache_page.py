@@ -37,7 +37,7 @@ from tokentrace.analyzers.outcome import COMPLETED, outcome_expr
 from tokentrace.analyzers.report import reuse_known, token_hit_rate
 from tokentrace.analyzers.whatif import Capacity, assign, replay
 from tokentrace.analyzers.workload import load_workload
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards import series
 from tokentrace.dashboards.causes import window_causes
 from tokentrace.dashboards.overview import CAUSE_SAMPLE, LIMIT, thin

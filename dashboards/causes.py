@@ -18,7 +18,7 @@ import polars as pl
 
 from tokentrace.analyzers.cache import NO_CAUSE, CacheVerdict, analyze_cache
 from tokentrace.analyzers.report import cause_candidates
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 
 TTL_S = 120.0
 MAX_REMEMBERED = 10_000

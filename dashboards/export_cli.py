@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "mooncake":
         return _mooncake(args)
     if args.db:
-        from tokentrace.collector.store_duckdb import DuckDBStore
+        from tokentrace.collector.stores.store_duckdb import DuckDBStore
         from tokentrace.dashboards.perfetto import perfetto_trace
         from tokentrace.window import since_ns
 

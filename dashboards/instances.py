@@ -25,7 +25,7 @@ import polars as pl
 from fastapi import Request
 
 from tokentrace import contract as c
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards.nodes import clusters_of, from_exo
 from tokentrace.dashboards.web import page
 

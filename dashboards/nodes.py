@@ -29,7 +29,7 @@ from typing import Any
 import polars as pl
 
 from tokentrace import contract as c
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 
 #: The stretch of each node's time split shown (the last ten minutes), in node_activity.sql's buckets.
 ACTIVITY_S = 600

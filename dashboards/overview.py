@@ -24,7 +24,7 @@ from tokentrace.analyzers.report import (
 )
 from tokentrace.analyzers.slo import SloSpec
 from tokentrace.analyzers.slowness import CATEGORIES
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards import series
 from tokentrace.dashboards.advice_page import remembered_advice
 from tokentrace.dashboards.causes import window_causes

@@ -18,7 +18,7 @@ import polars as pl
 
 from tokentrace.analyzers.cache import request_window
 from tokentrace.analyzers.report import with_categories
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.errors import NotFound
 
 #: Phase spans drawn on a request's track, with their display names.

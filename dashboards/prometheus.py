@@ -40,8 +40,8 @@ from tokentrace.analyzers.outcome import COMPLETED, PARTS, measures_of
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_slow_facts
-from tokentrace.collector.store import TraceReader, as_columns
-from tokentrace.collector.tables import TABLES
+from tokentrace.collector.decoding.tables import TABLES
+from tokentrace.collector.stores.store import TraceReader, as_columns
 from tokentrace.contract import OBSERVER, OBSERVER_GATEWAY
 from tokentrace.dashboards.nodes import node_of
 from tokentrace.threads import os_named
@@ -738,7 +738,7 @@ class MetricsState:
         for name, labels, value in _losses(ingest.get("losses")):
             samples[name].append(_sample(name + "_total", labels, value))
         receiver = ingest.get("receiver")
-        if receiver:  # collector/ingest.py: RECEIVER_STAGES, RECEIVER_BUCKETS
+        if receiver:  # collector/receiver/ingest.py: RECEIVER_STAGES, RECEIVER_BUCKETS
             bounds, counts, seconds = receiver["le"], receiver["counts"], receiver["seconds"]
             samples["tokentrace_receiver_request_seconds"].append(_histogram(
                 "tokentrace_receiver_request_seconds", (), bounds, counts["request"], sum(seconds.values())))
@@ -776,7 +776,7 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-#: The quarantine's kinds (collector/store_duckdb.py) as label values.
+#: The quarantine's kinds (collector/stores/store_duckdb.py) as label values.
 LOSS_KINDS = {"damaged span file": "span_file", "damaged journal bytes": "journal_bytes",
               "missing journal records": "journal_records_missing",
               "journal record the store cannot take": "batch_refused"}

@@ -16,7 +16,7 @@ from fastapi import Request
 from tokentrace.analyzers.cache import analyze_cache, request_window
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.slowness import classify_slowness, load_slow_facts, rank_split
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards.web import page
 
 PHASES = ("load_wait", "queue", "prefill", "decode", "other")

@@ -23,7 +23,7 @@ from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
 from tokentrace.analyzers.report import declared_parts, with_categories, with_first_content
 from tokentrace.analyzers.slo import SloSpec, judge
 from tokentrace.analyzers.slowness import CATEGORIES
-from tokentrace.collector.store import TraceReader
+from tokentrace.collector.stores.store import TraceReader
 from tokentrace.dashboards.nodes import node_list
 from tokentrace.dashboards.web import page
 from tokentrace.window import Slice

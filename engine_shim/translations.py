@@ -1,6 +1,6 @@
 """The engine registry of the collector's normalizer: which engine translates which native span.
 
-Spans of the telemetry contract are the normalizer's own (``collector/normalize.py``). An engine
+Spans of the telemetry contract are the normalizer's own (``collector/decoding/normalize.py``). An engine
 whose telemetry arrives in its own dialect (vLLM's ``llm_request`` and loading spans) ships a
 translation beside its shim: a module whose ``BUILDERS`` maps its span names to row builders,
 called as ``builder(scope, span, attributes, ids)`` like the normalizer's own (``scope`` is

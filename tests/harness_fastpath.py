@@ -23,10 +23,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from test_collector_validation import set_any
 
 from tokentrace import contract as c
-from tokentrace.collector import fastpath
-from tokentrace.collector.columns import SCHEMAS, Columns
-from tokentrace.collector.normalize import normalize
-from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding, decode
+from tokentrace.collector.decoding import fastpath
+from tokentrace.collector.decoding.columns import SCHEMAS, Columns
+from tokentrace.collector.decoding.normalize import normalize
+from tokentrace.collector.receiver.otlp import JSON, PROTOBUF, Encoding, decode
 from tokentrace.engine_shim.emit import otlp_wire
 from tokentrace.engine_shim.emit.otlp_wire import varint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tokentrace.collector.app import MISSING_TOKEN, WRONG_TOKEN
+from tokentrace.collector.receiver.app import MISSING_TOKEN, WRONG_TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_collector_errors import make_request
 
-from tokentrace.collector.journal import Log
+from tokentrace.collector.stores.journal import Log
 
 MIB = 1 << 20
 BODY_TIMEOUT_S = 3

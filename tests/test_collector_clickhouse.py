@@ -15,9 +15,9 @@ from harness_store import clickhouse_available, server_database_url, sql, unique
 from test_collector_durability import kill_mid_stream
 
 from tokentrace.collector import stores
-from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.otlp import PROTOBUF, Encoding
-from tokentrace.collector.store import SpoolRecord
+from tokentrace.collector.receiver.ingest import Counters, Pipeline
+from tokentrace.collector.receiver.otlp import PROTOBUF, Encoding
+from tokentrace.collector.stores.store import SpoolRecord
 
 pytestmark = pytest.mark.skipif(not clickhouse_available(), reason="the clickhouse extra is not installed")
 
@@ -191,10 +191,10 @@ def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids
     columns, and the slowness verdict's phases query reads them and the rows written after alike."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tokentrace.collector import sqlfiles
-    from tokentrace.collector.normalize import normalize
-    from tokentrace.collector.store_clickhouse import Target
-    from tokentrace.collector.tables import TABLES
+    from tokentrace.collector.decoding.normalize import normalize
+    from tokentrace.collector.decoding.tables import TABLES
+    from tokentrace.collector.stores import sqlfiles
+    from tokentrace.collector.stores.store_clickhouse import Target
 
     database, now = unique_database("before009"), time.time_ns()
     phases = normalize(ExportTraceServiceRequest.FromString(

@@ -82,7 +82,7 @@ def test_kill_9_mid_stream_keeps_every_acknowledged_span(collector_factory, monk
 
 
 def test_kill_9_while_merges_write_span_files_keeps_every_acknowledged_span_once(collector_factory):
-    """Merges large enough to write their spans to Parquet files (collector/span_files.py): killed
+    """Merges large enough to write their spans to Parquet files (collector/stores/span_files.py): killed
     once some are listed, with more being written, the restarted collector has every acknowledged
     span once, and its folder holds exactly the files its store lists (a file written but not listed
     when the kill came is deleted, its batches appended again from the journal)."""

@@ -139,7 +139,7 @@ def test_bad_input_gets_its_status_and_message(collector, ledger, caption, body,
 
 
 def test_other_methods_on_the_receivers_path_get_the_apis_405(collector, ledger):
-    """Only POST goes straight to the receiver (collector/app.py, ReceiverFirst): GET and PUT of
+    """Only POST goes straight to the receiver (collector/receiver/app.py, ReceiverFirst): GET and PUT of
     /v1/traces still reach the app's route and get its 405 envelope, and store nothing."""
     _send_good(collector, ledger)
     for method in ("GET", "PUT"):

@@ -64,7 +64,7 @@ def test_the_sdk_s_links_trace_state_scope_version_and_dropped_counts_are_kept(c
 
 def test_a_large_export_of_the_sdk_is_stored_in_a_span_file_as_sent(collector_factory):
     """10,000 spans in one export of the real SDK (BatchSpanProcessor): a merge of that many writes its
-    spans to a Parquet file (collector/span_files.py), and what is read back through `spans` is
+    spans to a Parquet file (collector/stores/span_files.py), and what is read back through `spans` is
     what the SDK sent: every span once, attributes, events, links with attributes, trace state."""
     collector = collector_factory().start()
     provider = TracerProvider(resource=Resource.create({"service.name": "bulk"}))

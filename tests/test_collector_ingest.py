@@ -13,9 +13,9 @@ import golden
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from tokentrace.collector.ingest import RECEIVER_BUCKETS, RECEIVER_STAGES
-from tokentrace.collector.normalize import EXPANDED, TABLES
-from tokentrace.collector.otlp import Encoding, decode
+from tokentrace.collector.decoding.normalize import EXPANDED, TABLES
+from tokentrace.collector.receiver.ingest import RECEIVER_BUCKETS, RECEIVER_STAGES
+from tokentrace.collector.receiver.otlp import Encoding, decode
 
 
 def _spec(fixture: dict, span_id: str) -> dict:
@@ -239,7 +239,7 @@ def test_handwritten_json_and_its_protobuf_twin_store_the_same_rows(collector_fa
 
 
 def test_schema_columns_match_the_normalizer(tmp_path):
-    from tokentrace.collector.store_duckdb import DuckDBStore
+    from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
     store = DuckDBStore(tmp_path / "schema.duckdb")  # raises if a table's columns differ from TABLES
     assert set(store.counts()) == set(TABLES)

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from test_collector_errors import make_request
 
 from tokentrace.collector import stores
-from tokentrace.collector.normalize import TABLES
+from tokentrace.collector.decoding.normalize import TABLES
 
 PROTOBUF = "application/x-protobuf"
 

@@ -1,5 +1,5 @@
-"""Issue 44 item 6: the two OTLP decoders agree. The compiled decoder (collector/fastpath.py over
-collector/fastotlp*.c) and the Python normalizer (collector/normalize.py) must give the same
+"""Issue 44 item 6: the two OTLP decoders agree. The compiled decoder (collector/decoding/fastpath.py over
+collector/decoding/fastotlp*.c) and the Python normalizer (collector/decoding/normalize.py) must give the same
 Columns (every table, origin, key hash and counter: harness_fastpath.assert_same) for every body, or
 both refuse it with the same answer: on the bodies real senders sent (tests/fixtures/senders,
 captured by its capture.py: the OpenTelemetry Python SDK's OTLP/HTTP exporters, protobuf and JSON,
@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
-from tokentrace.collector import fastpath
-from tokentrace.collector.ingest import parse
-from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding, decode
+from tokentrace.collector.decoding import fastpath
+from tokentrace.collector.receiver.ingest import parse
+from tokentrace.collector.receiver.otlp import JSON, PROTOBUF, Encoding, decode
 from tokentrace.errors import PayloadError
 
 SENDERS = Path(__file__).parent / "fixtures" / "senders"

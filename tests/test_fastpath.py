@@ -1,4 +1,4 @@
-"""Issue 17: the compiled decoder (collector/fastpath.py) gives exactly the Columns of the Python
+"""Issue 17: the compiled decoder (collector/decoding/fastpath.py) gives exactly the Columns of the Python
 normalizer, or None (the Python path then decides). Differential (harness_fastpath.py): a decoded
 payload must equal ``normalize(...).columns()`` in every table, origin, key and counter. Payloads
 from software we did not write (the OpenTelemetry SDK encoding the golden traces, vLLM's native
@@ -38,11 +38,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from test_collector_fuzz import SEED
 
 from tokentrace import contract as c
-from tokentrace.collector import fastpath
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.ingest import parse
-from tokentrace.collector.normalize import normalize
-from tokentrace.collector.otlp import JSON, Encoding, decode
+from tokentrace.collector.decoding import fastpath
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.decoding.normalize import normalize
+from tokentrace.collector.receiver.ingest import parse
+from tokentrace.collector.receiver.otlp import JSON, Encoding, decode
 
 
 def test_the_decoder_is_built_and_writes_the_columns_of_tables_py():
@@ -302,7 +302,7 @@ def test_the_decoder_counts_the_bytes_pyarrow_counts():
 
 
 def test_threads_decoding_at_once_get_what_one_thread_gets():
-    """The decoder holds no GIL while it walks a body (collector/ingest.py decodes on several threads
+    """The decoder holds no GIL while it walks a body (collector/receiver/ingest.py decodes on several threads
     of the collector's process): bodies decoded by twelve threads at once, each many times, equal
     the Python reference; floats are in every one of them. Twelve: more than the decoders the
     module keeps between calls (8), so that calls also make and free decoders of their own."""
@@ -340,7 +340,7 @@ def test_floats_are_written_as_pythons_repr_writes_them():
     import math
     import struct
 
-    from tokentrace.collector import _fastotlp
+    from tokentrace.collector.decoding import _fastotlp
 
     rng = random.Random(SEED)
     values = [struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0] for _ in range(300_000)]

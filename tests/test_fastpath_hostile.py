@@ -12,7 +12,7 @@ from harness_fastpath import MAX, check, engine_request, mlx_payload, one_span, 
 from test_collector_fuzz import SEED, _mutate_bytes, _mutate_message, _seeds, fuzz_bodies
 
 from tokentrace import contract as c
-from tokentrace.collector.otlp import decompress
+from tokentrace.collector.receiver.otlp import decompress
 from tokentrace.errors import PayloadError
 
 

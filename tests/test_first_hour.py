@@ -62,7 +62,7 @@ def test_building_the_package_warns_of_no_unlisted_package(tmp_path):
     import zipfile
 
     names = set(zipfile.ZipFile(wheel).namelist())
-    for shipped in ("tokentrace/collector/sql/duckdb/001_init.sql", "tokentrace/dashboards/templates/base.html",
+    for shipped in ("tokentrace/collector/stores/sql/duckdb/001_init.sql", "tokentrace/dashboards/templates/base.html",
                     "tokentrace/dashboards/grafana/tokentrace.json"):
         assert shipped in names, shipped
 

@@ -1,4 +1,4 @@
-"""collector/frontier.c's memory of recent block keys (issue 45): ``RecentKeys.fresh`` with more
+"""collector/stores/frontier.c's memory of recent block keys (issue 45): ``RecentKeys.fresh`` with more
 distinct keys in one call than a generation has slots looped forever, holding the GIL, once its
 open-addressing table was full. Each case runs in a child process under a deadline, so that a
 regression fails here instead of hanging the suite."""
@@ -28,7 +28,7 @@ def _run(code: str) -> str:
 def test_fresh_ends_when_one_call_brings_more_keys_than_a_generation_holds(capacity, keys):
     out = _run(f"""
         import numpy as np
-        from tokentrace.collector.frontier import RecentKeys
+        from tokentrace.collector.stores.frontier import RecentKeys
         recent = RecentKeys({capacity})
         keys = np.arange(1, {keys} + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         first = recent.fresh(keys)
@@ -46,7 +46,7 @@ def test_frontiers_and_fresh_agree_on_many_keys_in_small_generations():
     """``frontiers`` already rotated per key; ``fresh`` now keeps the same memory of recent keys."""
     out = _run("""
         import numpy as np
-        from tokentrace.collector.frontier import RecentKeys
+        from tokentrace.collector.stores.frontier import RecentKeys
         a, b = RecentKeys(4), RecentKeys(4)
         keys = np.arange(1, 50, dtype=np.uint64)
         a.fresh(keys)

@@ -11,8 +11,8 @@ from harness_store import BACKENDS, store_url
 
 from tokentrace import contract as c
 from tokentrace.collector import stores
-from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.otlp import JSON, Encoding
+from tokentrace.collector.receiver.ingest import Counters, Pipeline
+from tokentrace.collector.receiver.otlp import JSON, Encoding
 
 T0 = 1_790_000_000_000_000_000
 MS = 1_000_000

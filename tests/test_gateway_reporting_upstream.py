@@ -11,7 +11,7 @@ from harness_collector import CollectorProcess
 from harness_engine import EngineProcess, tiny_model  # noqa: F401 - fixture
 from harness_gateway import GatewayProcess
 
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
 pytestmark = pytest.mark.slow
 

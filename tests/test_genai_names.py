@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace import contract as c
-from tokentrace.collector.normalize import TABLES, normalize
+from tokentrace.collector.decoding.normalize import TABLES, normalize
 
 START = 1_700_000_000_000_000_000
 

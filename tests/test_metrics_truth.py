@@ -26,8 +26,8 @@ from harness_engine import EngineProcess
 from harness_prometheus import parse_samples, sum_by
 
 from tokentrace.analyzers.cache import analyze_cache
-from tokentrace.collector.normalize import TABLES, Batch
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.normalize import TABLES, Batch
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.dashboards import prometheus
 from tokentrace.dashboards.prometheus import MetricsState
 from tokentrace.demo_workload import INSTANCE_FLAGS, Cluster, chat, run_workload

@@ -1,4 +1,4 @@
-"""Parquet files joined by copying their row groups (collector/parquet_concat.py): pyarrow writes
+"""Parquet files joined by copying their row groups (collector/stores/parquet_concat.py): pyarrow writes
 real files (the span files' options, and others: dictionaries, nested lists, NULLs, many row
 groups), the join is read back by pyarrow and by DuckDB, statistics and Bloom filters included, and
 what it cannot join is refused before anything is written."""
@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokentrace.collector.parquet_concat import Unjoinable, join
-from tokentrace.collector.span_files import ROW_GROUP_ROWS, WRITE_OPTIONS
+from tokentrace.collector.stores.parquet_concat import Unjoinable, join
+from tokentrace.collector.stores.span_files import ROW_GROUP_ROWS, WRITE_OPTIONS
 
 SCHEMA = pa.schema([("trace_id", pa.binary()), ("name", pa.string()), ("start_ns", pa.int64()),
                     ("attributes", pa.string()), ("offsets", pa.list_(pa.int64())), ("ratio", pa.float64()),

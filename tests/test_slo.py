@@ -14,8 +14,8 @@ import pytest
 
 from tokentrace.analyzers.report import with_categories
 from tokentrace.analyzers.slo import attainment, missed_objectives, parse_slo
-from tokentrace.collector.normalize import TABLES, Batch
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.normalize import TABLES, Batch
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.dashboards import prometheus
 from tokentrace.dashboards.prometheus import ITL, MetricsState
 from tokentrace.errors import ConfigError

@@ -1,4 +1,4 @@
-"""The writer's memory of stored span keys (collector/once.py, collector/spankeys.c): the C table
+"""The writer's memory of stored span keys (collector/stores/once.py, collector/stores/spankeys.c): the C table
 against a Python set model, and the memory at sustained rates, where sorted arrays per minute once
 dropped the current minute whole (issue 17)."""
 
@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from tokentrace.collector._spankeys import KeyTable
-from tokentrace.collector.once import BUCKET_NS, MINUTE_NS, SpanKeys, key_hashes
+from tokentrace.collector.stores._spankeys import KeyTable
+from tokentrace.collector.stores.once import BUCKET_NS, MINUTE_NS, SpanKeys, key_hashes
 
 BASE_NS = 1_800_000_000 * 10**9  # a start time late in 2027, on a minute boundary
 
@@ -22,8 +22,8 @@ def _keys(count: int, seed: int) -> np.ndarray:
 
 def _json_batch(first: int, count: int, start_ns: int, end_ns: int):
     """Parsed OTLP/JSON spans ``first`` .. ``first + count - 1``, ids from their number."""
-    from tokentrace.collector.ingest import parse
-    from tokentrace.collector.otlp import JSON, Encoding
+    from tokentrace.collector.receiver.ingest import parse
+    from tokentrace.collector.receiver.otlp import JSON, Encoding
 
     spans = [{"traceId": f"{i + 1:032x}", "spanId": f"{i + 1:016x}", "name": "work",
               "startTimeUnixNano": str(start_ns + i), "endTimeUnixNano": str(end_ns + i)}
@@ -165,7 +165,7 @@ def test_a_store_drops_the_resend_of_a_long_span_and_remembers_it_after_a_restar
     ended after it is written without a lookup; its resend is dropped from memory alone (its hash and
     end time remembered), and so is it after a restart (the memory refilled by end time). Before, each
     remembered span was confirmed in the store: ~150 us a span, on the writer thread."""
-    from tokentrace.collector.store_duckdb import DuckDBStore
+    from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
     path = tmp_path / "long.duckdb"
     store = DuckDBStore(path)

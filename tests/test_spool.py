@@ -84,7 +84,7 @@ def test_a_spool_file_resent_over_http_is_stored_once(collector_factory, tmp_pat
     """The engine shim resends spool files with their name (wire.SPOOL_FILE_HEADER): the same
     bytes posted again (an acknowledgement lost on the way back) or also dropped into the watched
     directory are stored once. Without the header a body sent twice is stored once too (its spans
-    are known: collector/once.py)."""
+    are known: collector/stores/once.py)."""
     spool = tmp_path / "spool"
     spool.mkdir()
     collector = collector_factory("--spool-dir", str(spool)).start()

@@ -19,8 +19,8 @@ import pytest
 from test_collector_errors import make_request
 from test_store_damage import FILE_SPANS, SPANS, _damage, _merged_then_killed, _three_span_files
 
-from tokentrace.collector import journal
-from tokentrace.collector.journal import Log
+from tokentrace.collector.stores import journal
+from tokentrace.collector.stores.journal import Log
 
 
 def _store(action: str, db: Path, *args: str) -> subprocess.CompletedProcess:

@@ -14,12 +14,13 @@ import pytest
 from harness_store import BACKENDS, store_url
 from polars.testing import assert_frame_equal
 
-from tokentrace.collector import sqlfiles, stores
-from tokentrace.collector.columns import Columns
-from tokentrace.collector.ingest import Counters, Pipeline
-from tokentrace.collector.normalize import TABLES
-from tokentrace.collector.otlp import JSON, PROTOBUF, Encoding
-from tokentrace.collector.store import SpoolRecord
+from tokentrace.collector import stores
+from tokentrace.collector.decoding.columns import Columns
+from tokentrace.collector.decoding.normalize import TABLES
+from tokentrace.collector.receiver.ingest import Counters, Pipeline
+from tokentrace.collector.receiver.otlp import JSON, PROTOBUF, Encoding
+from tokentrace.collector.stores import sqlfiles
+from tokentrace.collector.stores.store import SpoolRecord
 
 BASE = 1_790_000_000_000_000_000  # a fixed instant (2026-09-21): the same rows in every backend
 SPOOL = SpoolRecord("ab" * 32, "golden.pb")

@@ -20,8 +20,8 @@ import pytest
 from harness_collector import wait_for
 from test_collector_errors import make_request
 
-from tokentrace.collector import journal
-from tokentrace.collector.journal import Log
+from tokentrace.collector.stores import journal
+from tokentrace.collector.stores.journal import Log
 
 BATCHES, SPANS = 6, 2000
 

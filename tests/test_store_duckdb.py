@@ -1,5 +1,5 @@
 """DuckDB store internals that keep ingest and verdicts fast: list parameters, the first new block
-of each packed block list (collector/frontier.py) and the verdict query that relies on it, and the
+of each packed block list (collector/stores/frontier.py) and the verdict query that relies on it, and the
 plans of the hash lookups (an index scan, not a scan of every row; bench/analyze.py has the times).
 """
 
@@ -16,10 +16,10 @@ import pyarrow as pa
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.collector.columns import arrow_table
-from tokentrace.collector.frontier import RecentKeys, fresh_frontiers
-from tokentrace.collector.normalize import Batch, normalize
-from tokentrace.collector.store_duckdb import DuckDBStore, bind_lists
+from tokentrace.collector.decoding.columns import arrow_table
+from tokentrace.collector.decoding.normalize import Batch, normalize
+from tokentrace.collector.stores.frontier import RecentKeys, fresh_frontiers
+from tokentrace.collector.stores.store_duckdb import DuckDBStore, bind_lists
 from tokentrace.fingerprint import block_hashes
 
 
@@ -325,7 +325,7 @@ def test_the_store_writes_row_groups_of_its_own_size_and_spills_beside_its_file(
     """The store attaches its file with ROW_GROUP_SIZE (store_duckdb.ROW_GROUP_SIZE; with DuckDB's
     own 122,880 the merge took half as much CPU again) on every cursor it reads and writes with, and DuckDB's
     spill files go to FILE.tmp, as they did for a connected file, not to the working directory."""
-    from tokentrace.collector.store_duckdb import ROW_GROUP_SIZE
+    from tokentrace.collector.stores.store_duckdb import ROW_GROUP_SIZE
 
     path = tmp_path / "s.duckdb"
     store = DuckDBStore(path)
@@ -349,7 +349,7 @@ def test_a_loaded_merge_writes_its_typed_rows_to_the_file_not_the_wal(tmp_path):
     checkpoint compressed them: 0.92 x the collector's CPU a span with row groups of 8,192 instead of
     16,384 (issue 17, twenty-third round). 10,000 request rows through the journal and one merge
     leave the WAL with no more than the merge's bookkeeping."""
-    from tokentrace.collector.columns import SCHEMAS, Columns
+    from tokentrace.collector.decoding.columns import SCHEMAS, Columns
 
     path = tmp_path / "s.duckdb"
     store = DuckDBStore(path)

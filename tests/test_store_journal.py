@@ -1,4 +1,4 @@
-"""The DuckDB store's write-ahead journal (collector/journal.py) and the packed layout's migration:
+"""The DuckDB store's write-ahead journal (collector/stores/journal.py) and the packed layout's migration:
 an acknowledged batch survives a process that dies before merging it, exactly once; a record cut
 short by a crash is dropped and the rest appended; a store written by the previous layout
 (migrations up to 008) opens with the same rows and the same cache answers; one written before 011
@@ -19,9 +19,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from test_store_duckdb import _REACH_REFERENCE, _conversations
 
-from tokentrace.collector import sqlfiles
-from tokentrace.collector.normalize import Batch, normalize
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.decoding.normalize import Batch, normalize
+from tokentrace.collector.stores import sqlfiles
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
 BASE = 1_790_000_000_000_000_000
 
@@ -43,8 +43,8 @@ def _parsed_batch(offset_s: int = 0, body: bytes | None = None):
     """The golden trace as the collector's parse stage gives it: decoded, with the payload it came
     from (Columns.sources), which the journal then holds instead of the columns (``body``: that
     payload, to decode a body again as a resend)."""
-    from tokentrace.collector.ingest import Counters, Pipeline
-    from tokentrace.collector.otlp import PROTOBUF, Encoding
+    from tokentrace.collector.receiver.ingest import Counters, Pipeline
+    from tokentrace.collector.receiver.otlp import PROTOBUF, Encoding
 
     if body is None:
         body, _ = golden.encode(golden.load("golden_engine_trace.json"), BASE + offset_s * 1_000_000_000)
@@ -63,7 +63,7 @@ def test_a_batch_journaled_and_never_merged_is_appended_at_the_next_open_once(tm
         import os, sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_store_journal import {made_by} as made
-        from tokentrace.collector.store_duckdb import DuckDBStore
+        from tokentrace.collector.stores.store_duckdb import DuckDBStore
         store = DuckDBStore({str(path)!r})
         store._journal._merge = lambda entries: threading.Event().wait()  # a merge that never ends
         for offset in (0, 10, 20):
@@ -131,7 +131,7 @@ def test_a_merge_that_failed_for_room_is_retried_once_the_disk_takes_a_write_aga
     after its pause (up to 5 s, here 600 s), so /healthz recovers with the first batch that passes.
     The disk's two states are injected: filling a real disk (tests/test_collector_network.py) cannot
     time a merge's failure."""
-    from tokentrace.collector import journal, store_duckdb
+    from tokentrace.collector.stores import journal, store_duckdb
     from tokentrace.errors import StoreError
 
     monkeypatch.setattr(journal, "_RETRY_S", (600.0,))
@@ -307,7 +307,7 @@ def test_a_store_written_before_012_keeps_its_phases_without_their_span_ids(tmp_
 
 
 def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
 
     log_file = journal.Log(tmp_path / "j")
     merges = journal.Journal(lambda entries: merged.append([entry.seq for entry in entries]), log_file,
@@ -317,7 +317,7 @@ def _journal(tmp_path: Path, merged: list, max_bytes: int = 1 << 30):
 
 
 def _entry(seq: int, nbytes: int = 100, on_released=None):
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
 
     batch = _golden_batch().columns()
     return journal.Entry(seq, batch, nbytes, on_released=on_released), [b"record %d" % seq]
@@ -327,7 +327,7 @@ def test_a_merge_gathers_batches_until_a_reader_asks(tmp_path, monkeypatch):
     """Batches journaled one after another are merged together, not one merge each: the merge waits
     (here a gathering time longer than any wait of the test) until a reader needs them, and that
     reader's settle starts it at once. A patient reader (the /metrics verdict thread) does not."""
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
 
     monkeypatch.setattr(journal, "GATHER_S", 3600.0)
     merged: list = []
@@ -346,7 +346,7 @@ def test_a_merge_gathers_batches_until_a_reader_asks(tmp_path, monkeypatch):
 def test_a_merge_starts_without_a_reader_once_its_batches_hold_a_third_of_the_bound(tmp_path, monkeypatch):
     import threading
 
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
 
     monkeypatch.setattr(journal, "GATHER_S", 3600.0)
     merged: list = []
@@ -366,7 +366,7 @@ def test_a_store_opens_while_its_journaled_batches_cannot_be_appended_and_append
     The open succeeds (it used to fail, and the collector with it), the store says why it is not
     healthy, a resend of those spans is still recognised, and once appending works again they are
     in the tables once."""
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
     from tokentrace.errors import StoreError
 
     monkeypatch.setattr(journal, "_RETRY_S", (0.05,))
@@ -410,7 +410,7 @@ def test_a_store_opens_while_its_journaled_batches_cannot_be_appended_and_append
 
 def _pieces(record: bytes) -> list[tuple[str, bytes]]:
     """(kind, bytes) of each piece of a journal record (store_duckdb._record)."""
-    from tokentrace.collector.store_duckdb import _record_pieces
+    from tokentrace.collector.stores.store_duckdb import _record_pieces
 
     return [(kind, bytes(piece)) for kind, _limit, piece in _record_pieces(memoryview(record))[1]]
 
@@ -428,10 +428,10 @@ def test_a_group_journals_the_payloads_of_its_parts_beside_a_resend_and_a_batch_
     each span once."""
     import threading
 
-    from tokentrace.collector import journal
-    from tokentrace.collector.columns import Columns
-    from tokentrace.collector.store import as_columns
-    from tokentrace.collector.store_duckdb import _read_record
+    from tokentrace.collector.decoding.columns import Columns
+    from tokentrace.collector.stores import journal
+    from tokentrace.collector.stores.store import as_columns
+    from tokentrace.collector.stores.store_duckdb import _read_record
 
     path = tmp_path / "s.duckdb"
     store = DuckDBStore(path)
@@ -465,8 +465,8 @@ def test_a_part_that_lost_some_spans_is_journaled_as_the_rows_it_kept():
     back as the rows kept, in their order."""
     import numpy as np
 
-    from tokentrace.collector.columns import Columns
-    from tokentrace.collector.store_duckdb import _read_record, _record
+    from tokentrace.collector.decoding.columns import Columns
+    from tokentrace.collector.stores.store_duckdb import _read_record, _record
 
     first, second, third = _parsed_batch(0), _parsed_batch(10), _parsed_batch(20)
     group = Columns.concat([first, second, third])
@@ -491,7 +491,7 @@ def _held_merge(store: DuckDBStore, monkeypatch):
     merge is held. A merge starts as soon as a batch is journaled and counts as held up at once."""
     import threading
 
-    from tokentrace.collector import journal
+    from tokentrace.collector.stores import journal
 
     monkeypatch.setattr(journal, "GATHER_S", 0.0)
     monkeypatch.setattr(journal, "PAUSE_S", 0.0, raising=False)  # the code before spills had none
@@ -530,8 +530,8 @@ def test_batches_journaled_while_a_merge_is_held_up_are_spilled_to_disk_instead_
     once, read back from its file, and no file is left."""
     import threading
 
-    from tokentrace.collector import journal
-    from tokentrace.collector.store import as_columns
+    from tokentrace.collector.stores import journal
+    from tokentrace.collector.stores.store import as_columns
 
     monkeypatch.setattr(journal, "ROOM_TIMEOUT_S", 3.0)
     one = _one_batch_counts(tmp_path)
@@ -563,8 +563,8 @@ def test_a_batch_whose_spill_fails_stays_in_memory_and_the_bound_refuses_what_co
     """A spill file that cannot be written (here a directory stands where it goes: the same OSError
     as a full disk): the batch is acknowledged, held in memory, and counts against the bound, so the
     next write is refused (Overloaded: 503 + Retry-After) instead of growing the collector."""
-    from tokentrace.collector import journal
-    from tokentrace.collector.store import as_columns
+    from tokentrace.collector.stores import journal
+    from tokentrace.collector.stores.store import as_columns
     from tokentrace.errors import Overloaded
 
     monkeypatch.setattr(journal, "ROOM_TIMEOUT_S", 0.2)
@@ -590,8 +590,8 @@ def test_spilled_bytes_have_a_bound_past_which_writes_are_refused(tmp_path, monk
     """The disk a held-up merge's batches go to is bounded too: past ``max_spilled_bytes`` a write
     waits for the merge and is refused (Overloaded: 503 + Retry-After); what was acknowledged is
     appended once the merge goes on."""
-    from tokentrace.collector import journal
-    from tokentrace.collector.store import as_columns
+    from tokentrace.collector.stores import journal
+    from tokentrace.collector.stores.store import as_columns
     from tokentrace.errors import Overloaded
 
     monkeypatch.setattr(journal, "ROOM_TIMEOUT_S", 0.2)
@@ -624,9 +624,9 @@ def test_spill_files_a_killed_collector_left_are_deleted_and_their_batches_appen
         import os, sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_store_journal import _golden_batch
-        from tokentrace.collector import journal
-        from tokentrace.collector.store import as_columns
-        from tokentrace.collector.store_duckdb import DuckDBStore
+        from tokentrace.collector.stores import journal
+        from tokentrace.collector.stores.store import as_columns
+        from tokentrace.collector.stores.store_duckdb import DuckDBStore
         journal.GATHER_S = journal.PAUSE_S = 0.0  # a merge starts at once and is held up at once
         store = DuckDBStore({str(path)!r})
         entered = threading.Event()

@@ -10,7 +10,7 @@ from harness_store import clickhouse_available, sql, unique_database
 from test_collector_errors import make_request
 
 from tokentrace.collector import stores
-from tokentrace.collector.normalize import normalize
+from tokentrace.collector.decoding.normalize import normalize
 
 pytestmark = pytest.mark.skipif(not clickhouse_available(), reason="the clickhouse extra is not installed")
 DAY = 86_400 * 10**9

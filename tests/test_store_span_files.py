@@ -1,4 +1,4 @@
-"""Spans of large merges in Parquet files beside the DuckDB store (collector/span_files.py, issue 17):
+"""Spans of large merges in Parquet files beside the DuckDB store (collector/stores/span_files.py, issue 17):
 stored as the table stores them, listed in the transaction of their batches, compacted, and never
 lost or doubled by a crash at any step. Batches are the golden engine trace (each call fresh ids);
 ``MIN_SPANS`` is lowered so that a merge of one batch makes a file."""
@@ -15,8 +15,8 @@ import golden
 import pytest
 from test_store_journal import BASE, _counts, _golden_batch, _migrated_to, _parsed_batch
 
-from tokentrace.collector import journal, span_files
-from tokentrace.collector.store_duckdb import DuckDBStore
+from tokentrace.collector.stores import journal, span_files
+from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.errors import StoreError
 
 HERE = str(Path(__file__).parent)
@@ -193,8 +193,8 @@ def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
         import os, sys
         sys.path.insert(0, {HERE!r})
         from test_store_journal import _golden_batch
-        from tokentrace.collector import journal, span_files
-        from tokentrace.collector.store_duckdb import DuckDBStore
+        from tokentrace.collector.stores import journal, span_files
+        from tokentrace.collector.stores.store_duckdb import DuckDBStore
         after = {after!r}
         span_files.MIN_SPANS, journal.GATHER_S = 1, 0.0
         span_files.FANOUT = 2 if after == "swap" else 1000  # "write": no compaction

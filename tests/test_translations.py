@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.collector import normalize
+from tokentrace.collector.decoding import normalize
 from tokentrace.engine_shim import translations
 
 ROOT = Path(__file__).resolve().parents[1]

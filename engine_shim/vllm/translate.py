@@ -8,7 +8,7 @@ so the collector core holds no vLLM name (STYLE §20). No vLLM import: the colle
 from __future__ import annotations
 
 from tokentrace import contract as c
-from tokentrace.collector.normalize import Scope, as_int, as_ms, as_str
+from tokentrace.collector.decoding.normalize import Scope, as_int, as_ms, as_str
 from tokentrace.engine_shim.vllm.names import (
     LATENCY_TO_CONTRACT_MS,
     LOAD_STAGE_BY_SPAN,

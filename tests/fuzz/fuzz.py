@@ -2,11 +2,11 @@
 
 Targets (the first argument), each with an oracle beyond "does not crash":
 
-- ``decoder``: an OTLP/HTTP protobuf body through the compiled decoder (collector/fastotlp*.c); where
+- ``decoder``: an OTLP/HTTP protobuf body through the compiled decoder (collector/decoding/fastotlp*.c); where
   it decodes the body, the Python normalizer must give exactly the same Columns (every table, origin,
   key hash and counter: tests/harness_fastpath.assert_same), and must not refuse what the decoder took.
-- ``keys``: uint64 arrays through the store's key memories (collector/frontier.c ``RecentKeys``,
-  collector/spankeys.c ``KeyTable``): answers are checked against a set kept here.
+- ``keys``: uint64 arrays through the store's key memories (collector/stores/frontier.c ``RecentKeys``,
+  collector/stores/spankeys.c ``KeyTable``): answers are checked against a set kept here.
 - ``wire``: attribute dicts (strings, ints, floats, bools, bytes, lists, nested) through the engine's
   OTLP wire writer (engine_shim/emit/otlpwire.c); protobuf must parse what it writes back to the
   same attributes.
@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 def load_sanitized(folder: Path) -> None:
     """Import tests/fuzz/build.py's modules under the installed ones' names, before anything
     imports those."""
-    import tokentrace.collector
+    import tokentrace.collector.decoding
+    import tokentrace.collector.stores
     import tokentrace.engine_shim.emit  # noqa: F401
 
     for path in sorted(folder.glob("tokentrace.*.so")):
@@ -58,7 +59,7 @@ def decoder_target():
     from google.protobuf.message import DecodeError
     from harness_fastpath import assert_same, reference
 
-    from tokentrace.collector import fastpath
+    from tokentrace.collector.decoding import fastpath
 
     assert fastpath.unavailable() is None, fastpath.unavailable()
 
@@ -79,8 +80,8 @@ def keys_target():
     import atheris
     import numpy as np
 
-    from tokentrace.collector import _spankeys
-    from tokentrace.collector.frontier import RecentKeys
+    from tokentrace.collector.stores import _spankeys
+    from tokentrace.collector.stores.frontier import RecentKeys
 
     def one(data: bytes) -> None:
         fdp = atheris.FuzzedDataProvider(data)

@@ -1,6 +1,0 @@
--- Stored spans per minute of end time, newest first: how much of the store the writer's memory
--- of span keys can hold at start (collector/once.py).
-SELECT end_ns // 60000000000 AS minute, count(*) AS spans
-FROM spans
-GROUP BY minute
-ORDER BY minute DESC

@@ -1,0 +1,5 @@
+-- Keys of the spans that ended at or after since_ns: the writer's memory at start (collector/stores/once.py).
+SELECT trace_id, span_id, end_ns
+FROM spans
+WHERE ({since_ns:Nullable(Int64)} IS NULL OR end_ns >= {since_ns:Nullable(Int64)})
+ORDER BY trace_id, span_id, end_ns
