@@ -45,10 +45,10 @@ from typing import Any
 
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import NO_CAUSE, Evidence, fmt_bytes  # noqa: F401 - NO_CAUSE is re-exported
+from tokentrace.analyzers.live import not_found
 from tokentrace.analyzers.outcome import COMPLETED, outcome_of
 from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.stores.store import TraceReader
-from tokentrace.errors import NotFound
 
 CAUSES = ("capacity", "restart", "instance_change", "prefix_change", "model_change", "template_change",
           "too_short", "new_prefix", None, "unknown")
@@ -144,7 +144,7 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     model identity on both sides."""
     request = reader.request(request_id)
     if request is None:
-        raise NotFound(f"no request with id {request_id!r} in the store")
+        raise not_found(reader, request_id)
     request_id = request["request_id"]  # the request's own id, should an alias have been given
     window = request_window(request)
     lookups, blocks, segments = reader.together(

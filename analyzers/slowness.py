@@ -40,6 +40,7 @@ from typing import Any
 from tokentrace import contract as c
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms, plural
+from tokentrace.analyzers.live import not_found
 from tokentrace.analyzers.outcome import (
     COMPLETED,
     PHASES,
@@ -54,7 +55,6 @@ from tokentrace.analyzers.roofline import load_hardware, memory_bandwidth
 from tokentrace.analyzers.slo import SloSpec, missed_objectives
 from tokentrace.analyzers.upstream import upstream_evidence
 from tokentrace.collector.stores.store import TraceReader
-from tokentrace.errors import NotFound
 
 #: The error codes of a request a distributed engine failed because its ring stopped moving
 #: (engine_shim/mlx/cluster.py LocalRanks.diagnose), and what each says of the rank.
@@ -137,7 +137,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     """Read the facts of one request; NotFound when the store has no such request."""
     request = reader.request(request_id)
     if request is None:
-        raise NotFound(f"no request with id {request_id!r} in the store")
+        raise not_found(reader, request_id)
     request_id = request["request_id"]  # the request's own id, should an alias have been given
     instance, start = request["instance_id"], request["start_ns"]
     # Reads that do not depend on one another run together (TraceReader.together), in two rounds.

@@ -185,6 +185,10 @@ MEMORY_BYTES = "tokentrace.memory.bytes"
 MEMORY_FREE = "tokentrace.memory.free"
 CACHE_REPORT_MODE = "tokentrace.cache.report_mode"
 CACHE_PREEMPTED_HIT_TOKENS = "tokentrace.cache.preempted_hit_tokens"
+STALL_STATE = "tokentrace.stall.state"
+STALL_REASON = "tokentrace.stall.reason"
+STALL_MS = "tokentrace.stall.ms"
+OPEN_REQUESTS = "tokentrace.requests.open"
 
 # --- Enum values ----------------------------------------------------------------------------------
 ENGINE_MLX = "mlx-lm"
@@ -542,6 +546,13 @@ SPANS: tuple[SpanSpec, ...] = (
                "blocks too) or incremental (stored and removed blocks)"),
             _a(CACHE_PREEMPTED_HIT_TOKENS, "int", "tokens", "since start: tokens preempted requests got "
                "back from the prefix cache when they resumed (recomputed work skipped, not prefix hits)"),
+            _a(STALL_STATE, "string", "", "a distributed engine's rank 0 whose ring has not moved for half its "
+               "--rank-timeout: RankLost (a rank exited), RankStopped (a rank is alive but its process is "
+               "stopped) or RankUnresponsive (every rank alive and running); absent while the ring moves"),
+            _a(STALL_REASON, "string", "", "the same, in words: which rank, its process id and state"),
+            _a(STALL_MS, "int", "ms", "how long the ring operation in progress has lasted"),
+            _a(OPEN_REQUESTS, "string[]", "", "with a stall: the ids of the requests it holds open (running, "
+               "then waiting; at most 256)"),
         ),
     ),
     SpanSpec(

@@ -9,6 +9,7 @@
     ├── Overloaded                   503    1    yes   overloaded         the write queue is full
     ├── StoreError                   503    1    yes   store_unavailable  the store failed to read or write
     ├── NotFound                     404    2    no    not_found          an unknown request id or other object
+    │   └── StillOpen                404    2    no    still_open         a request open in a stalled engine
     ├── Unauthorized                 401    2    no    unauthorized       a missing or wrong bearer token
     └── EngineError                  500    1    no    engine_error       the engine cannot serve
         └── RequestRefused           (own)  2    no    (own)              the engine refuses one request
@@ -89,6 +90,13 @@ class NotFound(TokentraceError):
     """An object (request id, instance) that the store does not hold."""
 
     http_status, exit_code, code, title = 404, 2, "not_found", "Not found"
+
+
+class StillOpen(NotFound):
+    """A request the store holds no row of yet because it has not ended, and whose engine reports it
+    open in a stall: the message is the live answer; the verdicts come when it ends."""
+
+    code, title = "still_open", "Still open"
 
 
 class Unauthorized(TokentraceError):

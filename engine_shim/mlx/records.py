@@ -202,3 +202,6 @@ class HeartbeatRecord:
     memory_bytes: int  #: memory the engine holds
     #: the GPU's recommended working set (Apple silicon), 0 where MLX knows none (its CPU backend)
     memory_limit_bytes: int = 0
+    #: a distributed rank 0's ring not moving for half its --rank-timeout: (state, reason, ms so far,
+    #: the ids of the requests it holds open); None while it moves
+    stall: tuple[str, str, int, list[str]] | None = None

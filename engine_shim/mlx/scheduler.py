@@ -32,6 +32,11 @@ from tokentrace.engine_shim.mlx.settings import EngineSettings
 log = logging.getLogger(__name__)
 
 #: A window of engine.steps closes after this many steps or this long, whichever comes first.
+#: A stall report names at most this many open requests.
+MAX_OPEN_REPORTED = 256
+#: What a rank 0 without its ranks' processes at hand (under mlx.launch) says of a stalled ring.
+_UNTOLD = ("RankUnresponsive", "a rank has not completed its part of the step; which one this rank cannot tell "
+           "(each rank's own heartbeats can)")
 WINDOW_STEPS = 256
 WINDOW_NS = 1_000_000_000
 
@@ -158,7 +163,26 @@ class Scheduler:
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
             memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
+            stall=self._stall_report(),
         )
+
+    def _stall_report(self) -> tuple[str, str, int, list[str]] | None:
+        """A distributed rank 0 whose ring operation has lasted half its --rank-timeout: what its
+        watchdog would say, and the requests it holds open (the live answer, before the deadline
+        fails them; issue 46). None while the ring moves."""
+        since = self._ring_since
+        if not since or self.settings.rank_timeout <= 0:
+            return None
+        waited = time.perf_counter_ns() - since
+        if waited < self.settings.rank_timeout * 1e9 / 2:
+            return None
+        code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
+        try:
+            held = [job.record.request_id for job in list(self._running.values()) if not job.abandoned]
+            held += [job.record.request_id for job in list(self._waiting)]
+        except RuntimeError:  # changed while read: the next report has them
+            held = []
+        return code, reason, waited // 1_000_000, held[:MAX_OPEN_REPORTED]
 
     # --- the generation thread -----------------------------------------------------------------
     def run(self) -> None:
@@ -519,15 +543,19 @@ class Scheduler:
             self._ring_since = 0
 
     def _watch(self) -> None:
-        """A distributed rank 0's watchdog: a ring operation past --rank-timeout stalls the instance."""
+        """A distributed rank 0's watchdog: a ring operation past half --rank-timeout is reported at
+        once (a heartbeat naming the requests it holds open), one past --rank-timeout stalls the
+        instance."""
         limit = int(self.settings.rank_timeout * 1e9)
+        reported = 0
         while not self._stopping:
             time.sleep(min(0.25, self.settings.rank_timeout / 4))
             since = self._ring_since
+            if since and since != reported and time.perf_counter_ns() - since > limit / 2:
+                reported = since
+                self._emit(self.heartbeat())  # the live report; later heartbeats repeat it
             if since and self.unavailable is None and time.perf_counter_ns() - since > limit:
-                code, reason = self.diagnose() if self.diagnose is not None else (
-                    "RankUnresponsive", "a rank has not completed its part of the step; which one this rank "
-                    "cannot tell (each rank's own heartbeats can)")
+                code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
                 self._stall(code, f"{reason} ({self.settings.rank_timeout:g} s without a step)")
 
     def _stall(self, code: str, reason: str) -> None:

@@ -210,14 +210,19 @@ class SpanBuilder:
 
     def heartbeat(self, record: HeartbeatRecord) -> None:
         """An instance.heartbeat span (zero length)."""
-        self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, encode.heartbeat(
+        attributes = encode.heartbeat(
             unit=c.UNIT_ENTRY, queue_depth=record.queue_depth, running=record.running,
             max_batch=record.max_batch, cache_entries=record.cache_entries, cache_bytes=record.cache_bytes,
             cache_max_entries=record.cache_max_entries, cache_max_bytes=record.cache_max_bytes,
             kv_bytes_per_token=record.kv_bytes_per_token, memory_bytes=record.memory_bytes,
             memory_free=max(0, record.memory_limit_bytes - record.memory_bytes) if record.memory_limit_bytes
             else hardware.available_memory(),
-        ))
+        )
+        if record.stall is not None:
+            state, reason, ms, open_ids = record.stall
+            attributes.update({c.STALL_STATE: state, c.STALL_REASON: reason, c.STALL_MS: ms,
+                               c.OPEN_REQUESTS: list(open_ids)})
+        self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, attributes)
 
 
 def _request_attributes(record: RequestRecord) -> dict[str, Any]:

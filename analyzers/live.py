@@ -1,0 +1,61 @@
+"""What the store can say of a request it holds no row of yet: one a distributed engine reports open
+while its ring does not move (issue 46, "a new answer for a request that is stalled ... while the
+request is still open").
+
+A request's row arrives when it ends. A distributed engine's rank 0 whose ring operation has lasted
+half its ``--rank-timeout`` says so on its heartbeats (``tokentrace.stall.*``) with the ids of the
+requests it holds open (``tokentrace.requests.open``), at once and on every heartbeat until the
+ring moves or the deadline fails them (docs/cluster.md). ``still_open`` reads the latest heartbeat
+of the instance that last named the request: while that heartbeat still reports the stall and
+names it, the request is open and stalled, and every surface that looks the request up says so
+(``StillOpen``: the CLI, the JSON API, the request page) instead of "no request".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tokentrace import contract as c
+from tokentrace.analyzers.evidence import fmt_ms
+from tokentrace.collector.stores.store import TraceReader
+from tokentrace.errors import NotFound, StillOpen
+
+#: How far back a stall report may name the request.
+OPEN_LOOKBACK_NS = 10 * 60 * 1_000_000_000
+
+
+def still_open(reader: TraceReader, request_id: str, now_ns: int | None = None) -> str | None:
+    """The live answer for ``request_id`` when its engine reports it open in a stall, else None."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    try:
+        rows = reader.rows("open_stall", request_id=request_id, since_ns=now_ns - OPEN_LOOKBACK_NS)
+    except Exception:  # a store without the query (an older ClickHouse schema): no live answer
+        return None
+    if not rows:
+        return None
+    row = rows[0]
+    try:
+        attributes = json.loads(row["attributes"] or "{}")
+    except ValueError:
+        return None
+    held = attributes.get(c.OPEN_REQUESTS) or []
+    state = attributes.get(c.STALL_STATE)
+    if state is None or request_id not in held:
+        return None  # the ring moved again since, or the request is no longer held: its row is coming
+    stalled_ms = attributes.get(c.STALL_MS)
+    age_ms = max(0, now_ns - row["t_ns"]) / 1e6
+    others = len(held) - 1
+    return (f"request {request_id!r} is still open on {row['instance_id']}: no row yet, its verdicts come when it "
+            f"ends. Stalled ({state}): no step of the instance's ring has completed for "
+            f"{fmt_ms(stalled_ms) if stalled_ms is not None else 'a while'}, as its rank 0 reported "
+            f"{fmt_ms(age_ms)} ago; {attributes.get(c.STALL_REASON) or 'which rank, it cannot tell'}"
+            + (f"; {others} other request{'s' if others != 1 else ''} held open with it" if others > 0 else "")
+            + ". Past its --rank-timeout the engine fails them.")
+
+
+def not_found(reader: TraceReader, request_id: str) -> NotFound:
+    """The error for a request id the store holds no row of: StillOpen with the live answer when
+    its engine reports it open in a stall, else NotFound."""
+    live = still_open(reader, request_id)
+    return StillOpen(live) if live else NotFound(f"no request with id {request_id!r} in the store")
