@@ -31,12 +31,12 @@ from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-#: A window of engine.steps closes after this many steps or this long, whichever comes first.
 #: A stall report names at most this many open requests.
 MAX_OPEN_REPORTED = 256
 #: What a rank 0 without its ranks' processes at hand (under mlx.launch) says of a stalled ring.
 _UNTOLD = ("RankUnresponsive", "a rank has not completed its part of the step; which one this rank cannot tell "
            "(each rank's own heartbeats can)")
+#: A window of engine.steps closes after this many steps or this long, whichever comes first.
 WINDOW_STEPS = 256
 WINDOW_NS = 1_000_000_000
 
@@ -95,6 +95,7 @@ class Scheduler:
         #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it
         #: from the ranks it started; under mlx.launch no rank can tell).
         self.diagnose: Callable[[], tuple[str, str]] | None = None
+        self._memory_bytes: int | None = None  #: what the last heartbeat read of MLX's active memory
         self._ring_since = 0  # perf_counter_ns when the current ring operation began; 0 outside one
         self._abandoned: list[Job] = []
 
@@ -146,11 +147,15 @@ class Scheduler:
             log.error("distributed instance degraded: %s; requests are refused until it is restarted", reason)
         self._wake.set()
 
-    def heartbeat(self) -> HeartbeatRecord:
-        """The instance's state now (plain reads; safe from any thread)."""
+    def heartbeat(self, read_memory: bool = True) -> HeartbeatRecord:
+        """The instance's state now (plain reads; safe from any thread). ``read_memory=False``: the
+        memory the last heartbeat read (the watchdog's report while the generation thread is inside
+        MLX, blocked on the ring, calls nothing of MLX's)."""
         import mlx.core as mx
 
         runtime, cache = self.runtime, self.cache
+        if read_memory or self._memory_bytes is None:
+            self._memory_bytes = mx.get_active_memory()
         return HeartbeatRecord(
             at_ns=time.perf_counter_ns(),
             queue_depth=len(self._waiting) + len(self._inbox),
@@ -161,7 +166,7 @@ class Scheduler:
             cache_max_entries=self.settings.cache_max_entries,
             cache_max_bytes=self.settings.cache_max_bytes,
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
-            memory_bytes=mx.get_active_memory(),
+            memory_bytes=self._memory_bytes,
             memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
             stall=self._stall_report(),
         )
@@ -553,7 +558,7 @@ class Scheduler:
             since = self._ring_since
             if since and since != reported and time.perf_counter_ns() - since > limit / 2:
                 reported = since
-                self._emit(self.heartbeat())  # the live report; later heartbeats repeat it
+                self._emit(self.heartbeat(read_memory=False))  # the live report; later heartbeats repeat it
             if since and self.unavailable is None and time.perf_counter_ns() - since > limit:
                 code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
                 self._stall(code, f"{reason} ({self.settings.rank_timeout:g} s without a step)")
