@@ -99,6 +99,7 @@ class Printed:
     length: int
     hashes: list[int]
     segments: list[tuple[str, int, int, int, int]]  #: (role, start, end, content hash, tail hash)
+    block_size: int  #: tokens per hashed block
 
 
 class PromptLog:
@@ -149,7 +150,8 @@ class PromptLog:
         if not tokens:
             return None
         tokens = [int(t) for t in tokens]
-        return Printed(len(tokens), block_hashes(tokens, self.block_size), self._segments(tokens, chat))
+        return Printed(len(tokens), block_hashes(tokens, self.block_size), self._segments(tokens, chat),
+                       self.block_size)
 
     def _segments(self, tokens: list[int], chat: Chat | None) -> list[tuple[str, int, int, int, int]]:
         if chat is None:  # a completion prompt: one segment

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentrace import contract as c
-from tokentrace.contract import DEFAULT_BLOCK_SIZE
 from tokentrace.engine_shim.emit import encode
 from tokentrace.engine_shim.vllm.export import SpanEvent, SpanRecord, new_span_id, new_trace_id
 from tokentrace.fingerprint import held_hashes
@@ -104,8 +103,7 @@ def cache_records(root: SpanRecord, finished: Any, printed: Any, engine_block: i
     infers it in front of a vLLM (children of the request span ``root``)."""
     if printed is None or not printed.hashes:
         return []
-    rid = root.attributes[c.REQUEST_ID]
-    block = DEFAULT_BLOCK_SIZE
+    rid, block = root.attributes[c.REQUEST_ID], printed.block_size
     admitted = min(root.start_ns + int(max(float(finished.queued_time), 0.0) * 1e9), root.end_ns)
     ids = {"trace_id": root.trace_id, "parent_span_id": root.span_id}
     matched = min(int(finished.num_cached_tokens), printed.length)
