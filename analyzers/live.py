@@ -28,10 +28,7 @@ OPEN_LOOKBACK_NS = 10 * 60 * 1_000_000_000
 def still_open(reader: TraceReader, request_id: str, now_ns: int | None = None) -> str | None:
     """The live answer for ``request_id`` when its engine reports it open in a stall, else None."""
     now_ns = time.time_ns() if now_ns is None else now_ns
-    try:
-        rows = reader.rows("open_stall", request_id=request_id, since_ns=now_ns - OPEN_LOOKBACK_NS)
-    except Exception:  # a store without the query (an older ClickHouse schema): no live answer
-        return None
+    rows = reader.rows("open_stall", request_id=request_id, since_ns=now_ns - OPEN_LOOKBACK_NS)
     if not rows:
         return None
     row = rows[0]
