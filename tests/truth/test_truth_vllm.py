@@ -133,7 +133,12 @@ WRONG_ANSWER: dict[tuple[str, str], str] = {}
 #: hanging up at its first content may find vLLM has generated and sent the whole answer. (Both were
 #: marked unreliable here before, and a cancelled request on the direct path was never stored until
 #: the plugin recorded vLLM's aborts.)
-UNRELIABLE: dict[tuple[str, str], str] = {}
+UNRELIABLE: dict[tuple[str, str], str] = {
+    # Once in a review run (2026-12-07, after both CIs passed it) the short request behind the narrow
+    # gateway was answered as prefill (queue 0.02 ms) while the built check, reading the long
+    # request's stored arrival and queue, said its slot was held: on this path the stored rows do not
+    # show which of the two the gateway admitted first. Marked as before until they do.
+    ("gateway-vllm", "queueing_gateway"): "the gateway may take the burst's short request before the long one"}
 WRONG_SURFACES: dict[tuple[str, str], str] = {}
 UNRELIABLE_SURFACES: dict[tuple[str, str], str] = {}
 
