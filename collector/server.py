@@ -17,6 +17,8 @@ def open_store(config: CollectorConfig):
         store.limit_memory(config.store_memory_bytes)
     if hasattr(store, "hold_unmerged"):  # the rest of the budget: requests being read and parsed
         store.hold_unmerged(config.max_pending_bytes * 3 // 4)
+    if config.max_disk_bytes is not None:
+        store.limit_disk(config.max_disk_bytes)
     return store
 
 

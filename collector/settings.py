@@ -35,13 +35,18 @@ def _positive(text: str) -> int:
     return _integer(text, "a positive integer", 1)
 
 
+#: What a --retention may be given in: seconds a unit.
+_RETENTION_UNITS = {"d": 86_400, "h": 3_600, "m": 60}
+
+
 def _retention(text: str) -> int:
-    # Whole days: ClickHouse drops whole daily partitions (sql/clickhouse/ttl.sql).
+    """Seconds to keep (0: everything). A ClickHouse store takes whole days (``_resolve``)."""
     if text == "off":
         return 0
-    if len(text) > 1 and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0:
-        return int(text[:-1])
-    raise ValueError("a number of days like 30d, or off")
+    unit = _RETENTION_UNITS.get(text[-1:])
+    if unit and text[:-1].isdigit() and 0 < int(text[:-1]) <= 100 * 365 * 86_400 // unit:
+        return int(text[:-1]) * unit
+    raise ValueError("a duration like 30d, 12h or 90m, or off")
 
 
 def _seconds(text: str) -> float:
@@ -104,8 +109,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("store", None, "TOKENTRACE_STORE",
             "store URL instead of --db: duckdb:///FILE, chdb:///DIR or clickhouse://HOST:8123/DB", stores.parse),
     Setting("retention", None, "TOKENTRACE_RETENTION",
-            "ClickHouse stores only: drop data older than this many days (30d), or off; unset leaves "
-            "the store's retention as it is", _retention),
+            "drop data older than this (30d, 12h, 90m; ClickHouse stores: whole days), or off to keep "
+            "everything; the store remembers it, and unset leaves the store's retention as it is", _retention),
+    Setting("max_disk_bytes", None, "TOKENTRACE_MAX_DISK_BYTES",
+            "DuckDB stores: bytes the store may use on disk (its file's used blocks, WAL, journal, span "
+            "files and quarantine); past it senders get 503 + Retry-After until retention or an operator "
+            "frees room", _positive),
     Setting("host", "127.0.0.1", "TOKENTRACE_HOST", "address to bind; 127.0.0.1 keeps it on this machine"),
     Setting("port", 4318, "TOKENTRACE_PORT", "port of OTLP/HTTP, the API and the dashboard", _port),
     Setting("token", None, "TOKENTRACE_TOKEN", "bearer token required on every endpoint when set", _token),
@@ -150,7 +159,8 @@ class CollectorConfig:
 
     db: str
     store: stores.StoreURL  #: --store, or duckdb:// of --db when it is not given
-    retention: int | None  #: days to keep (0: everything); None leaves the store's TTL alone
+    retention: int | None  #: seconds to keep (0: everything); None leaves the store's retention alone
+    max_disk_bytes: int | None  #: the DuckDB store's disk budget (None: only the disk's own room)
     host: str
     port: int
     token: str | None
@@ -231,6 +241,9 @@ def _check_store(values: dict, given: set[str]) -> None:
     problem = stores.check_location(values["store"])
     if problem:
         raise ConfigError(f"{option} must be in an existing directory, {problem}")
-    if values["retention"] is not None and not values["store"].clickhouse:
-        raise ConfigError("--retention needs a ClickHouse store (--store chdb:///DIR or clickhouse://...); "
-                          "a DuckDB store keeps everything")
+    if values["retention"] and values["store"].clickhouse and values["retention"] % 86_400:
+        raise ConfigError("--retention on a ClickHouse store is a number of days like 30d: it drops whole "
+                          "daily parts")
+    if values["max_disk_bytes"] is not None and values["store"].clickhouse:
+        raise ConfigError("--max-disk-bytes is a DuckDB store's budget; a ClickHouse server's disk is its own "
+                          "(its storage policy and TTL)")

@@ -47,7 +47,7 @@ def _untimed_tables(store) -> set[str]:
 def test_retention_drops_days_past_it_and_off_keeps_everything(chdb_dir):
     url = stores.parse(f"chdb://{chdb_dir}?database={unique_database('ttl')}")
     now = time.time_ns()
-    store = stores.open_store(url, retention_days=2)
+    store = stores.open_store(url, retention_s=2 * 86_400)
     try:
         assert _untimed_tables(store) == UNTIMED  # every timed table has the TTL
         assert store.write(_batch("today", now)) and store.write(_batch("last-week", now - 7 * DAY))
@@ -58,12 +58,12 @@ def test_retention_drops_days_past_it_and_off_keeps_everything(chdb_dir):
         assert store.counts()["resources"] == 1
     finally:
         store.close()
-    store = stores.open_store(url, retention_days=2)  # unchanged: nothing altered, nothing recorded
+    store = stores.open_store(url, retention_s=2 * 86_400)  # unchanged: nothing altered, nothing recorded
     try:
         assert sql(store, "SELECT count() FROM store_settings") == [(1,)]
     finally:
         store.close()
-    store = stores.open_store(url, retention_days=0)
+    store = stores.open_store(url, retention_s=0)
     try:
         assert _ttl_tables(store) == 0
         assert store.write(_batch("last-week", now - 7 * DAY))

@@ -55,24 +55,36 @@ def test_db_is_the_default_store_and_retention_is_left_alone(tmp_path):
     assert config.retention is None
 
 
-@pytest.mark.parametrize(("text", "days"), [("30d", 30), ("1d", 1), ("off", 0)])
-def test_retention_in_days(tmp_path, text, days):
-    assert _load(store=f"chdb://{tmp_path}/c", retention=text).retention == days
+@pytest.mark.parametrize(("text", "seconds"), [("30d", 30 * 86_400), ("1d", 86_400), ("off", 0)])
+def test_retention_in_days(tmp_path, text, seconds):
+    assert _load(store=f"chdb://{tmp_path}/c", retention=text).retention == seconds
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30d", 30 * 86_400), ("12h", 43_200), ("90m", 5_400), ("off", 0)])
+def test_a_duckdb_store_takes_hours_and_minutes_too(tmp_path, text, seconds):
+    assert _load(db=str(tmp_path / "a.duckdb"), retention=text).retention == seconds
 
 
 @pytest.mark.parametrize("values", [
-    {"retention": "30"}, {"retention": "0d"}, {"retention": "2w"}, {"retention": "-3d"}])
+    {"retention": "30"}, {"retention": "0d"}, {"retention": "2w"}, {"retention": "-3d"}, {"retention": "1.5h"},
+    {"retention": "99999999999d"}])
 def test_bad_retention(tmp_path, values):
-    with pytest.raises(ConfigError, match="--retention must be a number of days like 30d, or off"):
+    with pytest.raises(ConfigError, match="--retention must be a duration like 30d, 12h or 90m, or off"):
         _load(store=f"chdb://{tmp_path}/c", **values)
+
+
+def test_clickhouse_retention_is_whole_days(tmp_path):
+    with pytest.raises(ConfigError, match="--retention on a ClickHouse store is a number of days"):
+        _load(store=f"chdb://{tmp_path}/c", retention="36h")
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--store", "duckdb:///tmp/a.duckdb", "--db", "/tmp/b.duckdb"], "--db and --store both name the store"),
-    (["--retention", "30d"], "--retention needs a ClickHouse store"),
+    (["--store", "chdb:///tmp/x", "--max-disk-bytes", "1000000"], "--max-disk-bytes is a DuckDB store's budget"),
+    (["--max-disk-bytes", "10GB"], "--max-disk-bytes must be a positive integer"),
     (["--store", "chdb:///nonexistent-dir/x"], "--store must be in an existing directory"),
     (["--store", "mysql://x"], "--store must be a store URL: duckdb:///FILE, chdb:///DIR or clickhouse://"),
-    (["--store", "chdb:///tmp/x", "--retention", "forever"], "--retention must be a number of days like 30d"),
+    (["--store", "chdb:///tmp/x", "--retention", "forever"], "--retention must be a duration like 30d"),
 ])
 def test_bad_store_settings_exit_2_with_one_line(args, message):
     result = _run("collector", *args)

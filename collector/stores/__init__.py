@@ -87,12 +87,16 @@ def check_location(url: StoreURL) -> str | None:
     return None if parent.is_dir() else f"{parent} does not exist"
 
 
-def open_store(url: StoreURL, retention_days: int | None = None):
-    """Open (and migrate) the store ``url`` names; both roles in one object."""
+def open_store(url: StoreURL, retention_s: int | None = None):
+    """Open (and migrate) the store ``url`` names; both roles in one object. ``retention_s``: seconds
+    to keep (0: everything; None: what the store has), whole days for ClickHouse."""
     if not url.clickhouse:
         from tokentrace.collector.stores.store_duckdb import DuckDBStore
 
-        return DuckDBStore(url.location)
+        store = DuckDBStore(url.location)
+        if retention_s is not None:
+            store.retain(retention_s)
+        return store
     try:
         from tokentrace.collector.stores.store_clickhouse import ClickHouseStore, Target
     except ImportError as exc:
@@ -103,4 +107,4 @@ def open_store(url: StoreURL, retention_days: int | None = None):
     else:
         target = Target(url.database, host=url.location, port=url.port, username=url.username,
                         password=url.password, secure=url.scheme == "clickhouses", settings=dict(url.settings))
-    return ClickHouseStore(target, retention_days)
+    return ClickHouseStore(target, None if retention_s is None else retention_s // 86_400)

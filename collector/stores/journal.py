@@ -157,6 +157,7 @@ class Log:
                 _unlink(path)
         self._file = None
         self._size = 0
+        self._last = 0  #: the sequence number of the newest record appended by this open
         self._broken = False
 
     def spills(self) -> list[Path]:
@@ -262,6 +263,22 @@ class Log:
                 self._broken = True
             raise
         self._size += _HEADER.size + length
+        self._last = seq
+
+    def retire(self, merged: int) -> int:
+        """Delete the file being appended to when every record in it is merged (``merged``: the
+        last merged sequence number), so that the next record starts a new one: a store at its disk
+        budget gives back a segment's merged bytes without waiting for ``SEGMENT_BYTES``. The
+        appending thread's (no record is appended meanwhile); the bytes given back."""
+        if self._file is None or self._last > merged:
+            return 0
+        segments = self._segments()
+        size = self._size
+        os.close(self._file)
+        self._file, self._size = None, 0
+        if segments:
+            segments[-1][1].unlink(missing_ok=True)
+        return size
 
     def _open(self, first_seq: int) -> None:
         if self._file is not None:

@@ -119,6 +119,10 @@ class SpanFiles:
         self.enabled = not (_GLOB & set(str(folder)))
         self.lock = threading.Condition()
         self.compactions = 0
+        #: spans that started before this are past the store's retention (collector/stores/retention.py):
+        #: the view hides them in the files that straddle it; None: no retention pass yet
+        self.floor_ns: int | None = None
+        self.expired = 0  #: files delisted by retention
         self._swap = swap
         self._doomed: list[tuple[float, list[Path]]] = []
         self._stopping = False
@@ -184,7 +188,8 @@ class SpanFiles:
         rows = f"SELECT * FROM {prefix}span_rows"
         if not files:
             return rows
-        return f"{rows} UNION ALL SELECT * FROM read_parquet([{', '.join(self.literals(files))}])"
+        kept = "" if self.floor_ns is None else f" WHERE start_ns >= {int(self.floor_ns)}"
+        return f"{rows} UNION ALL SELECT * FROM read_parquet([{', '.join(self.literals(files))}]){kept}"
 
     # --- the merge thread -------------------------------------------------------------------------
     def write(self, rows: pa.Table, name: str) -> SpanFile:
@@ -217,6 +222,17 @@ class SpanFiles:
         self.files.append(written)
         self._start_thread()
         self.lock.notify_all()
+
+    def expire(self, gone: list[SpanFile]) -> None:
+        """``gone`` are delisted by a retention pass (its transaction committed, ``lock`` held):
+        deleted ``GRACE_S`` from now, as a compaction's inputs are."""
+        names = {f.name for f in gone}
+        self.files = [f for f in self.files if f.name not in names]
+        if gone:
+            self.expired += len(gone)
+            self._doomed.append((time.monotonic() + GRACE_S, [self.folder / f.name for f in gone]))
+            self._start_thread()
+            self.lock.notify_all()
 
     # --- compaction -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -251,7 +267,7 @@ class SpanFiles:
                 levels[str(f.level)] = levels.get(str(f.level), 0) + 1
             return {"files": len(self.files), "spans": sum(f.spans for f in self.files),
                     "bytes": sum(f.bytes for f in self.files), "files_by_level": levels,
-                    "compactions": self.compactions}
+                    "compactions": self.compactions, "expired": self.expired}
 
     def _group(self) -> list[SpanFile] | None:
         """The oldest ``FANOUT`` files of the lowest level that has that many (else None); ``lock`` held."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ except ImportError:  # a DuckDB whose engine module is not top-level (1.x: duckd
     import duckdb
 
 from tokentrace.collector.decoding.tables import PACKED, PACKED_TYPES, TABLES, TYPES
-from tokentrace.collector.stores import sqlfiles
+from tokentrace.collector.stores import retention, sqlfiles
 from tokentrace.collector.stores.quarantine import Quarantine
 from tokentrace.collector.stores.store import NamedQueryReader, SpoolRecord, T, as_columns, write_failure
 from tokentrace.errors import NotFound, Overloaded, PayloadError, StoreError
@@ -316,6 +317,20 @@ def spans_view_paths(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {literal.replace("''", "'") for literal in _QUOTED.findall(defined)}
 
 
+def retention_of(con: duckdb.DuckDBPyConnection) -> tuple[int, int | None]:
+    """The retention a store keeps (seconds, 0: everything) and the floor of its last pass (None:
+    none yet); (0, None) for a store written before retention (019_retention.sql) opened read-only."""
+    try:
+        [(seconds, floor)] = con.execute("SELECT retention_s, floor_ns FROM retention").fetchall()
+    except duckdb.CatalogException:
+        return 0, None
+    return seconds, floor
+
+
+#: Each timed table where its rows are stored, with the column retention drops it by.
+TIMED = retention.timed_tables({**LISTS, "spans": SPAN_ROWS})
+
+
 def journal_loss(damage: journal.Damage, merged: int) -> bool:
     """Whether damaged or missing journal records (``Log.records_after``) held acknowledged batches
     that are not in the tables, whose merges went through record ``merged``."""
@@ -385,6 +400,12 @@ class DuckDBStore(NamedQueryReader):
         self._journal = journal.Journal(self._merge, log_file, quarantine=self._set_aside)
         self._journal.start(after=merged, pending=recovered)
         self._span_files.start()
+        self._disk_budget: int | None = None  #: --max-disk-bytes
+        self._usage: tuple[float, int] | None = None  #: (when, bytes) last measured; journaled bytes added since
+        self._expired: dict = {}  #: what the last retention pass did (/healthz)
+        self._keeper = retention.Keeper(self.expire, lambda: self._retention_s)
+        if self._retention_s:
+            self._keeper.start()
 
     # --- schema -----------------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -419,6 +440,7 @@ class DuckDBStore(NamedQueryReader):
 
         listed = listed_span_files(self._con)
         files = parquet_spans.SpanFiles(Path(self.path + ".spans"), listed, self._swap_span_files)
+        self._retention_s, files.floor_ns = retention_of(self._con)
         files.check()
         # A read-only open reads no file through pyarrow.
         damaged = files.damaged(full=not self.read_only, ranges=self.thorough)
@@ -507,6 +529,7 @@ class DuckDBStore(NamedQueryReader):
             if free is not None and free < MIN_FREE_BYTES + 2 * size:  # its merge needs as much again
                 raise StoreError(f"the disk holding {self.path} has {free} bytes free: not enough to journal and "
                                  f"append {size} bytes")
+            self._check_budget(2 * size)
             # A copy: the caller may write the same object again, and a write changes it in place;
             # and once journaled, its sources are not needed in memory.
             entry = journal.Entry(self._seq + 1, dataclasses.replace(columns, sources=None), columns.nbytes, spool,
@@ -524,6 +547,8 @@ class DuckDBStore(NamedQueryReader):
             if columns is not batch:  # the contract's in-place counts, for a caller's Batch
                 batch.spans, batch.duplicates = columns.spans, columns.duplicates
         self._seq += 1
+        if self._usage is not None:  # in the journal now, and in DuckDB's WAL once merged
+            self._usage = (self._usage[0], self._usage[1] + 2 * size)
         self._keys.add_batch(columns)
         if self._refused:  # the disk takes writes again: a merge that failed meanwhile need not wait
             self._refused = False
@@ -674,6 +699,111 @@ class DuckDBStore(NamedQueryReader):
         if self._journal is not None:
             self._journal.max_bytes = limit_bytes
 
+    # --- retention and the disk budget (collector/stores/retention.py) -----------------------------
+    def retain(self, seconds: int) -> None:
+        """Keep ``seconds`` of data from now on (0: everything); the store remembers it."""
+        if self.read_only:
+            raise StoreError(f"{self.path} is open read-only: its retention stays {self._retention_s} s")
+        if seconds != self._retention_s:
+            log.info("store %s: retention %s (was %s)", self.path, f"{seconds} s" if seconds else "off",
+                     f"{self._retention_s} s" if self._retention_s else "off")
+            self._con.execute("UPDATE retention SET retention_s = ?", [seconds])
+            self._retention_s = seconds
+        if seconds:
+            self._keeper.start()
+
+    def expire(self, floor_ns: int) -> dict:
+        """One retention pass: every row, span and span file that started before ``floor_ns`` goes,
+        in one transaction with the span files' lock held, and the block lists' first new blocks are
+        kept right (collector/stores/retention.py); then a checkpoint gives the space back to DuckDB.
+        What it dropped (also on /healthz)."""
+        started = time.monotonic()
+        files = self._span_files
+        with self._expiring, files.lock:
+            cursor = self._retainer
+            before = files.floor_ns
+            floor = max(floor_ns, before or floor_ns)  # a longer retention brings nothing back
+            gone = [f for f in files.files if f.max_start_ns < floor]
+            kept = [f for f in files.files if f.max_start_ns >= floor]
+            rows: dict[str, int] = {}
+            try:
+                with _transaction(cursor):
+                    cursor.execute(retention.REFRESH_FRONTIERS, {"floor": floor})
+                    [(moved,)] = cursor.execute("SELECT count(*) FROM temp.retention_frontiers").fetchall()
+                    cursor.execute(retention.APPLY_FRONTIERS)
+                    cursor.execute("DROP TABLE temp.retention_frontiers")
+                    for table, column in TIMED:  # our own names: safe to splice
+                        [(count,)] = cursor.execute(f"DELETE FROM {table} WHERE {column} < $floor",
+                                                    {"floor": floor}).fetchall()
+                        if count:
+                            rows[table] = count
+                    if gone:
+                        cursor.execute("DELETE FROM span_files WHERE name IN (SELECT unnest($names))",
+                                       {"names": [f.name for f in gone]})
+                    files.floor_ns = floor
+                    cursor.execute(f"CREATE OR REPLACE VIEW spans AS {files.view(kept)}")
+                    cursor.execute("UPDATE retention SET floor_ns = ?, pass_ns = ?", [floor, time.time_ns()])
+            except BaseException:
+                files.floor_ns = before
+                raise
+            files.expire(gone)
+            # A block that only deleted rows held is new again for the next row that holds it.
+            self._recent = frontier.RecentKeys()
+            try:
+                cursor.execute("CHECKPOINT")
+            except duckdb.Error as exc:  # a reader's transaction: the next checkpoint frees the blocks
+                log.debug("checkpoint after a retention pass: %s", exc)
+            self._usage = None
+        done = {"floor_utc": _utc(floor), "floor_ns": floor, "rows": rows, "span_files": len(gone),
+                "file_spans": sum(f.spans for f in gone), "frontiers_moved": moved,
+                "seconds": round(time.monotonic() - started, 3)}
+        self._expired = done
+        if rows or gone:
+            log.info("retention of %s: dropped %d rows (%d requests) and %d span files (%d spans) that started "
+                     "before %s, in %.2f s", self.path, sum(rows.values()), rows.get("requests", 0), len(gone),
+                     done["file_spans"], done["floor_utc"], done["seconds"])
+        return done
+
+    @functools.cached_property
+    def _retainer(self) -> duckdb.DuckDBPyConnection:
+        """The retention pass's own cursor (``expire``; one pass at a time)."""
+        return _cursor_of(self._con)
+
+    @functools.cached_property
+    def _expiring(self) -> threading.Lock:
+        return threading.Lock()
+
+    def limit_disk(self, limit_bytes: int) -> None:
+        """Refuse writes (503 + Retry-After) while the store would use more than ``limit_bytes``
+        (``usage``), as on a full disk; /healthz says so meanwhile."""
+        self._disk_budget = limit_bytes
+
+    def usage(self, cursor: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:
+        """Bytes the store uses on disk: the blocks of its file that DuckDB uses (the free ones it
+        reuses are not counted), its WAL, journal, span files, quarantine and spill files; ``total``."""
+        cursor = cursor or self._thread_cursor()
+        [(block_size, used)] = cursor.execute(
+            "SELECT block_size, used_blocks FROM pragma_database_size() WHERE database_name = current_database()"
+        ).fetchall()
+        found = {"file_blocks": block_size * used, **retention.files_usage(self.path)}
+        return {**found, "total": sum(found.values())}
+
+    def _check_budget(self, size: int) -> None:
+        """StoreError unless ``size`` more bytes fit the disk budget (the writer's thread)."""
+        if self._disk_budget is None:
+            return
+        now = time.monotonic()
+        if self._usage is None or now - self._usage[0] > retention.USAGE_TTL_S:
+            self._usage = (now, self.usage(self._con)["total"])
+        used = self._usage[1]
+        if used + size > self._disk_budget and self._journal.log.retire(self._journal.merged):
+            self._usage = (now, used := self.usage(self._con)["total"])
+        if used + size > self._disk_budget:
+            raise StoreError(f"the store {self.path} uses {used} of the {self._disk_budget} bytes --max-disk-bytes "
+                             f"allows: not enough to journal and append {size} bytes"
+                             + (f" until retention ({self._retention_s} s) drops older data" if self._retention_s
+                                else "; give it a --retention or a larger budget"))
+
     def _writer_frame(self, name: str, **params) -> pl.DataFrame:
         """A named query on the write connection (inside the writer's transaction)."""
         sql, params = bind_lists(self._queries.text(name), params)
@@ -717,7 +847,10 @@ class DuckDBStore(NamedQueryReader):
         if self._journal is None:
             return None
         return {**self._journal.snapshot(), "span_files": self._span_files.snapshot(),
-                "quarantine": self._quarantine.snapshot()}
+                "quarantine": self._quarantine.snapshot(),
+                "retention": {"seconds": self._retention_s, "floor_utc": _utc(self._span_files.floor_ns),
+                              "last_pass": self._expired},
+                "disk": {**self.usage(), "budget": self._disk_budget}}
 
     def close(self) -> None:
         """Merge what is journaled, stop compacting, checkpoint (so the file needs no WAL) and close."""
@@ -727,6 +860,7 @@ class DuckDBStore(NamedQueryReader):
                 self._pool = None
         try:
             if self._journal is not None:
+                self._keeper.close()
                 self._journal.close()
                 if self._journal.unmerged():
                     log.error("the journal of %s keeps %d batches: they are appended at its next open",
@@ -751,6 +885,11 @@ class DuckDBStore(NamedQueryReader):
             if free is not None and free < MIN_FREE_BYTES:
                 raise StoreError(f"the disk holding {self.path} has {free} bytes free: writes would fail "
                                  f"(at least {MIN_FREE_BYTES} needed)")
+            if self._disk_budget is not None:
+                used = self.usage()["total"]
+                if used + MIN_FREE_BYTES > self._disk_budget:
+                    raise StoreError(f"the store {self.path} uses {used} of the {self._disk_budget} bytes "
+                                     "--max-disk-bytes allows: writes would fail")
 
     # --- reader role ------------------------------------------------------------------------------
     def _cursor(self) -> duckdb.DuckDBPyConnection:
