@@ -8,13 +8,17 @@ requests it holds open (``tokentrace.requests.open``), at once and on every hear
 ring moves or the deadline fails them (docs/cluster.md). ``still_open`` reads the latest heartbeat
 of the instance that last named the request: while that heartbeat still reports the stall and
 names it, the request is open and stalled, and every surface that looks the request up says so
-(``StillOpen``: the CLI, the JSON API, the request page) instead of "no request".
+(``StillOpen``: the CLI, the JSON API, the request page) instead of "no request". ``stall_of`` is
+the one reading of such a heartbeat, also /metrics' (``tokentrace_requests_stalled``,
+dashboards/stall_gauges.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from tokentrace import contract as c
 from tokentrace.analyzers.evidence import fmt_ms
@@ -25,6 +29,35 @@ from tokentrace.errors import NotFound, StillOpen
 OPEN_LOOKBACK_NS = 10 * 60 * 1_000_000_000
 
 
+@dataclass(frozen=True)
+class Stall:
+    """What a distributed rank 0's heartbeat says of a ring that has not moved (``tokentrace.stall.*``)."""
+
+    state: str  #: RankStopped, RankLost or RankUnresponsive (analyzers/slowness.py STALL_STATES)
+    reason: str | None  #: the same in words: which rank, its process id and state
+    ms: int | None  #: how long the ring operation in progress had lasted when the heartbeat was sent
+    held: tuple[str, ...]  #: the ids of the requests it held open then (at most 256: the engine's cap)
+
+
+def stall_of(attributes: str | dict[str, Any] | None) -> Stall | None:
+    """The stall a heartbeat's attributes (its JSON, or parsed) report; None while its ring moves
+    (no ``tokentrace.stall.state``) or when they cannot be read."""
+    if isinstance(attributes, str):
+        if c.STALL_STATE not in attributes:
+            return None  # most heartbeats: not parsed
+        try:
+            attributes = json.loads(attributes)
+        except ValueError:
+            return None
+    if not isinstance(attributes, dict) or not isinstance(state := attributes.get(c.STALL_STATE), str):
+        return None
+    held = attributes.get(c.OPEN_REQUESTS)
+    ms = attributes.get(c.STALL_MS)
+    return Stall(state, attributes.get(c.STALL_REASON),
+                 int(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None,
+                 tuple(str(rid) for rid in held) if isinstance(held, list) else ())
+
+
 def still_open(reader: TraceReader, request_id: str, now_ns: int | None = None) -> str | None:
     """The live answer for ``request_id`` when its engine reports it open in a stall, else None."""
     now_ns = time.time_ns() if now_ns is None else now_ns
@@ -32,21 +65,15 @@ def still_open(reader: TraceReader, request_id: str, now_ns: int | None = None) 
     if not rows:
         return None
     row = rows[0]
-    try:
-        attributes = json.loads(row["attributes"] or "{}")
-    except ValueError:
-        return None
-    held = attributes.get(c.OPEN_REQUESTS) or []
-    state = attributes.get(c.STALL_STATE)
-    if state is None or request_id not in held:
+    stall = stall_of(row["attributes"])
+    if stall is None or request_id not in stall.held:
         return None  # the ring moved again since, or the request is no longer held: its row is coming
-    stalled_ms = attributes.get(c.STALL_MS)
     age_ms = max(0, now_ns - row["t_ns"]) / 1e6
-    others = len(held) - 1
+    others = len(stall.held) - 1
     return (f"request {request_id!r} is still open on {row['instance_id']}: no row yet, its verdicts come when it "
-            f"ends. Stalled ({state}): no step of the instance's ring has completed for "
-            f"{fmt_ms(stalled_ms) if stalled_ms is not None else 'a while'}, as its rank 0 reported "
-            f"{fmt_ms(age_ms)} ago; {attributes.get(c.STALL_REASON) or 'which rank, it cannot tell'}"
+            f"ends. Stalled ({stall.state}): no step of the instance's ring has completed for "
+            f"{fmt_ms(stall.ms) if stall.ms is not None else 'a while'}, as its rank 0 reported "
+            f"{fmt_ms(age_ms)} ago; {stall.reason or 'which rank, it cannot tell'}"
             + (f"; {others} other request{'s' if others != 1 else ''} held open with it" if others > 0 else "")
             + ". Past its --rank-timeout the engine fails them.")
 

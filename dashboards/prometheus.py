@@ -11,7 +11,9 @@ for the store to hold what was written before it; ``tokentrace_verdicts_pending`
 behind it is, and a verdict that fails is counted in ``tokentrace_verdict_errors_total`` (and
 logged), never under a result or cause. Counters start at zero when the
 collector starts, as an engine's own counters do; Prometheus's ``rate`` and ``increase`` handle
-the reset. docs/metrics.md lists every series, its labels and where it comes from.
+the reset. The stall gauges (``tokentrace_requests_stalled``, ``tokentrace_stall_seconds``) are each
+distributed instance's latest heartbeat, served only while it is fresh (dashboards/stall_gauges.py).
+docs/metrics.md lists every series, its labels and where it comes from.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from tokentrace.analyzers.slowness import SlowVerdict, classify_slowness, load_s
 from tokentrace.collector.decoding.tables import TABLES
 from tokentrace.collector.stores.store import TraceReader, as_columns
 from tokentrace.contract import OBSERVER, OBSERVER_GATEWAY
+from tokentrace.dashboards.instances import STALE_AFTER_S
 from tokentrace.dashboards.nodes import node_of
+from tokentrace.dashboards.stall_gauges import StallGauges, heartbeat_spans
 from tokentrace.threads import os_named
 
 log = logging.getLogger("tokentrace.metrics")
@@ -107,6 +111,13 @@ SERIES = {
     "tokentrace_node_last_step_seconds": (
         "gauge", "A distributed instance's node: when its last engine step ended (epoch seconds; the data plane). A "
         "node whose heartbeats go on while its steps stop is stalled."),
+    "tokentrace_requests_stalled": (
+        "gauge", "Requests a distributed instance holds open while its ring stands still, by the stall's state "
+        f"(RankStopped, RankLost, RankUnresponsive; its rank 0's latest heartbeat, absent once that is over "
+        f"{STALE_AFTER_S:g} s old)."),
+    "tokentrace_stall_seconds": (
+        "gauge", "Seconds a distributed instance's ring had not moved at its rank 0's latest heartbeat (0 while it "
+        f"moves; absent once that heartbeat is over {STALE_AFTER_S:g} s old)."),
     "tokentrace_requests": ("counter", "Requests by slowness category (the analyzers' category of each request)."),
     "tokentrace_abnormal_requests": ("counter", "Requests whose category component is abnormal for their instance."),
     "tokentrace_cache_lookups": ("counter", "Requests by cache verdict result and cause ('none': nothing to explain)."),
@@ -153,6 +164,8 @@ FOLD_AT_ROWS = 50_000
 FOLD_EVERY_S = 1.0
 #: The tables of a committed batch that a fold reads (with the packed decode steps).
 _FOLDED = ("requests", "resources", "heartbeats", "cache_evictions", "routes", "steps", "load_stages")
+#: A batch's heartbeat spans as kept for the fold: the stall a distributed rank 0 reports (stall_gauges.py).
+_BEATS = "heartbeat_spans"
 
 
 #: A request row's token counts, in the order ``_count`` reads them.
@@ -224,6 +237,7 @@ class MetricsState:
         self._beat_t: dict[str, int] = {}
         self._model_of: dict[str, str] = {}
         self._node: dict[str, tuple[str, str]] = {}  #: a node's instance id -> (the instance it is part of, rank)
+        self._stalls = StallGauges()  #: each instance's newest heartbeat's stall report
         self._info: dict[str, tuple] = {}
         self._declared: dict[str, frozenset[str] | None] = {}  #: instance -> parts its observer measures
         self._sightings = FirstSighting()  #: one row per request id, whichever observers sent one
@@ -255,6 +269,8 @@ class MetricsState:
         # slice kept here would keep whole.
         if any(kind == "columns" and data is not None for kind, _, data, _ in batch.sources or ()):
             kept = {name: table.take(np.arange(table.num_rows)) for name, table in kept.items()}
+        if (beats := heartbeat_spans(batch.tables)) is not None:
+            kept[_BEATS] = beats
         rows = batch.spans + batch.count("requests") + batch.count("decode_steps")
         with self._inbox:
             self._pending.append(kept)
@@ -291,7 +307,7 @@ class MetricsState:
             self.counters[("tokentrace_metrics_fold_errors", ())] += 1
 
     def _fold_batches(self, batches: list[dict[str, pa.Table]]) -> None:
-        tables = {name: pa.concat_tables(parts) for name in (*_FOLDED, "decode_steps")
+        tables = {name: pa.concat_tables(parts) for name in (*_FOLDED, "decode_steps", _BEATS)
                   if (parts := [b[name] for b in batches if name in b])}
         # (steps stay Arrow: a busy engine's steps are most of a batch's rows, and only a cluster's are read)
         rows = {name: list(zip(*(c.to_pylist() for c in tables[name].columns), strict=True)) if name in tables else []
@@ -317,6 +333,8 @@ class MetricsState:
         if "decode_steps" in tables:
             self._fold_itl(tables["decode_steps"])
         self._fold_heartbeats(rows["heartbeats"])
+        if _BEATS in tables:
+            self._stalls.fold(tables[_BEATS])
         self._fold_nodes(tables.get("steps"), rows["load_stages"])
         self._fold_routes(rows["routes"])
         for row in rows["cache_evictions"]:
@@ -715,6 +733,7 @@ class MetricsState:
             histograms = {key: (h.bounds, h.counts.copy(), h.total) for key, h in self.histograms.items()}
             info = dict(self._info)
             pending = len(self._verdicts) + self._judging
+            stalls = self._stalls.samples(self._labels, lambda instance: self._node.get(instance) == (instance, "0"))
         samples: dict[str, list[str]] = defaultdict(list)
         for (name, labels), value in counters.items():
             samples[name].append(_sample(name + "_total", labels, value))
@@ -722,6 +741,8 @@ class MetricsState:
             samples[name].append(_sample(name, labels, value))
         for (name, labels), (bounds, counts, total) in histograms.items():
             samples[name].append(_histogram(name, labels, bounds, counts, total))
+        for name, labels, value in stalls:
+            samples[name].append(_sample(name, labels, value))
         for instance, (engine, version, host) in info.items():
             labels = (*self._labels(instance), ("engine_kind", engine), ("engine_version", version),
                       ("host_name", host))

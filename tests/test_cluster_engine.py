@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from harness_collector import free_port, wait_for
+from harness_prometheus import parse_samples
 
 from tokentrace import contract
 
@@ -394,6 +395,7 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
                              instance_id="ring", collector=collector).start()
     (rank1,) = _ranks(cluster.proc.pid)
     live: dict[str, tuple[float, int, str]] = {}
+    gauged: tuple[float, dict] | None = None  # /metrics' stall series of "ring" while the request is open
     with ThreadPoolExecutor(1) as pool:
         open_request = _long_stream(pool, cluster, "ring-stalled")
         time.sleep(1.2)  # a heartbeat of each rank while it steps (not synchronisation: the evidence needs one)
@@ -401,8 +403,9 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
         stopped = time.monotonic()
         try:
             # While the request is open (no row: it ends at the 8 s deadline), every surface that looks
-            # it up gives the live answer, from rank 0's stall report at half the deadline (issue 46).
-            while not open_request.done() and len(live) < 3:
+            # it up gives the live answer, from rank 0's stall report at half the deadline (issue 46),
+            # and /metrics counts it among the instance's stalled requests.
+            while not open_request.done() and (len(live) < 3 or gauged is None):
                 for surface, url in (("api", f"{collector.url}/api/requests/ring-stalled/slow"),
                                      ("page", f"{collector.url}/requests/ring-stalled")):
                     answer = httpx.get(url, headers=collector.headers, timeout=10)
@@ -414,11 +417,18 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
                                          timeout=60)
                     if not open_request.done():
                         live["cli"] = (time.monotonic() - stopped, cli.returncode, cli.stderr + cli.stdout)
+                gauges = _stall_gauges(collector)
+                if gauged is None and gauges.get(("tokentrace_requests_stalled", "RankStopped")) and \
+                        not open_request.done():
+                    gauged = (time.monotonic() - stopped, gauges)
                 time.sleep(0.2)
             events = open_request.result(timeout=30)
             failed_after = time.monotonic() - stopped
             health = httpx.get(cluster.url + "/health", timeout=5)
             refused = cluster.chat([{"role": "user", "content": "hello"}], max_tokens=4)
+            # Failed at the deadline, the request is held no more; the ring still stands still.
+            after_deadline = wait_for(lambda: (g := _stall_gauges(collector)).get(
+                ("tokentrace_requests_stalled", "RankStopped")) == 0 and g, 15, "the failed request not gauged")
         finally:
             os.kill(rank1, signal.SIGCONT)
     assert 8 <= failed_after < 15, failed_after  # the deadline, not a hang
@@ -431,6 +441,12 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     assert live["api"][1] == 404 and json.loads(live["api"][2])["error"]["code"] == "still_open", live["api"]
     assert live["page"][1] == 404 and "Still open" in live["page"][2], live["page"]
     assert live["cli"][1] == 2, live["cli"]
+    assert gauged is not None and gauged[0] < 10, gauged
+    held = {state: n for (name, state), n in gauged[1].items() if name == "tokentrace_requests_stalled"}
+    assert held == {"RankStopped": 1, "RankLost": 0, "RankUnresponsive": 0}, gauged
+    assert 4 <= gauged[1][("tokentrace_stall_seconds", None)] < 9, gauged  # from half the deadline on
+    assert sum(v for (name, _), v in after_deadline.items() if name == "tokentrace_requests_stalled") == 0
+    assert after_deadline[("tokentrace_stall_seconds", None)] >= 8, after_deadline
     message = events[-1]["error"]["message"]
     assert "rank 1" in message and "alive but not stepping" in message, message
     assert health.status_code == 503 and "alive but not stepping" in health.json()["reason"], health.text
@@ -439,6 +455,9 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     wait_for(lambda: httpx.get(cluster.url + "/health", timeout=5).status_code == 200, 30, "the instance to recover")
     again = cluster.chat([{"role": "user", "content": "hello"}], max_tokens=4)
     assert again.status_code == 200, again.text
+    # The ring moves: every stall series of the instance back at 0.
+    wait_for(lambda: len(g := _stall_gauges(collector)) == 4 and set(g.values()) == {0}, 15,
+             "the stall series back at 0")
     assert cluster.proc.poll() is None
     assert cluster.stop() == 0
     # The verdict of the failed request names the rank that stopped and says it was alive.
@@ -449,6 +468,13 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     assert stalled["state"] == "RankStopped" and stalled["rank"] == 1 and stalled["reporting_ranks"] == [0], stalled
     assert 8000 <= stalled["stalled_ms"] < 15_000, stalled
     assert "rank 1 is alive but not stepping" in stalled["text"], stalled["text"]
+
+
+def _stall_gauges(collector) -> dict[tuple[str, str | None], float]:
+    """/metrics' stall series of instance "ring": (series, state) -> value."""
+    text = httpx.get(collector.url + "/metrics", headers=collector.headers, timeout=10).text
+    return {(name, labels.get("state")): value for name, labels, value in parse_samples(text)
+            if name in ("tokentrace_requests_stalled", "tokentrace_stall_seconds") and labels["instance_id"] == "ring"}
 
 
 def test_three_ranks_answer_as_one_process_each_with_its_layers(engine_factory, collector_factory, qwen2_model):
