@@ -361,6 +361,15 @@ def _uncached(row: dict) -> int:
     return max(0, (row.get("prompt_tokens") or 0) - (row.get("cached_tokens") or 0))
 
 
+def exceeds(component: str, observed: Any, base: Any, scale: Any = 1) -> Any:
+    """The abnormal test of one component: ``observed`` > factor x ``base`` + floor (THRESHOLDS), in
+    the component's metric. Plain arithmetic, so that it holds for numbers (``_baseline``, one
+    request) and for polars expressions (``analyzers.baseline``, a window of requests) alike."""
+    factor, floor = THRESHOLDS[component]
+    # The floor is in ms of the whole component, so per-token rates compare over this request's tokens.
+    return observed * scale > factor * base * scale + floor
+
+
 def _baseline(component: str, r: dict, history: list[dict]) -> dict[str, Any]:
     """Observed vs median of comparable recent requests, and the abnormal test."""
     factor, floor = THRESHOLDS[component]
@@ -383,8 +392,7 @@ def _baseline(component: str, r: dict, history: list[dict]) -> dict[str, Any]:
     base = median(values)
     abnormal = None
     if len(values) >= MIN_SAMPLES and base is not None:
-        # The floor is in ms of the whole component, so per-token rates compare over this request's tokens.
-        abnormal = observed * scale > factor * base * scale + floor
+        abnormal = exceeds(component, observed, base, scale)
     return {"metric": metric, "unit": unit, "observed": round(observed, 4),
             "value": None if base is None else round(base, 4), "samples": len(values), "factor": factor,
             "floor_ms": floor, "abnormal": abnormal}

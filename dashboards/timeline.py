@@ -8,7 +8,9 @@ The page is a canvas renderer (static/timeline.js) that fetches the twin ``/time
 twin is columnar (one array per field, times in ms from ``t0_ns``) so that 10,000 requests are a
 few hundred kilobytes that the browser parses in milliseconds; the page draws them without 10,000
 DOM nodes. Phase boundaries come from each request row's phase summary (start + load_wait + queue
-+ prefill + decode), the same numbers the slowness verdict uses.
++ prefill + decode), the same numbers the slowness verdict uses. Each request also carries the
+verdict's abnormal test (``analyzers.baseline``: its category's component against its instance's
+own baseline), null where the verdict could not judge it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Annotated, Any
 import polars as pl
 from fastapi import Query, Request
 
+from tokentrace.analyzers.baseline import history_of, judge_abnormal
 from tokentrace.analyzers.outcome import COMPLETED, OUTCOMES, UNDECOMPOSED
 from tokentrace.analyzers.report import declared_parts, with_categories, with_first_content
 from tokentrace.analyzers.slo import SloSpec, judge
@@ -43,7 +46,8 @@ def _ms(column: str, t0_ns: int) -> pl.Expr:
     return ((pl.col(column) - t0_ns) / 1e6).round(3)
 
 
-def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int, slo: SloSpec | None) -> dict[str, list]:
+def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int, slo: SloSpec | None,
+              abnormal: pl.DataFrame) -> dict[str, list]:
     codes = {label: i for i, label in enumerate(LABELS)}
     if slo is not None:  # per request, the objectives it missed (analyzers.slo.judge: the report's rule)
         judged = judge(with_first_content(frame), slo)
@@ -67,6 +71,9 @@ def _requests(frame: pl.DataFrame, lanes: dict[str, int], t0_ns: int, slo: SloSp
         pl.col("completion_tokens").alias("completion"), pl.col("http_status").alias("status"),
         pl.col("slo_missed"),  # "ttft,tpot": the objectives missed; null: none missed, or no --slo
     )
+    # abnormal: true/false, null when not judged; observed and baseline: the compared metric (the
+    # category's), samples: the comparable requests (null: the category names no component).
+    cols = pl.concat([cols, abnormal], how="horizontal")
     return {name: cols[name].to_list() for name in cols.columns}
 
 
@@ -150,10 +157,14 @@ def timeline(reader: TraceReader, since: str | None, now_ns: int, limit: int = M
     where = where or Slice()
     window_ns, until_ns = window_of(since, start, until, default_since="15m", now_ns=now_ns,
                                     names=("since", "from", "until"))
-    frame = where.keep(reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id,
-                                   limit=limit + 1))
+    window = reader.requests(since_ns=window_ns, until_ns=until_ns, instance_id=where.instance_id, limit=limit + 1)
+    frame = where.keep(window)
     truncated = frame.height > limit
-    frame = with_categories(frame.tail(limit), declared_parts(reader))
+    stored = frame.tail(limit)
+    frame = with_categories(stored, declared_parts(reader))
+    # Judged on the rows as stored (the verdict's own inputs), against every request of their
+    # instances, whatever the slice.
+    abnormal = judge_abnormal(stored.with_columns(frame["category"]), history_of(reader, stored, window))
     evictions = reader.frame("evictions_in", since_ns=window_ns, until_ns=until_ns)
     loads = reader.frame("loads_in", since_ns=window_ns, until_ns=until_ns)
     if where.instance_id is not None:
@@ -178,7 +189,7 @@ def timeline(reader: TraceReader, since: str | None, now_ns: int, limit: int = M
         "lanes": list(lanes), "phases": list(PHASES), "categories": list(LABELS),
         "count": frame.height, "truncated": truncated,
         "slo": None if slo is None else slo.text,
-        "requests": _requests(frame, lanes, t0_ns, slo),
+        "requests": _requests(frame, lanes, t0_ns, slo, abnormal),
         "chunks": _chunks(reader, rows, window_ns, t0_ns),
         **_markers(evictions, loads, lanes, t0_ns,
                    {name: (of, node_row[name]) for name, of in node_of.items() if of in lanes}),

@@ -264,6 +264,42 @@ def test_timeline_marks_and_labels_bars_and_lists_them_in_a_sortable_filterable_
         collector.start()
 
 
+def test_timeline_marks_abnormal_requests_on_the_canvas_and_in_the_table(collector_factory, browser_page):
+    """Issue 47 item 2: a request abnormal for its instance (a-queued: 600 ms in the queue where
+    steady-a's others waited 2 ms; busy-b's 600 ms waits are its usual) is drawn with its own mark,
+    says so in the table's abnormal column, and the filter finds it."""
+    from test_dashboard_pages import ABNORMAL_SITUATION, replay_situation
+
+    collector = collector_factory().start()
+    replay_situation(collector, ABNORMAL_SITUATION, time.time_ns() - 60_000_000_000)
+    page = browser_page.page
+    visit(browser_page, collector.url + "/timeline?since=1h", "timeline-abnormal")
+    data = twin(page, collector.url + "/timeline.json?since=1h")
+    r = data["requests"]
+    assert [rid for rid, a in zip(r["id"], r["abnormal"], strict=True) if a] == ["a-queued"]
+    canvas, table = page.locator("#timeline"), page.locator("#tl-table")
+    assert canvas.get_attribute("data-abnormal") == "1"
+    assert canvas.get_attribute("data-slo-missed") == "0"  # no objectives: the other mark stays off
+    assert "abnormal for its instance" in page.locator(".tl-legend").inner_text()
+    rows = dict(table.locator("tbody tr").evaluate_all(
+        "rows => rows.map(row => [row.dataset.request, [row.dataset.abnormal, row.lastElementChild.textContent]])"))
+    said = f"abnormal: queue {fmt_ms(600.0)} vs {fmt_ms(2.0)} baseline"  # the twin's observed and baseline
+    assert rows["a-queued"] == ["true", said]
+    assert rows["b-4"] == ["false", "normal"] and rows["a-after"] == ["false", "normal"]
+    assert rows["a-1"] == ["null", "no baseline (1 comparable request)"]
+    assert rows["a-failed"] == ["null", "not judged"]
+    page.fill("#tl-filter", "abnormal")
+    page.wait_for_function("document.getElementById('tl-table').dataset.rows === '1'")
+    assert table.locator("tbody tr").evaluate_all("rows => rows.map(row => row.dataset.request)") == ["a-queued"]
+    spot = page.evaluate("window.tokentraceTimeline.locate('a-queued')")
+    page.mouse.move(spot["x"], spot["y"])
+    tooltip = page.locator("#tooltip")
+    tooltip.wait_for(state="visible")
+    assert tooltip.locator('[data-field="abnormal?"]').inner_text() == said
+    browser_page.screenshot("timeline-abnormal-hover")
+    browser_page.assert_clean()
+
+
 def test_script_in_session_id_and_prompt_is_shown_as_text(cluster, browser_page):
     collector, facts = cluster
     page = browser_page.page

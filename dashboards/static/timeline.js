@@ -17,6 +17,7 @@
   const CHUNK_ALT = "#78a6ec";
   const OTHER = color("other");
   const PANEL = color("panel") || "#fff", BAD = color("bad") || "#d64545";
+  const ABNORMAL = color("abnormal") || "#1d2330";
   // A bar's category stripe: the colour of the phase it is named after (undecomposed: grey; a
   // request that did not complete: red).
   const CATEGORY_COLORS = {cold_start: color("load_wait"), queueing: color("queue"), prefill: color("prefill"),
@@ -25,6 +26,20 @@
   // A node's step (the instances page's colours): compute, waiting on the ring, the rest; untimed: grey.
   const STEP_COLORS = {compute: "#2f6fdb", ring: "#e6a23c", rest: "#8893a6", untimed: "#b8c0cc"};
   const fmt = (v) => window.tokentraceCharts.fmt("ms", v);
+
+  // The compared metric of each component (the slowness verdict's baseline), for the words below.
+  const METRICS = {cold_start: ["load wait", ""], queueing: ["queue", ""], prefill: ["prefill", "/uncached token"],
+                   decode: ["TPOT", ""]};
+  /* The abnormal test of request i in words: "abnormal: queue 412 ms vs 1.2 ms baseline", "normal",
+   * "no baseline (2 comparable requests)" or "not judged" (a category that names no component). */
+  const abnormalText = (d, i) => {
+    const r = d.requests, judged = r.abnormal[i];
+    if (r.samples[i] === null) return "not judged";
+    if (judged === null) return `no baseline (${r.samples[i]} comparable request${r.samples[i] === 1 ? "" : "s"})`;
+    if (!judged) return "normal";
+    const [name, per] = METRICS[d.categories[r.category[i]]];
+    return `abnormal: ${name} ${fmt(r.observed[i])}${per} vs ${fmt(r.baseline[i])}${per} baseline`;
+  };
 
   class Timeline {
     constructor(canvas, tooltip, summary) {
@@ -390,8 +405,9 @@
     }
 
     /* Per bar, over its phases: a gap at its start (back-to-back requests stay apart), its category
-     * as a stripe along its top, a red corner when it missed an objective (--slo), and its id where
-     * the bar is wide enough to hold it. */
+     * as a stripe along its top, a red corner when it missed an objective (--slo), a dark line along
+     * its bottom when its category's part was abnormal for its instance (the slowness verdict's
+     * test), and its id where the bar is wide enough to hold it. */
     paintMarks(ctx, visible, h) {
       const r = this.data.requests, d = this.data;
       const stripe = Math.max(1, Math.min(3, Math.floor(h / 4)));
@@ -427,6 +443,17 @@
         ctx.moveTo(x0, y); ctx.lineTo(x0 + s, y); ctx.lineTo(x0, y + s); ctx.closePath();
       }
       ctx.fill();
+      let abnormal = 0;
+      ctx.fillStyle = ABNORMAL;
+      ctx.beginPath();
+      for (const i of visible) {
+        if (r.abnormal[i] !== true) continue;
+        abnormal++;
+        const x0 = Math.max(GUTTER, this.x(this.start[i])), x1 = this.x(this.end[i]), s = Math.min(3, Math.max(1, h / 3));
+        ctx.rect(x0, this.y(i) + h - s, Math.max(2, x1 - x0), s);
+      }
+      ctx.fill();
+      this.canvas.dataset.abnormal = String(abnormal);
       if (h >= 10) {
         ctx.font = "10px system-ui, sans-serif";
         ctx.textAlign = "left";
@@ -539,6 +566,7 @@
         [r.id[i]],
         ["instance", d.lanes[r.lane[i]] || "(none)"], ["category", d.categories[r.category[i]]],
         ...(r.slo_missed && r.slo_missed[i] ? [["missed objectives", r.slo_missed[i]]] : []),
+        ...(r.samples[i] !== null ? [["abnormal?", abnormalText(d, i)]] : []),
         ["e2e", fmt(r.e2e[i])], ["ttft", fmt(r.ttft[i])], ["tpot", fmt(r.tpot[i])],
         ["load_wait", fmt(r.load_wait[i])], ["queue", fmt(r.queue[i])], ["prefill", fmt(r.prefill[i])],
         ["decode", fmt(r.decode[i])],
@@ -618,8 +646,8 @@
   }
 
   /* The requests drawn, as a table under the canvas: newest first, sortable by any column (click its
-   * header; again: the other way), filtered by a text (id, instance, category or missed objective),
-   * each id a link to its request page. At most TABLE_MAX rows are built. */
+   * header; again: the other way), filtered by a text (id, instance, category, missed objective or
+   * the abnormal test), each id a link to its request page. At most TABLE_MAX rows are built. */
   const TABLE_MAX = 500;
   // A request's start as the store's clock shows it (UTC), to the millisecond.
   const clock = (t0ns, ms) => new Date(t0ns / 1e6 + ms).toISOString().slice(11, 23) + " UTC";
@@ -631,7 +659,9 @@
     ["prefill", (d, i) => d.requests.prefill[i], "ms"], ["decode", (d, i) => d.requests.decode[i], "ms"],
     ["output", (d, i) => d.requests.completion[i], "n"],
     ["missed", (d, i) => (d.requests.slo_missed ? d.requests.slo_missed[i] || "" : ""), "text"],
+    ["abnormal", (d, i) => abnormalText(d, i), "text"],
   ];
+  const FILTERED = [0, 1, 2, 10, 11];  // the columns the filter reads
 
   class RequestTable {
     constructor(table, filter, count) {
@@ -662,7 +692,7 @@
       const query = this.filter.value.trim().toLowerCase();
       let rows = Array.from({length: d.requests.id.length}, (_, i) => i);
       if (query) {
-        rows = rows.filter((i) => [0, 1, 2, 10].some((k) => String(COLUMNS[k][1](d, i)).toLowerCase().includes(query)));
+        rows = rows.filter((i) => FILTERED.some((k) => String(COLUMNS[k][1](d, i)).toLowerCase().includes(query)));
       }
       const [, value, kind] = COLUMNS[this.sortBy], sign = this.descending ? -1 : 1;
       // (the start column sorts by its number, like every column that is not text)
@@ -678,6 +708,7 @@
       for (const i of rows.slice(0, TABLE_MAX)) {
         const tr = document.createElement("tr");
         tr.dataset.request = d.requests.id[i];
+        tr.dataset.abnormal = String(d.requests.abnormal[i]);  // true, false or null (not judged)
         COLUMNS.forEach(([name, get, kind]) => {
           const td = document.createElement("td"), v = get(d, i);
           if (name === "request") {
