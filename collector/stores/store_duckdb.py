@@ -728,10 +728,13 @@ class DuckDBStore(NamedQueryReader):
             rows: dict[str, int] = {}
             try:
                 with _transaction(cursor):
-                    cursor.execute(retention.REFRESH_FRONTIERS, {"floor": floor})
-                    [(moved,)] = cursor.execute("SELECT count(*) FROM temp.retention_frontiers").fetchall()
-                    cursor.execute(retention.APPLY_FRONTIERS)
-                    cursor.execute("DROP TABLE temp.retention_frontiers")
+                    moved = 0
+                    if cursor.execute("SELECT 1 FROM prefix_block_lists WHERE t_ns < $floor LIMIT 1",
+                                      {"floor": floor}).fetchall():  # else no first holder goes
+                        cursor.execute(retention.REFRESH_FRONTIERS, {"floor": floor})
+                        [(moved,)] = cursor.execute("SELECT count(*) FROM temp.retention_frontiers").fetchall()
+                        cursor.execute(retention.APPLY_FRONTIERS)
+                        cursor.execute("DROP TABLE temp.retention_frontiers")
                     for table, column in TIMED:  # our own names: safe to splice
                         [(count,)] = cursor.execute(f"DELETE FROM {table} WHERE {column} < $floor",
                                                     {"floor": floor}).fetchall()
