@@ -189,6 +189,7 @@ STALL_STATE = "tokentrace.stall.state"
 STALL_REASON = "tokentrace.stall.reason"
 STALL_MS = "tokentrace.stall.ms"
 OPEN_REQUESTS = "tokentrace.requests.open"
+STALL_RANK_TIMEOUT_MS = "tokentrace.stall.rank_timeout_ms"
 
 # --- Enum values ----------------------------------------------------------------------------------
 ENGINE_MLX = "mlx-lm"
@@ -553,6 +554,10 @@ SPANS: tuple[SpanSpec, ...] = (
             _a(STALL_MS, "int", "ms", "how long the ring operation in progress has lasted"),
             _a(OPEN_REQUESTS, "string[]", "", "with a stall: the ids of the requests it holds open (running, "
                "then waiting; at most 256)"),
+            _a(STALL_RANK_TIMEOUT_MS, "int", "ms", "a distributed engine's rank 0: the --rank-timeout its stall "
+               "watch runs with (a stall is reported from half of it on); 0 while no watch runs (--rank-timeout 0, "
+               "or the ring not joined yet): no stall is ever reported, whether or not the ring moves; absent on "
+               "one-process engines and ranks above 0"),
         ),
     ),
     SpanSpec(

@@ -12,7 +12,8 @@ behind it is, and a verdict that fails is counted in ``tokentrace_verdict_errors
 logged), never under a result or cause. Counters start at zero when the
 collector starts, as an engine's own counters do; Prometheus's ``rate`` and ``increase`` handle
 the reset. The stall gauges (``tokentrace_requests_stalled``, ``tokentrace_stall_seconds``) are each
-distributed instance's latest heartbeat, served only while it is fresh (dashboards/stall_gauges.py).
+distributed instance's latest heartbeat, served only while it is fresh and declares the instance's stall
+watch on (dashboards/stall_gauges.py).
 docs/metrics.md lists every series, its labels and where it comes from.
 """
 
@@ -114,10 +115,11 @@ SERIES = {
     "tokentrace_requests_stalled": (
         "gauge", "Requests a distributed instance holds open while its ring stands still, by the stall's state "
         f"(RankStopped, RankLost, RankUnresponsive; its rank 0's latest heartbeat, absent once that is over "
-        f"{STALE_AFTER_S:g} s old)."),
+        f"{STALE_AFTER_S:g} s old, and while it does not declare its stall watch on: --rank-timeout 0)."),
     "tokentrace_stall_seconds": (
         "gauge", "Seconds a distributed instance's ring had not moved at its rank 0's latest heartbeat (0 while it "
-        f"moves; absent once that heartbeat is over {STALE_AFTER_S:g} s old)."),
+        f"moves; absent once that heartbeat is over {STALE_AFTER_S:g} s old, and while its stall watch is not "
+        "declared on)."),
     "tokentrace_requests": ("counter", "Requests by slowness category (the analyzers' category of each request)."),
     "tokentrace_abnormal_requests": ("counter", "Requests whose category component is abnormal for their instance."),
     "tokentrace_cache_lookups": ("counter", "Requests by cache verdict result and cause ('none': nothing to explain)."),

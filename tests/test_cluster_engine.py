@@ -93,6 +93,14 @@ def test_two_ranks_answer_as_one_process_and_each_reports_itself(engine_factory,
         (0, 2, "ring"), (1, 2, "ring")}
     # Rank 1's own heartbeats and steps: it ran every step rank 0 ran, with its own timings.
     assert collector.sql("SELECT count(*) FROM heartbeats WHERE instance_id = 'ring/rank1'")[0][0] >= 1
+    # Rank 0's heartbeats declare the stall watch it runs (the default --rank-timeout, 10 s; 0 before
+    # its ring is joined), so /metrics serves its stall series; rank 1 runs none and declares none.
+    watch = {}
+    for instance, attributes in collector.sql("SELECT instance_id, attributes FROM spans WHERE name = ? AND "
+                                              "instance_id LIKE 'ring%' ORDER BY end_ns", [contract.SPAN_HEARTBEAT]):
+        watch.setdefault(instance, []).append(json.loads(attributes).get(contract.STALL_RANK_TIMEOUT_MS))
+    assert watch["ring"][-1] == 10_000 and set(watch["ring"]) <= {0, 10_000}, watch["ring"]
+    assert set(watch["ring/rank1"]) == {None}, watch["ring/rank1"]
     steps = dict(collector.sql("SELECT instance_id, sum(decode_tokens) FROM steps WHERE instance_id LIKE 'ring%' "
                                "GROUP BY instance_id"))
     assert steps["ring"] == steps["ring/rank1"] > 0

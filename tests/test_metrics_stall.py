@@ -27,14 +27,17 @@ STOPPED = ("RankStopped", "rank 1 (pid 4242) is alive but not stepping: its proc
 CLOCK = Clock()
 
 
-def _heartbeats(instance: str, beats: list[tuple[float, tuple | None]], rank: int | None = 0) -> bytes:
+def _heartbeats(instance: str, beats: list[tuple[float, tuple | None]], rank: int | None = 0,
+                watch_ms: int | None = 10_000) -> bytes:
     """An OTLP request of ``instance``'s heartbeats, each (seconds ago, stall or None); a stall is
-    (state, reason, ms, open request ids). ``rank`` None: a single-process engine."""
+    (state, reason, ms, open request ids). ``rank`` None: a single-process engine (no stall watch
+    declared). ``watch_ms``: the rank timeout its rank 0 declares watching with (the default's; 0:
+    ``--rank-timeout 0``; None: an engine older than the declaration)."""
     spans: list[bytes] = []
     builder = SpanBuilder(otlp_wire.WireTracer(spans.append), CLOCK)
     for ago_s, stall in beats:
         builder.build(HeartbeatRecord(time.perf_counter_ns() - int(ago_s * 1e9), 0, 1, 8, 0, 0, 16, 1 << 30, 1000,
-                                      10**8, stall=stall))
+                                      10**8, stall=stall, stall_watch_ms=None if rank is None else watch_ms))
     resource = {c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: instance, c.ENGINE: c.ENGINE_MLX,
                 c.ENGINE_VERSION: "0.3.36", c.MODEL: "q2"}
     if rank is not None:
@@ -106,3 +109,25 @@ def test_requests_held_in_a_stall_are_gauged_per_instance_and_state_until_the_ri
             "the failed requests no longer held")
     _post(collector, _heartbeats("ring", [(0.1, None)]))
     _expect(collector, {**_moving("ring"), **_moving("ring-2")}, "the ring moving again")
+
+
+def test_an_instance_whose_stall_watch_is_off_or_undeclared_has_no_stall_series_until_it_reports_one(
+        collector_factory):
+    """A rank 0 run with ``--rank-timeout 0`` runs no watch and never reports a stall: its "no stall"
+    says nothing of its ring, so it has no stall series (absent, not 0). Nor has one whose heartbeats
+    do not declare their watch (an engine older than ``tokentrace.stall.rank_timeout_ms``): it may be
+    run so. A stall it does report (only a running watch sends one) is served."""
+    collector = collector_factory().start()
+    _post(collector, _heartbeats("unwatched", [(0.5, None)], watch_ms=0))
+    _post(collector, _heartbeats("older", [(0.5, None)], watch_ms=None))
+    _post(collector, _heartbeats("ring", [(0.5, None)]))  # after them: they were folded (one writer, in order)
+    _expect(collector, _moving("ring"), "no stall series for the unwatched rings")
+
+    _post(collector, _heartbeats("older", [(0.2, (*STOPPED, ["held-1"]))], watch_ms=None))
+    _expect(collector, {**_moving("ring"), **_moving("older"),
+                        ("tokentrace_requests_stalled", "older", "RankStopped"): 1,
+                        ("tokentrace_stall_seconds", "older", None): 5.01}, "the older engine's stall report")
+    # Its ring moves again: what it says of the ring is unknown again, not 0.
+    _post(collector, _heartbeats("older", [(0.1, None)], watch_ms=None))
+    _post(collector, _heartbeats("ring", [(0.1, None)]))
+    _expect(collector, _moving("ring"), "the older engine's series gone with its stall")

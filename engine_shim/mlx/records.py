@@ -205,3 +205,7 @@ class HeartbeatRecord:
     #: a distributed rank 0's ring not moving for half its --rank-timeout: (state, reason, ms so far,
     #: the ids of the requests it holds open); None while it moves
     stall: tuple[str, str, int, list[str]] | None = None
+    #: a distributed rank 0's declaration of its stall watch: the --rank-timeout it watches with, in ms;
+    #: 0 while none runs (--rank-timeout 0, the ring not joined yet): its "no stall" then means nothing.
+    #: None: not a distributed rank 0 (no ring to watch)
+    stall_watch_ms: int | None = None

@@ -97,6 +97,9 @@ class Scheduler:
         self.diagnose: Callable[[], tuple[str, str]] | None = None
         self._memory_bytes: int | None = None  #: what the last heartbeat read of MLX's active memory
         self._ring_since = 0  # perf_counter_ns when the current ring operation began; 0 outside one
+        #: A distributed rank 0's stall watch, as its heartbeats declare it (HeartbeatRecord.stall_watch_ms):
+        #: 0 until the watchdog runs, None on one process.
+        self._watch_ms: int | None = 0 if settings.distributed else None
         self._abandoned: list[Job] = []
 
     # --- called from other threads -------------------------------------------------------------
@@ -169,6 +172,7 @@ class Scheduler:
             memory_bytes=self._memory_bytes,
             memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
             stall=self._stall_report(),
+            stall_watch_ms=self._watch_ms,
         )
 
     def _stall_report(self) -> tuple[str, str, int, list[str]] | None:
@@ -258,6 +262,7 @@ class Scheduler:
             self._timer = cluster.step_timer(runtime, self.settings.timed_step_every)
             if self.settings.rank_timeout > 0:
                 threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
+                self._watch_ms = max(1, round(self.settings.rank_timeout * 1000))  # never 0: that says "off"
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:

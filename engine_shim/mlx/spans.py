@@ -222,6 +222,8 @@ class SpanBuilder:
             state, reason, ms, open_ids = record.stall
             attributes.update({c.STALL_STATE: state, c.STALL_REASON: reason, c.STALL_MS: ms,
                                c.OPEN_REQUESTS: list(open_ids)})
+        if record.stall_watch_ms is not None:
+            attributes[c.STALL_RANK_TIMEOUT_MS] = record.stall_watch_ms
         self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, attributes)
 
 
