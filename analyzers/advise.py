@@ -26,7 +26,12 @@ definitions (docs/analyzers.md, "Advice"):
   measured one) and under each change: one more slot, twice the slots, a ``max_tokens`` cap at the
   95th percentile of the instance's answers (answers beyond it end early, at the request's own TPOT),
   and a second instance (arrivals to the one with fewer requests in it). Saving: the model's total
-  wait now less under the change. A larger batch also makes each step slower: not modelled, said so.
+  wait now less under the change. A larger batch makes each decode step slower: under one more slot
+  and twice the slots a request keeps its prefill and the rest of its hold, and its decode part
+  (``decode_ms``) runs at the step time the instance's own decode steps give for the batch it then
+  decodes in, against the one it measured (step_model.py: a fit of step time on batch size; past the
+  largest batch measured it is extrapolated, and the change says so); an instance whose steps measured
+  one batch size, or none, gets no saving for these, and the change says why.
 - **cold_start**: the window's model loads; the requests that waited on each (load wait); a load
   that reloaded a model its process had loaded before (no process start between the two: an engine
   that unloads when idle) gets a keep-alive as long as the longest idle gap before such reloads,
@@ -55,6 +60,7 @@ from tokentrace.analyzers.evidence import Evidence, fmt_bytes, fmt_ms, median, p
 from tokentrace.analyzers.outcome import COMPLETED
 from tokentrace.analyzers.report import cause_candidates, declared_parts, routing_by_policy, with_categories
 from tokentrace.analyzers.slo import SloSpec, judge
+from tokentrace.analyzers.step_model import batched_waits, decode_batches, fit_steps
 from tokentrace.analyzers.whatif import Capacity, Workload, own_model, recorded, replay
 from tokentrace.analyzers.workload import load_workload, prefill_rates
 from tokentrace.collector.stores.store import TraceReader
@@ -432,8 +438,9 @@ def fifo_waits(arrivals: list[float], holds: list[float], slots: int, instances:
     return waits
 
 
-def concurrency_advice(frame: pl.DataFrame, max_batch: dict[str, int | None]) -> list[Advice]:
-    """Per instance whose requests queued: the slot model under each change (module docstring)."""
+def concurrency_advice(frame: pl.DataFrame, max_batch: dict[str, int | None], reader: TraceReader) -> list[Advice]:
+    """Per instance whose requests queued: the slot model under each change (module docstring); its
+    engine steps (``reader``) price a larger batch's slower steps."""
     out = []
     done = frame.filter((pl.col("outcome") == COMPLETED) & pl.col("instance_id").is_not_null())
     for (name,), rows in done.group_by(["instance_id"], maintain_order=True):
@@ -463,10 +470,12 @@ def concurrency_advice(frame: pl.DataFrame, max_batch: dict[str, int | None]) ->
                            f"{fmt_ms(now)} of waiting in all; {fmt_ms(recorded)} was measured.",
             {"batch_limit": slots, "model_wait_ms": round(now, 3), "measured_wait_ms": round(recorded, 3)}))
         tried = []
-        for limit in sorted({slots + 1, slots * 2}):
-            tried.append((f"Raise {name}'s batch limit from {slots} to {limit} (--max-batch {limit}) if its memory "
-                          "holds the extra sequences; each step then runs a larger batch, slower (not modelled)",
-                          fifo_waits(arrivals, holds, limit), {"batch_limit": limit}))
+        larger = _larger_batches(reader, name, rows, arrivals, holds, slots)
+        for text, waits, data in larger:
+            if waits is None:
+                advice.changes.append(Change(text, None, queued.height, why_not=data.pop("why_not"), data=data))
+            else:
+                tried.append((text, waits, data))
         completion = rows["completion_tokens"].fill_null(0)
         cap = int(completion.quantile(CAP_PERCENTILE, "nearest") or 0)
         over = (completion - cap).clip(0)
@@ -485,6 +494,39 @@ def concurrency_advice(frame: pl.DataFrame, max_batch: dict[str, int | None]) ->
                                          data={**data, "model_wait_ms": round(sum(waits), 3)}))
         advice.changes = _ranked(advice.changes)
         out.append(advice)
+    return out
+
+
+def _larger_batches(reader: TraceReader, name: str, rows: pl.DataFrame, arrivals: list[float], holds: list[float],
+                    slots: int) -> list[tuple[str, list[float] | None, dict[str, Any]]]:
+    """One more slot and twice the slots: (text, the model's waits or None, figures) each. A request's
+    prefill and the rest of its hold are kept; its decode part (``decode_ms``) runs at the step time the
+    instance's own decode steps give for the batch the model runs then (step_model.py); without a
+    model (no steps, one batch size measured) the figures say why not."""
+    steps = reader.bulk("steps_in", since_ns=int(rows["start_ns"].min()), until_ns=int(rows["end_ns"].max()) + 1,
+                        instance_id=name)
+    model, why = fit_steps(steps)
+    if model is not None:
+        per_request, overall = decode_batches(steps)
+        decode = [min(h, d) for h, d in zip(holds, rows["decode_ms"].fill_null(0.0).to_list(), strict=True)]
+        fixed = [h - d for h, d in zip(holds, decode, strict=True)]
+        measured = [model.ms(per_request.get(rid, overall)) for rid in rows["request_id"].to_list()]
+    out = []
+    for limit in sorted({slots + 1, slots * 2}):
+        text = f"Raise {name}'s batch limit from {slots} to {limit} (--max-batch {limit}) if its memory holds the " \
+               "extra sequences"
+        if model is None:
+            out.append((text, None, {"batch_limit": limit, "step_model": None,
+                                     "why_not": f"how much slower a step of up to {limit} sequences runs on {name} is "
+                                                f"unknown: {why}"}))
+            continue
+        fit = model.as_dict(limit)
+        sizes = ", ".join(f"{plural(s, 'step')} at {n}" for n, s, _ in model.sizes)
+        text += (f"; a decode step of {limit} sequences then takes {fmt_ms(fit['step_ms_at'])} by a fit on its "
+                 f"{plural(fit['steps'], 'decode step')} ({sizes})"
+                 + (f", extrapolated beyond the {model.largest()} it measured" if fit["extrapolated"] else ""))
+        out.append((text, batched_waits(arrivals, fixed, decode, measured, limit, model.ms),
+                    {"batch_limit": limit, "step_model": fit}))
     return out
 
 
@@ -706,7 +748,7 @@ def advise(reader: TraceReader, since_ns: int | None, until_ns: int | None = Non
     found += capacity
     if not capacity:
         nothing["capacity"] = "no instance's traffic would reuse more with a larger cache (replayed)"
-    concurrency = concurrency_advice(frame, {k: v.get("max_batch") for k, v in beats.items()})
+    concurrency = concurrency_advice(frame, {k: v.get("max_batch") for k, v in beats.items()}, reader)
     found += concurrency
     if not concurrency:
         nothing["concurrency"] = f"no request waited {QUEUED_MS:.0f} ms or more for a batch slot"

@@ -6,7 +6,11 @@ agree within 10 % with a computation made here, independently, from the same req
 - routing (``rr-``, engines adv-rr-1 and adv-rr-2 behind the gateway's round robin): sessions spread
   over both instances turn by turn;
 - capacity (``cap-``, engine adv-cap): six documents asked in turn on a cache with room for three;
-- concurrency (``q-``, engine adv-q with --max-batch 1): short requests behind long generations;
+- concurrency (``q-``, engine adv-q with --max-batch 1): short requests behind long generations; its
+  steps all ran one sequence, so a larger batch cannot be priced and the advice says why;
+- concurrency with its steps (``qb-``, engine adv-qb with --max-batch 2): short requests behind two
+  long generations, so that decode steps of one and of two sequences are measured, and a larger batch
+  is priced with the step time they give (extrapolated to three and four);
 - cold starts (``cold-``, engine adv-cold with --lazy-load): the first request waits for the load, and
   after a restart a repeated prompt finds the cache emptied and waits again.
 
@@ -17,18 +21,21 @@ the API, the advice page and the overview's Advice panel.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import threading
 import uuid
 
 import httpx
+import polars as pl
 import pytest
 from harness_collector import CollectorProcess, wait_for
 from harness_engine import EngineProcess
 from harness_gateway import GatewayProcess
 
 from tokentrace.analyzers.advise import fifo_waits, reusable_if_stable
+from tokentrace.analyzers.step_model import batched_waits, fit_steps
 from tokentrace.demo_workload import _words, chat, reply, stream_in_background
 
 BLOCK = 16
@@ -39,6 +46,8 @@ DOCS = [0, 1, 2, 3, 4, 5] * 3
 KV = 512
 CAP_BYTES = KV * 1100
 LONG, ROUNDS, SHORT = 400, 2, 3
+#: The batched part's short answers (long enough that their decode shares steps with the long ones).
+SHORT_TOKENS = 8
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -93,6 +102,25 @@ def _concurrency(url: str) -> None:
             short.join(300)
 
 
+def _batched(url: str) -> None:
+    """Each round on two slots: a long generation, then one half as long beside it (both decoding:
+    steps of two sequences), then short requests that queue behind them; the long one ends alone
+    (steps of one sequence)."""
+    for r in range(ROUNDS):
+        streams = []
+        for k, tokens in enumerate((LONG, LONG // 2)):
+            thread, first = stream_in_background(url, f"qb-long-{r}-{k}",
+                                                 [{"role": "user", "content": _words(1100 + 10 * r + k, 10)}], tokens)
+            assert first.wait(120)
+            streams.append(thread)
+        shorts = [threading.Thread(target=chat, args=(url, f"qb-short-{r}-{k}", [
+            {"role": "user", "content": _words(1200 + 10 * r + k, 8)}], SHORT_TOKENS)) for k in range(SHORT)]
+        for short in shorts:
+            short.start()
+        for thread in [*shorts, *streams]:
+            thread.join(300)
+
+
 def _cold(engine: EngineProcess) -> None:
     """Two requests on a lazily loading engine, a restart, then the second prompt again."""
     document = [{"role": "user", "content": "document " + _words(990, 60)}]
@@ -111,7 +139,8 @@ def advised(tmp_path_factory, tiny_model):
     beat = ["--heartbeat-interval", "0.5"]
     flags = {"adv-ctx": beat, "adv-rr-1": beat, "adv-rr-2": beat,
              "adv-cap": [*beat, "--cache-max-entries", "1000", "--cache-max-bytes", str(CAP_BYTES)],
-             "adv-q": [*beat, "--max-batch", "1"], "adv-cold": [*beat, "--lazy-load"]}
+             "adv-q": [*beat, "--max-batch", "1"], "adv-qb": [*beat, "--max-batch", "2"],
+             "adv-cold": [*beat, "--lazy-load"]}
     engines = {name: EngineProcess(workdir, tiny_model, *args, collector=collector, spool_dir=spool, instance_id=name)
                for name, args in flags.items()}
     gateway = None
@@ -124,6 +153,7 @@ def advised(tmp_path_factory, tiny_model):
         _routing(gateway)
         _capacity(engines["adv-cap"].url)
         _concurrency(engines["adv-q"].url)
+        _batched(engines["adv-qb"].url)
         _cold(engines["adv-cold"])
     finally:
         if gateway is not None:
@@ -134,7 +164,8 @@ def advised(tmp_path_factory, tiny_model):
     # The rows the independent computations use, and the advice from the stopped collector's file;
     # then the collector serves the same file again.
     assert collector.stop() == 0
-    collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-", "cold-")}
+    collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-", "qb-", "cold-")}
+    collector.steps = _steps(collector, "adv-qb", collector.rows["qb-"])
     collector.from_file = json.loads(_cli("analyze", "advise", "--db", str(collector.db), "--since", "all",
                                           "--request-prefix", "cap-", "--json").stdout)
     collector.start()
@@ -157,11 +188,21 @@ def _kind(result: dict, kind: str, instance: str | None = None) -> dict:
 def _rows(collector: CollectorProcess, prefix: str) -> list[dict]:
     rows = collector.sql(
         "SELECT request_id, instance_id, start_ns, end_ns, prompt_tokens, cached_tokens, completion_tokens, "
-        "queue_ms, prefill_ms, load_wait_ms, tpot_ms FROM requests WHERE starts_with(request_id, ?) "
+        "queue_ms, prefill_ms, load_wait_ms, tpot_ms, decode_ms FROM requests WHERE starts_with(request_id, ?) "
         "AND observer IS DISTINCT FROM 'gateway' ORDER BY start_ns", [prefix])
     names = ("request_id", "instance_id", "start_ns", "end_ns", "prompt_tokens", "cached_tokens", "completion_tokens",
-             "queue_ms", "prefill_ms", "load_wait_ms", "tpot_ms")
+             "queue_ms", "prefill_ms", "load_wait_ms", "tpot_ms", "decode_ms")
     return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def _steps(collector: CollectorProcess, instance: str, rows: list[dict]) -> list[dict]:
+    """The instance's engine steps over its requests' span, as stored."""
+    found = collector.sql(
+        "SELECT duration_ns, prefill_seqs, decode_seqs, decode_request_ids FROM steps WHERE instance_id = ? "
+        "AND start_ns >= ? AND start_ns <= ? ORDER BY start_ns",
+        [instance, min(r["start_ns"] for r in rows), max(r["end_ns"] for r in rows)])
+    return [dict(zip(("duration_ns", "prefill_seqs", "decode_seqs", "decode_request_ids"), row, strict=True))
+            for row in found]
 
 
 def _rate(rows: list[dict]) -> float:
@@ -196,6 +237,30 @@ def test_the_slot_model_is_first_come_first_served():
     # two instances of one slot: the second goes to the empty one; the third finds one request in
     # each and goes to the first (ties: the lowest index), not to the one that frees first
     assert fifo_waits([0, 1, 2], [10, 5, 5], 1, 2) == [0, 0, 8]
+
+
+def test_the_batched_slot_model_slows_decoding_by_the_step_time_of_its_batch():
+    # flat steps: the first-come-first-served model itself
+    assert batched_waits([0, 1, 2], [4, 0, 5], [6, 5, 0], [1, 1, 1], 1, lambda k: 1.0) == \
+        fifo_waits([0, 1, 2], [10, 5, 5], 1)
+    # a step of k sequences takes k ms: two decoding together take twice as long, the third waits
+    assert batched_waits([0, 0, 0], [0, 0, 0], [10, 10, 10], [1, 1, 1], 2, lambda k: k) == [0, 0, 20]
+    # a request measured at steps of 2 ms runs faster alone, at steps of 1 ms
+    assert batched_waits([0, 0], [0, 0], [10, 10], [2, 2], 1, lambda k: k) == [0, 5]
+
+
+def test_the_step_fit_rests_on_decode_steps_and_needs_two_sizes():
+    def steps(rows):
+        return pl.DataFrame(rows, schema=["duration_ns", "prefill_seqs", "decode_seqs"], orient="row")
+
+    model, why = fit_steps(steps([(1_000_000, 0, 1), (1_200_000, 0, 1), (3_000_000, 0, 2), (9_000_000, 1, 2)]))
+    assert why is None and model.as_dict(4)["sizes"] == [{"decode_seqs": 1, "steps": 2, "median_ms": 1.1},
+                                                          {"decode_seqs": 2, "steps": 1, "median_ms": 3.0}]
+    assert abs(model.ms(1) - 1.1) < 1e-9 and abs(model.ms(2) - 3.0) < 1e-9 and model.as_dict(4)["extrapolated"]
+    model, why = fit_steps(steps([(3_000_000, 0, 1), (1_000_000, 0, 2)]))
+    assert model.flattened and model.per_sequence_ms == 0 and model.ms(4) == 2.0
+    model, why = fit_steps(steps([(1_000_000, 0, 1), (5_000_000, 1, 2)]))
+    assert model is None and "all ran 1 sequence" in why
 
 
 # --- the built workload ---------------------------------------------------------------------------
@@ -263,23 +328,113 @@ def test_concurrency_advice_models_the_queue_it_measured(advised):
     # The long generations held the slot longest while others waited (a short one held it a little).
     blockers = [e["request_id"] for e in advice["evidence"] if e["kind"] == "blocker"]
     assert set(blockers[:ROUNDS]) == {f"q-long-{r}" for r in range(ROUNDS)}, blockers
+    # Its steps all ran one sequence: how much slower a step of two runs was not measured, and the
+    # larger batch says so instead of a saving.
+    larger = [c for c in advice["changes"] if c.get("batch_limit")]
+    assert [c["batch_limit"] for c in larger] == [2], advice["changes"]
+    assert larger[0]["saved_ms"] is None and larger[0]["step_model"] is None, larger
+    assert "decode steps in the window all ran 1 sequence" in larger[0]["why_not"], larger
     best = advice["changes"][0]
-    assert best.get("batch_limit") == 2 or best.get("instances") == 2, advice["changes"]
-    two = next(c for c in advice["changes"] if c.get("batch_limit") == 2)
-    # Independently: the same requests through two slots, computed here.
+    assert best.get("instances") == 2, advice["changes"]
+    # Independently: the same requests over two instances of one slot, each arrival to the one with
+    # fewer requests in it (ties: the first), computed here.
     arrivals = [(r["start_ns"] - rows[0]["start_ns"]) / 1e6 + (r["load_wait_ms"] or 0) for r in rows]
     holds = [max(0.0, (r["end_ns"] - r["start_ns"]) / 1e6 - (r["load_wait_ms"] or 0) - r["queue_ms"]) for r in rows]
-    free, waits = [0.0, 0.0], []
+    free, inside, waits = [0.0, 0.0], [[], []], []
     for a, h in zip(arrivals, holds, strict=True):
-        slot = min(range(2), key=lambda k: free[k])
-        start = max(a, free[slot])
+        inside = [[end for end in ends if end > a] for ends in inside]
+        k = min(range(2), key=lambda i: (len(inside[i]), i))
+        start = max(a, free[k])
         waits.append(start - a)
-        free[slot] = start + h
-    assert _close(two["saved_ms"], model["model_wait_ms"] - sum(waits)), (two, sum(waits))
-    assert best["saved_ms"] >= two["saved_ms"] > 0
+        free[k] = start + h
+        inside[k].append(start + h)
+    assert _close(best["saved_ms"], model["model_wait_ms"] - sum(waits)), (best, sum(waits))
+    assert best["saved_ms"] > 0
     # The objective it misses points at this lever.
     objectives = _kind(result, "objectives")
     assert objectives["changes"][0]["lever"] == "concurrency" and result["advice"][-1]["kind"] == "objectives"
+
+
+def _ticked(arrivals: list[float], fixed: list[float], decode: list[float], measured: list[float], slots: int,
+            step_ms, tick: float = 0.02) -> list[float]:
+    """Waits in a slot model advanced in small ticks (an independent way to the advice's): first come
+    first served; a request holds its slot for its fixed part, then its decode part, made at steps of
+    ``measured`` ms, advances by tick * measured / step_ms(k) while k requests decode."""
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+    waits, queue, active, now, k = [0.0] * len(arrivals), [], {}, 0.0, 0
+    while k < len(order) or queue or active:
+        if not queue and not active:
+            now = max(now, arrivals[order[k]])
+        while k < len(order) and arrivals[order[k]] <= now:
+            queue.append(order[k])
+            k += 1
+        while queue and len(active) < slots:
+            i = queue.pop(0)
+            waits[i] = now - arrivals[i]
+            active[i] = [fixed[i], decode[i]]
+        decoding = sum(1 for left in active.values() if left[0] <= 0)
+        for i, left in list(active.items()):
+            if left[0] > 0:
+                left[0] -= tick
+            else:
+                left[1] -= tick * measured[i] / step_ms(decoding)
+            if left[0] <= 0 and left[1] <= 0:
+                del active[i]
+        now += tick
+    return waits
+
+
+def test_a_larger_batch_is_priced_with_the_step_time_the_instances_own_steps_give(advised):
+    result = _advice(advised, request_prefix="qb-")
+    advice = _kind(result, "concurrency", "adv-qb")
+    rows, steps = advised.rows["qb-"], advised.steps
+    model = next(e for e in advice["evidence"] if e["kind"] == "queue_model")
+    assert model["batch_limit"] == 2
+    # Independently, from the stored steps: the decode steps (decoding, none prefilling) per batch
+    # size, and the line through the two sizes' medians (flat if it falls: noise).
+    sizes: dict[int, list[float]] = {}
+    for step in steps:
+        if (step["decode_seqs"] or 0) >= 1 and not step["prefill_seqs"]:
+            sizes.setdefault(step["decode_seqs"], []).append(step["duration_ns"] / 1e6)
+    assert set(sizes) == {1, 2}, {n: len(v) for n, v in sizes.items()}
+    medians = {n: statistics.median(v) for n, v in sizes.items()}
+    slope = medians[2] - medians[1]
+    if slope < 0:
+        level = sum(medians[n] * len(sizes[n]) for n in sizes) / sum(len(v) for v in sizes.values())
+        slope, medians = 0.0, {1: level, 2: level}
+
+    def step_ms(n: float) -> float:
+        return medians[1] + slope * (n - 1)
+
+    # Each request's measured step: the fit at the mean batch of the steps that name it decoding.
+    named: dict[str, list[int]] = {}
+    for step in steps:
+        if (step["decode_seqs"] or 0) >= 1:
+            for rid in step["decode_request_ids"] or []:
+                named.setdefault(rid, []).append(step["decode_seqs"])
+    assert all(r["request_id"] in named for r in rows), set(r["request_id"] for r in rows) - set(named)
+    measured = [step_ms(statistics.fmean(named[r["request_id"]])) for r in rows]
+    arrivals = [(r["start_ns"] - rows[0]["start_ns"]) / 1e6 + (r["load_wait_ms"] or 0) for r in rows]
+    holds = [max(0.0, (r["end_ns"] - r["start_ns"]) / 1e6 - (r["load_wait_ms"] or 0) - r["queue_ms"]) for r in rows]
+    decode = [min(h, r["decode_ms"] or 0.0) for h, r in zip(holds, rows, strict=True)]
+    fixed = [h - d for h, d in zip(holds, decode, strict=True)]
+    now = sum(_ticked(arrivals, fixed, decode, [1.0] * len(rows), 2, lambda n: 1.0))
+    assert _close(model["model_wait_ms"], now), (model, now)
+    text = _cli("analyze", "advise", "--url", advised.url, "--since", "all", "--request-prefix", "qb-").stdout
+    for limit in (3, 4):
+        change = next(c for c in advice["changes"] if c.get("batch_limit") == limit)
+        fit = change["step_model"]
+        # (a) the step model and what it rests on: how many steps at which sizes, extrapolated past 2
+        assert [(s["decode_seqs"], s["steps"]) for s in fit["sizes"]] == [(1, len(sizes[1])), (2, len(sizes[2]))]
+        for size in fit["sizes"]:
+            assert _close(size["median_ms"], statistics.median(sizes[size["decode_seqs"]]), 0.001), fit
+        assert fit["range"] == [1, 2] and fit["at"] == limit and fit["extrapolated"] is True, fit
+        assert _close(fit["step_ms_at"], step_ms(limit)), (fit, step_ms(limit))
+        assert "extrapolated beyond the 2 it measured" in change["change"] and change["change"] in text
+        # (b) the saving: the model's wait now less the wait with the limit raised and each decode
+        # slowed (or sped) to the step time of the batch it then decodes in, computed here
+        expected = now - sum(_ticked(arrivals, fixed, decode, measured, limit, step_ms))
+        assert expected > 0 and _close(change["saved_ms"], expected), (change, expected)
 
 
 def test_cold_start_advice_prices_the_lazy_loads_and_the_restart(advised):
@@ -307,7 +462,7 @@ def test_the_whole_workload_ranks_each_levers_change_first_on_every_surface(advi
     assert _kind(result, "context")["changes"][0]["segment_role"] == "system"
     assert _kind(result, "routing")["changes"][0]["route"] in ("session", "prefix")
     assert _kind(result, "capacity")["instance_id"] == "adv-cap"
-    assert _kind(result, "concurrency")["instance_id"] == "adv-q"
+    assert _kind(result, "concurrency", "adv-q") and _kind(result, "concurrency", "adv-qb")
     savings = [a["saved_ms"] for a in result["advice"] if a["saved_ms"] is not None]
     assert savings == sorted(savings, reverse=True)  # ranked by what they would save
     # The command line says the same, as JSON and as text.
