@@ -49,6 +49,9 @@ MAX_INTERVAL_S = 900.0
 MIN_INTERVAL_S = 1.0
 #: How long a measured disk usage is used before it is measured again.
 USAGE_TTL_S = 1.0
+#: A pass's checkpoint, refused while another connection's write transaction is open: tries, pause.
+CHECKPOINT_TRIES = 20
+CHECKPOINT_PAUSE_S = 0.1
 
 _TIME_COLUMNS = ("start_ns", "t_ns", "seen_ns")
 
