@@ -153,7 +153,8 @@ def test_a_journal_file_cut_at_a_record_boundary_is_named_with_the_records_lost(
 
 
 # --- span files ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["flipped byte in a data page", "flipped byte in the footer", "truncated", "deleted"])
+@pytest.mark.parametrize("how", ["flipped byte in a data page", "flipped byte in the footer",
+                                 "flipped byte in the footer's statistics", "truncated", "deleted"])
 def test_a_damaged_span_file_is_named_quarantined_with_its_spans_and_time_range(collector_factory, how):
     first, files = _three_span_files(collector_factory)
     _damage(files[1], how)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -150,9 +152,27 @@ def _damage(path: Path, how: str) -> None:
     elif how == "flipped byte in a data page":
         chunk = pq.ParquetFile(path).metadata.row_group(0).column(0)  # the trace ids' page, past its header
         _flip(path, chunk.data_page_offset + chunk.total_compressed_size // 2)
-    else:  # the footer's first byte (its structure; a flip in its statistics goes unseen: docs/collector.md)
-        size = path.stat().st_size
-        _flip(path, size - 8 - struct.unpack("<I", path.read_bytes()[-8:-4])[0])
+    elif how == "flipped byte in the footer's statistics":
+        _flip(path, _footer_statistic(path))
+    else:  # the footer's first byte (its structure)
+        _flip(path, _footer_start(path))
+
+
+def _footer_start(path: Path) -> int:
+    return path.stat().st_size - 8 - struct.unpack("<I", path.read_bytes()[-8:-4])[0]
+
+
+def _footer_statistic(path: Path) -> int:
+    """Where the footer holds the smallest start_ns of the first row group (a column chunk's
+    statistics): no page checksum covers it, the footer parses and every page reads back with it
+    flipped, and a reader that skips row groups by their statistics would skip the wrong ones."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    low = meta.row_group(0).column(meta.schema.names.index("start_ns")).statistics.min
+    at = path.read_bytes().index(struct.pack("<q", low), _footer_start(path))
+    assert at < path.stat().st_size - 8
+    return at
 
 
 @pytest.mark.parametrize("how", ["flipped byte in a data page", "flipped byte in the footer", "truncated", "deleted"])
@@ -182,3 +202,35 @@ def test_a_damaged_span_file_is_quarantined_and_the_rest_served(collector_factor
         assert Path(entry["file"]).exists() and not files[1].exists(), "the file is kept in the quarantine"
     log = collector.log_path.read_text()
     assert "quarantined damaged span file" in log and f"{FILE_SPANS} spans that started from" in log
+
+
+def test_a_flipped_byte_in_a_span_files_footer_statistics_is_caught_by_its_checksum(collector_factory):
+    """No page checksum covers a footer's statistics (before issue 45 item 1 the collector served the
+    file and ``store check`` called the store clean); the whole-file checksum listed in
+    ``span_files`` does."""
+    first, files = _three_span_files(collector_factory)
+    _damage(files[1], "flipped byte in the footer's statistics")
+
+    checked = subprocess.run([sys.executable, "-m", "tokentrace", "store", "check", "--db", str(first.db)],
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    [line] = [line for line in checked.stdout.splitlines() if line.startswith("damage: ")]
+    assert line.startswith(f"damage: {files[1]}: its checksum (CRC-32 0x") and \
+        "differs from the one listed when it was written" in line, line
+    assert "every page reads back with its own checksum" in line, line
+
+    collector = collector_factory(db=first.db).start()
+    health = collector.health()
+    assert health["status"] == "ok", health["problems"]
+    assert _loss_series(collector) == {"span_file": 1, "spans": FILE_SPANS, "journal_records": 0}
+    [entry] = health["journal"]["quarantine"]["latest"]
+    assert entry["kind"] == "damaged span file" and entry["span_file"] == files[1].name
+    assert entry["why"].startswith("its checksum (CRC-32 0x") and "differs from the one listed" in entry["why"]
+    assert entry["acknowledged_spans_lost"] == FILE_SPANS and entry["start_range_utc"][0].startswith("20")
+    assert Path(entry["file"]).exists() and not files[1].exists(), "the file is kept in the quarantine"
+    assert collector.post(make_request(100, name="after").SerializeToString(),
+                          "application/x-protobuf").status_code == 200
+    assert collector.stop() == 0
+    counts = dict(collector.sql("SELECT name, count(*) FROM spans GROUP BY name"))
+    assert counts == {"b1": FILE_SPANS, "b3": FILE_SPANS, "after": 100}
+    assert "quarantined damaged span file" in collector.log_path.read_text()

@@ -9,13 +9,16 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
+import duckdb
 import golden
 import pytest
+from test_store_damage import _damage
 from test_store_journal import BASE, _counts, _golden_batch, _migrated_to, _parsed_batch
 
-from tokentrace.collector.stores import journal, span_files
+from tokentrace.collector.stores import journal, span_files, store_check
 from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.errors import StoreError
 
@@ -39,6 +42,13 @@ def _files(path: Path) -> list[str]:
 
 def _listed(store: DuckDBStore) -> list[str]:
     return sorted(name for (name,) in store._cursor().execute("SELECT name FROM span_files").fetchall())
+
+
+def _checksums_hold(store: DuckDBStore) -> None:
+    """Every listed file has the whole-file checksum listed for it (020_span_file_checksums.sql)."""
+    rows = store._cursor().execute("SELECT name, crc32 FROM span_files").fetchall()
+    assert rows and all(crc is not None for _, crc in rows), rows
+    assert all(span_files.checksum(store._span_files.folder / name) == crc for name, crc in rows)
 
 
 def _write_settled(store: DuckDBStore, offsets) -> None:
@@ -68,6 +78,7 @@ def test_a_merge_with_enough_spans_stores_them_in_a_listed_file_as_the_table_wou
         [(in_table,)] = store._cursor().execute("SELECT count(*) FROM span_rows").fetchall()
         assert in_table == 0
         assert store.journal_state()["span_files"]["spans"] == len(expected)
+        _checksums_hold(store)
     finally:
         store.close()
     assert _counts(tmp_path / "files.duckdb")["spans"] == len(expected)  # read-only, through the view
@@ -141,6 +152,7 @@ def test_files_are_compacted_level_by_level_and_readers_see_every_span_once_mean
         assert all(rows == distinct and rows % per_batch == 0 for rows, distinct in seen)
         assert seen and seen[-1][0] == 4 * per_batch
         assert _listed(store) == [f.name for f in files.files]
+        _checksums_hold(store)
         assert len(_files(tmp_path / "s.duckdb")) == 7  # the inputs of all three compactions, kept
     finally:
         stop.set()
@@ -181,8 +193,77 @@ def test_files_the_join_refuses_are_rewritten(tmp_path, monkeypatch, caplog, fil
         assert "cannot be joined (a column chunk has a page index" in caplog.text
         after = _spans(store)
         assert len(after) == 2 * len(before) and set(before) < set(after)
+        _checksums_hold(store)
     finally:
         store.close()
+
+
+def test_a_compaction_refuses_an_input_damaged_since_the_open(tmp_path, monkeypatch, caplog, files_for_every_merge):
+    """An input's footer statistics are copied into the joined file's footer: a flipped byte there
+    (which no page checksum covers) would be vouched for by the joined file's checksum. The input
+    is verified first, so the level is not compacted and the next open quarantines the file."""
+    monkeypatch.setattr(span_files, "FANOUT", 2)
+    path = tmp_path / "s.duckdb"
+    store = DuckDBStore(path)
+    files = store._span_files
+    try:
+        _write_settled(store, (0,))
+        per_batch = store.counts()["spans"]
+        [damaged] = _listed(store)
+        _damage(files.folder / damaged, "flipped byte in the footer's statistics")
+        _write_settled(store, (10,))
+        deadline = time.monotonic() + 60
+        while "is damaged (its checksum (CRC-32 0x" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"span file {damaged} is damaged (its checksum (CRC-32 0x" in caplog.text
+        assert files.compactions == 0 and [f.level for f in files.files] == [0, 0]
+    finally:
+        store.close()
+    store = DuckDBStore(path)
+    try:
+        [entry] = store.losses()
+        assert entry["span_file"] == damaged and "differs from the one listed" in entry["why"]
+        assert store.counts()["spans"] == per_batch and damaged not in _listed(store)
+    finally:
+        store.close()
+
+
+def test_a_store_written_before_020_opens_and_its_files_are_still_page_checked(tmp_path, files_for_every_merge):
+    """Files listed before 020_span_file_checksums.sql have no whole-file checksum (NULL): the store
+    opens (read-only before the migration, too), their pages are checked as before, so a flipped byte
+    in a data page is quarantined and one in the footer's statistics is not seen; files written
+    after the migration have one."""
+    path = tmp_path / "old.duckdb"
+    store = DuckDBStore(path)
+    _write_settled(store, (0, 10, 20))
+    per_batch = store.counts()["spans"] // 3
+    store.close()
+    con = duckdb.connect(str(path))  # the store as 019 left it
+    con.execute("ALTER TABLE span_files DROP COLUMN crc32")
+    con.execute("DELETE FROM schema_migrations WHERE version = 20")
+    con.close()
+    assert _counts(path)["spans"] == 3 * per_batch  # read-only: not migrated, presence and size checked
+    page, statistics, intact = sorted((Path(str(path) + ".spans")).iterdir())
+    _damage(page, "flipped byte in a data page")
+    _damage(statistics, "flipped byte in the footer's statistics")
+
+    store = DuckDBStore(path)
+    try:
+        [entry] = store.losses()
+        assert entry["kind"] == "damaged span file" and entry["span_file"] == page.name
+        assert entry["why"].startswith("it does not read back: ") and "differs from the one listed" not in entry["why"]
+        assert _listed(store) == [statistics.name, intact.name]
+        assert store.counts()["spans"] == 2 * per_batch
+        [(unsummed,)] = store._cursor().execute("SELECT count(*) FROM span_files WHERE crc32 IS NULL").fetchall()
+        assert unsummed == 2
+        _write_settled(store, (30,))
+        [(name,)] = store._cursor().execute("SELECT name FROM span_files WHERE crc32 IS NOT NULL").fetchall()
+        assert name not in (statistics.name, intact.name)
+    finally:
+        store.close()
+    report = store_check.check(str(path))  # the gap these files keep: a flipped statistic is not seen
+    assert report.clean and report.span_files == 3 and report.span_files_unsummed == 2
+    assert "3 span files (2 listed before whole-file checksums: their pages checked)" in report.summary()
 
 
 def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
@@ -193,7 +274,7 @@ def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:
         import os, sys
         sys.path.insert(0, {HERE!r})
         from test_store_journal import _golden_batch
-        from tokentrace.collector.stores import journal, span_files
+        from tokentrace.collector.stores import journal, span_files, store_check
         from tokentrace.collector.stores.store_duckdb import DuckDBStore
         after = {after!r}
         span_files.MIN_SPANS, journal.GATHER_S = 1, 0.0

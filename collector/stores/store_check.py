@@ -4,11 +4,12 @@ and ``tokentrace store repair``, this store's pg_amcheck.
 ``check`` reads everything and changes nothing (the store file is attached read-only, which also
 keeps a collector from opening it meanwhile): every journal record (checksum, consecutive sequence
 numbers, the batches acknowledged and not yet in the tables, each decoded as an open would), every
-listed span file (present, its size, its footer, its rows, every page's checksum, the time range its
-spans started in), the span files against the store's lists (``span_files``, the view ``spans``),
-and every table read in full (DuckDB verifies each block's checksum as it reads it). A finding is
-damage (the store is not what was written) or a note (what the next open of a collector does by
-itself: append acknowledged batches, cut a record torn by a crash, delete a file nothing lists).
+listed span file (present, its size, its whole-file checksum where ``span_files`` lists one, its
+footer, its rows, every page's checksum, the time range its spans started in), the span files
+against the store's lists (``span_files``, the view ``spans``), and every table read in full
+(DuckDB verifies each block's checksum as it reads it). A finding is damage (the store is not what
+was written) or a note (what the next open of a collector does by itself: append acknowledged
+batches, cut a record torn by a crash, delete a file nothing lists).
 
 ``repair`` is the collector's own open (``DuckDBStore``: the quarantine of damaged journal bytes,
 missing records and damaged span files, collector/stores/quarantine.py, with the same ``losses.jsonl``
@@ -63,6 +64,8 @@ class Report:
     merged_seq: int = 0  #: the last journal record in the tables
     unmerged: list[int] = field(default_factory=list)  #: acknowledged records not in the tables yet
     span_files: int = 0  #: listed
+    #: listed before 020_span_file_checksums.sql: no whole-file checksum, their pages are checked
+    span_files_unsummed: int = 0
     tables: int = 0  #: read in full
     quarantined: int = 0  #: entries of losses.jsonl
 
@@ -87,15 +90,18 @@ class Report:
         damaged = sum(finding.damage for finding in self.findings)
         notes = len(self.findings) - damaged
         state = "clean" if not damaged else f"{damaged} damaged"
+        unsummed = f" ({self.span_files_unsummed} listed before whole-file checksums: their pages checked)" \
+            if self.span_files_unsummed else ""
         return (f"store {self.store}: {state}, {notes} note{'s' * (notes != 1)} (journal merged through record "
                 f"{self.merged_seq}, {len(self.unmerged)} acknowledged records to append; {self.span_files} span "
-                f"files; {self.tables} tables read in full; {self.quarantined} entries in the quarantine)")
+                f"files{unsummed}; {self.tables} tables read in full; {self.quarantined} entries in the quarantine)")
 
     def as_dict(self) -> dict:
         """The report for ``--json``."""
         return {"store": self.store, "clean": self.clean, "damaged": sum(f.damage for f in self.findings),
                 "findings": [finding.as_dict() for finding in self.findings], "merged_seq": self.merged_seq,
-                "unmerged_records": _ranges(self.unmerged), "span_files": self.span_files, "tables": self.tables,
+                "unmerged_records": _ranges(self.unmerged), "span_files": self.span_files,
+                "span_files_without_checksum": self.span_files_unsummed, "tables": self.tables,
                 "quarantined": self.quarantined}
 
 
@@ -238,6 +244,7 @@ def _check_span_files(path: str, listed: list, viewed: set[str], report: Report)
     from tokentrace.collector.stores.span_files import SpanFiles
 
     report.span_files = len(listed)
+    report.span_files_unsummed = sum(f.crc32 is None for f in listed)
     files = SpanFiles(Path(path + ".spans"), listed, swap=None)
     try:
         files.check()

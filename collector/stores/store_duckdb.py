@@ -279,8 +279,12 @@ def _keys_in(entries: list[Entry], traces: list[str]) -> set[tuple[str, str]]:
 
 def check_columns(con: duckdb.DuckDBPyConnection, path: str) -> None:
     """StoreError unless every table of the store ``con`` has attached has this version's columns
-    and types (TABLES, TYPES; the packed tables' lists too). One catalog query (1.4 ms; one
-    information_schema query per table took 36 ms of every CLI verdict)."""
+    and types (TABLES, TYPES; the packed tables' lists and ``span_files`` too). One catalog query
+    (1.4 ms; one information_schema query per table took 36 ms of every CLI verdict). A store
+    written before 020_span_file_checksums.sql, opened read-only (no migration applied), lists its
+    span files without ``crc32``: its open checks their presence and size only, which needs none."""
+    from tokentrace.collector.stores.span_files import COLUMNS as SPAN_FILE_COLUMNS
+
     listed: dict[str, list[tuple[str, str]]] = {}
     for table, name, kind in con.execute(
         "SELECT table_name, column_name, data_type FROM duckdb_columns() "
@@ -291,19 +295,28 @@ def check_columns(con: duckdb.DuckDBPyConnection, path: str) -> None:
     expected[SPAN_ROWS] = expected["spans"]
     for table, stored in LISTS.items():
         expected[stored] = [*zip(PACKED[table], PACKED_TYPES[table], strict=True), *LIST_EXTRA[table]]
+    expected["span_files"] = list(SPAN_FILE_COLUMNS)
     for table, columns in expected.items():
+        if table == "span_files" and listed.get(table) == columns[:-1]:  # before 020: no crc32
+            continue
         if listed.get(table, []) != columns:
             raise StoreError(f"table {table} of {path} has columns {listed.get(table, [])}, "
                              f"expected {columns}: the file comes from another version")
 
 
 def listed_span_files(con: duckdb.DuckDBPyConnection) -> list:
-    """The span files the store lists (``span_files``, collector/stores/span_files.py), oldest first."""
+    """The span files the store lists (``span_files``, collector/stores/span_files.py), oldest first;
+    without checksums (``crc32`` None) in a store written before 020_span_file_checksums.sql opened
+    read-only."""
     from tokentrace.collector.stores import span_files as parquet_spans  # no pyarrow: a read-only open needs none
 
-    return [parquet_spans.SpanFile(*row) for row in con.execute(
-        "SELECT name, level, spans, min_start_ns, max_start_ns, bytes, written_ns FROM span_files "
-        "ORDER BY written_ns, name").fetchall()]
+    names = [name for name, _ in parquet_spans.COLUMNS]
+    try:
+        rows = con.execute(f"SELECT {', '.join(names)} FROM span_files ORDER BY written_ns, name").fetchall()
+    except duckdb.BinderException:  # no crc32 column: a store before 020, not migrated (read-only)
+        rows = con.execute(f"SELECT {', '.join(names[:-1])}, NULL FROM span_files "
+                           f"ORDER BY written_ns, name").fetchall()
+    return [parquet_spans.SpanFile(*row) for row in rows]
 
 
 _QUOTED = re.compile(r"'((?:[^']|'')*)'")
@@ -442,6 +455,11 @@ class DuckDBStore(NamedQueryReader):
         files = parquet_spans.SpanFiles(Path(self.path + ".spans"), listed, self._swap_span_files)
         self._retention_s, files.floor_ns = retention_of(self._con)
         files.check()
+        unsummed = sum(f.crc32 is None for f in listed)
+        if unsummed and not self.read_only:
+            log.info("store %s: %d of its %d span files were listed before whole-file checksums "
+                     "(020_span_file_checksums.sql): their pages are checked, not every byte", self.path, unsummed,
+                     len(listed))
         # A read-only open reads no file through pyarrow.
         damaged = files.damaged(full=not self.read_only, ranges=self.thorough)
         if damaged:
@@ -500,7 +518,7 @@ class DuckDBStore(NamedQueryReader):
     def _list_span_file(self, cursor: duckdb.DuckDBPyConnection, new: span_files.SpanFile,
                         every: list[span_files.SpanFile]) -> None:
         """In ``cursor``'s transaction: list ``new`` and define ``spans`` over ``every`` file."""
-        cursor.execute("INSERT INTO span_files VALUES (?, ?, ?, ?, ?, ?, ?)", new.row())
+        cursor.execute(span_files.INSERT, new.row())
         cursor.execute(f"CREATE OR REPLACE VIEW spans AS {self._span_files.view(every)}")
 
     # --- writer role ------------------------------------------------------------------------------
