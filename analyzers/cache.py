@@ -127,6 +127,10 @@ class CacheFacts:
     #: a distributed instance's nodes as their heartbeats stood when its longer entry went (its
     #: eviction, else this lookup): node_heartbeats_at rows, one per rank; [] for one process
     nodes: list[dict] = field(default_factory=list)
+    #: on a distributed instance, the rank whose bytes its cache's byte limit counted at that eviction,
+    #: as the insert that evicted the entry declares it (tokentrace.cache.limit_rank); None where it does
+    #: not (an engine older than the declaration, whose limit counted rank 0's)
+    limit_rank: int | None = None
 
 
 def request_window(request: dict) -> dict[str, int]:
@@ -163,7 +167,7 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
     stopped_in = _holding(segments, cached) if cached < block else None
     tail = stopped_in.get("tail_hash") if stopped_in else None
     # Only a lookup that reused less than a block can be a model or template change.
-    (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes), \
+    (seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes, limit_rank), \
         (matches, divergences, earlier), (identity, previous), tails = \
         reader.together(lambda: _reach(reader, request, hashes, t, block, prompt, cached),
                         lambda: _shared_segments(reader, request_id, segments, hashes, t, cached, block),
@@ -176,17 +180,41 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
                                             [seen_prompt["request_id"]]).get(seen_prompt["request_id"], [])
     return CacheFacts(request, lookup, hashes, segments, seen, cached_on, eviction, evicted_elsewhere, matches,
                       divergences, earlier, loads, previous, identity, granularity, seen_prompt, prompt_segments,
-                      tails, nodes)
+                      tails, nodes, limit_rank)
+
+
+def _declared_limit_rank(reader: TraceReader, instance_id: str, request_id: str | None) -> int | None:
+    """The rank whose bytes a distributed instance's byte limit counted when ``request_id``'s insert
+    evicted an entry there: what that insert declared (its llm.cache.insert span's
+    tokentrace.cache.limit_rank); None where it declared none (an engine older than the declaration)
+    or is not stored."""
+    row = reader.request(request_id) if request_id else None
+    if row is None or not row.get("trace_id"):
+        return None
+    spans = reader.trace(row["trace_id"])
+    if spans.is_empty():
+        return None
+    for name, instance, attributes in zip(spans["name"], spans["instance_id"], spans["attributes"], strict=True):
+        if name != c.SPAN_CACHE_INSERT or instance != instance_id or c.CACHE_LIMIT_RANK not in (attributes or ""):
+            continue
+        try:
+            rank = json.loads(attributes).get(c.CACHE_LIMIT_RANK)
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            return rank
+    return None
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
            cached: int) -> tuple:
-    """(seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes): the
+    """(seen, seen_prompt, cached_on, eviction, loads, evicted_elsewhere, granularity, nodes, limit_rank): the
     deepest block of this prompt any earlier prompt or entry had, the earlier prompt (lookup) that had
     the deepest and where it leaves this one (``diverge``), per instance the deepest cached, what ended
     this instance's longer entry (an eviction, else model loads since) and the other instances'
     entries, the tokens per block this instance reuses in (``cache_granularity_at``), and where this
-    instance is distributed, its nodes' memory when that entry went (``node_heartbeats_at``)."""
+    instance is distributed, its nodes' memory when that entry went (``node_heartbeats_at``) and the
+    rank whose bytes its byte limit counted then (``_declared_limit_rank``)."""
     reach = reader.rows("prefix_reach", hashes=hashes, before_ns=t) if hashes else []
     seen, cached_on = _deepest(reach), _deepest_per_instance(reach)
     prompts = [row for row in reach if row["source"] == "lookup" and row["request_id"] is not None]
@@ -200,7 +228,7 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
     granularity = sizes[0]["block_tokens"] if sizes and (sizes[0]["block_tokens"] or 0) > block else None
     longer = _longer(cached_on, block, prompt, cached, {here_key: granularity})
     here = next((row for row in longer if row["instance_id"] == here_key), None)
-    eviction, loads, nodes = None, [], []
+    eviction, loads, nodes, limit_rank = None, [], [], None
     if here is not None:
         eviction = _find_eviction(reader, request["instance_id"], here["last_block"], hashes, t, cached, block)
         if eviction is None:
@@ -210,11 +238,13 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
             loads = list({row["load_id"]: row for row in rows
                           if row["instance_id"] == here_key and here["t_ns"] < row["start_ns"] < t}.values())
         nodes = reader.rows("node_heartbeats_at", instance_id=here_key, t_ns=eviction["t_ns"] if eviction else t)
+        if len(nodes) > 1 and eviction is not None:
+            limit_rank = _declared_limit_rank(reader, here_key, eviction["evicted_by_request_id"])
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []
     return seen, seen_prompt, cached_on, eviction, loads, {(row["instance_id"], row["fingerprint"]) for row in gone}, \
-        granularity, nodes
+        granularity, nodes, limit_rank
 
 
 def _shared_segments(reader: TraceReader, request_id: str, segments: list[dict], hashes: list[int], t: int,
@@ -615,30 +645,40 @@ def _capacity(verdict: CacheVerdict, facts: CacheFacts, longer: list[dict]) -> b
 
 def _binding_node(verdict: CacheVerdict, facts: CacheFacts) -> None:
     """A distributed instance (issue 46): each node caches its own share of the KV (in pipeline
-    placement its layers'), rank 0 decides what the cache keeps and its byte limit counts rank 0's
-    share; the node whose memory binds is the one whose free memory holds the fewest more tokens of
-    its KV (without free memory reported: the one holding the most KV per token)."""
+    placement its layers'), rank 0 decides what the cache keeps, and its byte limit counts the bytes
+    of the rank its inserts declare (``CacheFacts.limit_rank``: the one holding the most KV per token;
+    undeclared, an older engine: rank 0's own). Each node holds the limit x its KV per token / that
+    rank's when the cache is at its limit. The node whose memory binds is the one whose free memory
+    holds the fewest more tokens of its KV (without free memory reported: the one holding the most KV
+    per token)."""
     nodes = [dict(n, rank=c.node_rank(verdict.instance_id, n["instance_id"])) for n in facts.nodes
              if n["kv_bytes_per_token"]]
+    counted_rank = facts.limit_rank if facts.limit_rank is not None else 0
+    counted = next((n for n in nodes if n["rank"] == counted_rank), None)
     first = next((n for n in nodes if n["rank"] == 0), None)
-    if len(nodes) < 2 or first is None:
+    if len(nodes) < 2 or first is None or counted is None:
         return
-    limit = first["cache_max_bytes"]
+    # The counted rank's heartbeat states the limit itself (every node's states its own bytes at it,
+    # an engine older than the declaration the limit on every node).
+    limit = counted["cache_max_bytes"]
     for node in nodes:
-        node["ratio"] = node["kv_bytes_per_token"] / first["kv_bytes_per_token"]
+        node["ratio"] = node["kv_bytes_per_token"] / counted["kv_bytes_per_token"]
         free = node["memory_free_bytes"]
         node["tokens_fit"] = int(free // node["kv_bytes_per_token"]) if free is not None else None
         node["bytes_at_limit"] = round(limit * node["ratio"]) if limit else None
     known = [n for n in nodes if n["tokens_fit"] is not None]
     binding = (min(known, key=lambda n: (n["tokens_fit"], n["rank"])) if len(known) == len(nodes)
                else max(nodes, key=lambda n: (n["ratio"], -n["rank"])))
+    held_most = max(n["kv_bytes_per_token"] for n in nodes) == counted["kv_bytes_per_token"]
     text = (f"On this {len(nodes)}-node cluster each node caches its own share of the KV, and the cache's byte "
-            f"limit{f' ({fmt_bytes(limit)})' if limit else ''} counts rank 0's "
-            f"({fmt_bytes(first['kv_bytes_per_token'])} a token). ")
-    if binding["rank"] == 0:
-        text += "Memory binds at rank 0, the node the limit counts"
+            f"limit{f' ({fmt_bytes(limit)})' if limit else ''} counts rank {counted_rank}'s "
+            f"({fmt_bytes(counted['kv_bytes_per_token'])} a token"
+            + ("; no node's cache holds more" if held_most else "") + "). ")
+    if binding["rank"] == counted_rank:
+        text += f"Memory binds at rank {counted_rank}, the node the limit counts"
     else:
-        text += (f"Memory binds at rank {binding['rank']}: it holds {binding['ratio']:.2g}x rank 0's KV per token"
+        text += (f"Memory binds at rank {binding['rank']}: it holds {binding['ratio']:.2g}x rank {counted_rank}'s KV "
+                 "per token"
                  + (f", {fmt_bytes(binding['bytes_at_limit'])} when the cache is at its limit"
                     if binding["bytes_at_limit"] else ""))
     text += (f"; {fmt_bytes(binding['memory_free_bytes'])} was free there, room for {binding['tokens_fit']:,} more "
@@ -646,7 +686,8 @@ def _binding_node(verdict: CacheVerdict, facts: CacheFacts) -> None:
              else "; its free memory was not reported.")
     verdict.evidence.append(Evidence(
         "binding_node", text,
-        {"binding_rank": binding["rank"], "cache_max_bytes": limit, "limit_counts_rank": 0,
+        {"binding_rank": binding["rank"], "cache_max_bytes": limit, "limit_counts_rank": counted_rank,
+         "limit_rank_declared": facts.limit_rank is not None,
          "nodes": [{key: node[key] for key in ("rank", "instance_id", "kv_bytes_per_token", "cache_bytes",
                                                "memory_free_bytes", "tokens_fit", "bytes_at_limit")}
                    for node in sorted(nodes, key=lambda n: n["rank"])]},

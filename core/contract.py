@@ -139,6 +139,7 @@ CLUSTER_FINDINGS = "tokentrace.cluster.findings"
 CACHE_BYTES = "tokentrace.cache.bytes"
 CACHE_MAX_ENTRIES = "tokentrace.cache.max_entries"
 CACHE_MAX_BYTES = "tokentrace.cache.max_bytes"
+CACHE_LIMIT_RANK = "tokentrace.cache.limit_rank"
 CACHE_BLOCK_SIZE = "tokentrace.cache.block_size"
 CACHE_BLOCK_HASHES = "tokentrace.cache.block_hashes"
 ENTRY_FINGERPRINT = "tokentrace.cache.entry.fingerprint"
@@ -312,6 +313,12 @@ def _a(key: str, type_: str, unit: str, doc: str) -> Attr:
 
 
 _RID = _a(REQUEST_ID, "string", "", "request id (X-Request-Id or generated); on every span of the trace")
+_limit_rank_meaning = ("a distributed engine's rank 0: the rank whose bytes its prompt cache's byte limit counts, "
+               "the one holding the most KV per token (the lowest on a tie). On llm.cache.insert the "
+               "entry's, its evictions' and the cache's bytes and the byte limit are that rank's (each "
+               "entry's bytes on rank 0 x that rank's KV bytes per token / rank 0's); on every rank's "
+               "heartbeat the cache's bytes and byte limit are that rank's own (the limit: its bytes when "
+               "the counted rank's reach the limit). Absent on one-process engines and ranks above 0")
 _CACHE_STATE = (
     _a(CACHE_ENTRIES, "int", "count", "entries in the prompt cache (at lookup; after insert/evict)"),
     _a(CACHE_UNIT, "string", "", "what one of those entries (and the entry limit) counts (enum)"),
@@ -469,6 +476,7 @@ SPANS: tuple[SpanSpec, ...] = (
             *_CACHE_STATE,
             _a(CACHE_MAX_ENTRIES, "int", "count", "entry limit of the cache"),
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the cache"),
+            _a(CACHE_LIMIT_RANK, "int", "", _limit_rank_meaning),
         ),
         (_EVICT,),
     ),
@@ -538,6 +546,7 @@ SPANS: tuple[SpanSpec, ...] = (
             *_CACHE_STATE,
             _a(CACHE_MAX_ENTRIES, "int", "count", "entry limit of the prompt cache"),
             _a(CACHE_MAX_BYTES, "int", "bytes", "byte limit of the prompt cache"),
+            _a(CACHE_LIMIT_RANK, "int", "", _limit_rank_meaning),
             _a(KV_BYTES_PER_TOKEN, "int", "bytes", "2 x layers x kv_heads x head_dim x dtype bytes"),
             _a(MEMORY_BYTES, "int", "bytes", "memory the engine holds (device or process)"),
             _a(MEMORY_FREE, "int", "bytes", "memory its node can still give it: the GPU's recommended working set "

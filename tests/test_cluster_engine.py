@@ -676,39 +676,98 @@ def test_a_stock_distributed_mlx_lm_server_behind_the_gateway_is_one_upstream_wh
         log.close()
 
 
-def test_a_capacity_miss_on_a_cluster_names_the_node_whose_memory_binds(engine_factory, collector_factory,
-                                                                        qwen2_model):
-    """Issue 46: in pipeline placement each rank caches its own layers' KV. With rank 1 holding three
-    layers of four (``--split 1,3``), it holds three times rank 0's KV per token on the same host:
-    its memory binds, though the cache's byte limit counts rank 0's share. A capacity miss says so,
-    as the instances page does."""
-    collector = collector_factory().start()
-    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--split", "1,3", "--cache-max-entries", "1",
-                             model=qwen2_model, instance_id="ring", collector=collector).start()
+def _prompt_tokens(model: Path, messages: list[dict]) -> int:
+    """About how many tokens the engine's prompt of ``messages`` holds (the model's chat template)."""
+    from mlx_lm.utils import load_tokenizer
+
+    return len(load_tokenizer(model).apply_chat_template(messages, add_generation_prompt=True))
+
+
+def test_a_cluster_cache_limit_counts_the_node_holding_the_most_and_a_capacity_miss_names_it(
+        engine_factory, collector_factory, qwen2_model):
+    """Issue 46: in pipeline placement each rank caches its own layers' KV, and rank 0 decides what
+    every rank's cache keeps. With rank 1 holding three layers of four (``--split 1,3``), it holds three
+    times rank 0's KV per token: ``--cache-max-bytes`` must bind on it (no node's cache holds more
+    than the limit), rank 0's heartbeats and inserts must declare that the limit counts rank 1's bytes,
+    and a capacity miss must say so, as the instances page names the node whose memory binds.
+
+    The limit is set between one and two entries of rank 1's bytes, and above two of rank 0's: a limit
+    counting rank 0's share (as it used to) keeps both entries and rank 1 holds more than the limit."""
+    from tokentrace.engine_shim.mlx.loader import kv_bytes_per_token
+
     first = [{"role": "user", "content": " ".join(f"alpha{i}" for i in range(120))}]
     other = [{"role": "user", "content": " ".join(f"beta{i}" for i in range(120))}]
+    full = kv_bytes_per_token(json.loads((qwen2_model / "config.json").read_text()))
+    rank1_share = full * 3 // 4  # three layers of four
+    limit = int(1.5 * rank1_share * max(_prompt_tokens(qwen2_model, first), _prompt_tokens(qwen2_model, other)))
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--split", "1,3", "--cache-max-bytes",
+                             str(limit), "--heartbeat-interval", "0.5", model=qwen2_model, instance_id="ring",
+                             collector=collector).start()
     for request_id, messages in (("cap-a", first), ("cap-b", other), ("cap-a-again", first)):
         assert cluster.chat(messages, max_tokens=2, headers={"X-Request-Id": request_id}).status_code == 200
+    time.sleep(2)  # each rank's heartbeats after the last insert
     cluster.stop()
     answer = httpx.get(f"{collector.url}/api/requests/cap-a-again/verdict", timeout=60).json()["cache"]
     page = httpx.get(f"{collector.url}/instances.json", params={"instance": "ring"}, timeout=60).json()
     cli = subprocess.run([sys.executable, "-m", "tokentrace", "analyze", "cache", "--request-id", "cap-a-again",
                           "--url", collector.url], capture_output=True, text=True, timeout=120)
     collector.stop()
+
+    # Every rank knows every rank's share; rank 0's heartbeats and inserts declare the limit rank 1's.
+    kv = dict(collector.sql("SELECT instance_id, max(kv_bytes_per_token) FROM heartbeats "
+                            "WHERE instance_id LIKE 'ring%' GROUP BY instance_id"))
+    assert kv == {"ring": full // 4, "ring/rank1": rank1_share}, kv
+    declared = {}
+    for instance, name, attributes in collector.sql(
+            "SELECT instance_id, name, attributes FROM spans WHERE name IN (?, ?) AND instance_id LIKE 'ring%'",
+            [contract.SPAN_HEARTBEAT, contract.SPAN_CACHE_INSERT]):
+        attributes = json.loads(attributes)
+        if attributes.get(contract.KV_BYTES_PER_TOKEN) != 0:  # not the heartbeats before the model loaded
+            declared.setdefault((instance, name), set()).add(attributes.get(contract.CACHE_LIMIT_RANK))
+    assert declared[("ring", contract.SPAN_HEARTBEAT)] == {1}, declared
+    assert declared[("ring", contract.SPAN_CACHE_INSERT)] == {1}, declared
+    assert declared[("ring/rank1", contract.SPAN_HEARTBEAT)] == {None}, declared
+
+    # Rank 0 counts each entry as rank 1 holds it: 3x its own share, the bytes rank 1 reports.
+    inserts = {rid: (tokens, nbytes, after) for rid, tokens, nbytes, after in collector.sql(
+        "SELECT request_id, tokens, bytes, cache_bytes FROM cache_inserts WHERE instance_id = 'ring'")}
+    assert set(inserts) == {"cap-a", "cap-b", "cap-a-again"}, inserts
+    assert all(nbytes == tokens * rank1_share for tokens, nbytes, _ in inserts.values()), inserts
+    evictions = collector.sql("SELECT entry_request_id, evicted_by_request_id, reason, bytes, cache_bytes "
+                              "FROM cache_evictions WHERE instance_id = 'ring' ORDER BY t_ns")
+    assert [(entry, by, reason) for entry, by, reason, _, _ in evictions] == [
+        ("cap-a", "cap-b", "max_bytes"), ("cap-b", "cap-a-again", "max_bytes")], evictions
+    a, b = inserts["cap-a"][1], inserts["cap-b"][1]
+    assert evictions[0][3] == a and inserts["cap-b"][2] == evictions[0][4] == b
+    assert a + b > limit >= (a + b) // 3, (a, b, limit)  # rank 1's two entries pass it, rank 0's would not
+    # Each node's heartbeat says what it holds itself and its own bytes at the limit: rank 0 a third
+    # of rank 1's (the node table, the cache page and /metrics read them as the node's own).
+    beats = {instance: (cache_bytes, peak, at_limit) for instance, cache_bytes, peak, at_limit in collector.sql(
+        "SELECT instance_id, arg_max(cache_bytes, t_ns), max(cache_bytes), arg_max(cache_max_bytes, t_ns) "
+        "FROM heartbeats WHERE instance_id LIKE 'ring%' AND kv_bytes_per_token > 0 GROUP BY instance_id")}
+    assert beats["ring/rank1"][0] == inserts["cap-a-again"][1] == 3 * beats["ring"][0], (beats, inserts)
+    assert (beats["ring"][2], beats["ring/rank1"][2]) == (limit // 3, limit), beats
+    assert beats["ring/rank1"][1] <= limit, beats  # no node's cache held more than the limit
+
     assert answer["cause"] == "capacity", answer
     evidence = {e["kind"]: e for e in answer["evidence"]}
-    assert evidence["eviction"]["evicted_by"] == "cap-b"
+    assert evidence["eviction"]["evicted_by"] == "cap-b" and evidence["eviction"]["reason"] == "max_bytes"
     binding = evidence["binding_node"]
     evicted_at = evidence["eviction"]["evicted_at_ns"]
     nodes = {n["rank"]: n for n in binding["nodes"]}
     assert set(nodes) == {0, 1} and binding["binding_rank"] == 1, binding
+    assert binding["limit_counts_rank"] == 1 and binding["limit_rank_declared"] is True, binding
     for rank, instance in ((0, "ring"), (1, "ring/rank1")):  # as each rank's last heartbeat before the eviction
         kv, free = collector.sql("SELECT arg_max(kv_bytes_per_token, t_ns), arg_max(memory_free_bytes, t_ns) "
                                  "FROM heartbeats WHERE instance_id = ? AND t_ns <= ?", [instance, evicted_at])[0]
         assert (nodes[rank]["kv_bytes_per_token"], nodes[rank]["memory_free_bytes"]) == (kv, free)
         assert nodes[rank]["tokens_fit"] == free // kv
     assert nodes[1]["kv_bytes_per_token"] == 3 * nodes[0]["kv_bytes_per_token"]  # three layers against one
-    assert "Memory binds at rank 1: it holds 3x rank 0's KV per token" in binding["text"], binding["text"]
-    assert cli.returncode == 0 and "Memory binds at rank 1" in cli.stdout, cli.stdout + cli.stderr
+    assert (nodes[0]["bytes_at_limit"], nodes[1]["bytes_at_limit"]) == (round(limit / 3), limit), nodes
+    assert "byte limit" in binding["text"] and "counts rank 1's" in binding["text"], binding["text"]
+    assert "Memory binds at rank 1, the node the limit counts" in binding["text"], binding["text"]
+    assert cli.returncode == 0 and "counts rank 1's" in cli.stdout, cli.stdout + cli.stderr
+    assert "Memory binds at rank 1" in cli.stdout, cli.stdout
     (row,) = [r for r in page["instances"] if r["instance_id"] == "ring"]
     assert row["cluster"]["binding_rank"] == 1  # the instances page names the same node

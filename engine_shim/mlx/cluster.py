@@ -115,6 +115,24 @@ def kv_share(model: Any, group: Any, placement: Placement, full_bytes_per_token:
     return full_bytes_per_token * (inner.end_idx - inner.start_idx) // max(layers, 1)
 
 
+def kv_shares(group: Any, mine: int) -> tuple[int, ...]:
+    """Every rank's KV bytes per token (``kv_share``), by rank: one ``all_sum`` at load, each rank
+    adding its own at its index (on the generation stream, as ``same_seed``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    vector = mx.zeros((group.size(),), dtype=mx.int64)
+    vector[group.rank()] = mine
+    total = mx.distributed.all_sum(vector, group=group, stream=generation_stream)
+    return tuple(int(share) for share in total.tolist())
+
+
+def limit_rank(shares: tuple[int, ...]) -> int:
+    """The rank whose cache the byte limit counts: the one holding the most KV per token (the lowest
+    such rank on a tie: rank 0 wherever the shares are even)."""
+    return max(range(len(shares)), key=lambda rank: (shares[rank], -rank)) if shares else 0
+
+
 def same_seed(group: Any) -> None:
     """Give every rank rank 0's random state, so that sampling draws the same tokens everywhere."""
     import mlx.core as mx

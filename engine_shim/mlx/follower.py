@@ -24,6 +24,17 @@ from tokentrace.engine_shim.mlx.settings import EngineSettings
 log = logging.getLogger(__name__)
 
 
+def _own_limit(limit: int, runtime: Runtime | None) -> int:
+    """This rank's own bytes when the cache is at its byte limit: rank 0's limit counts the rank
+    holding the most KV per token (cluster.limit_rank, prompt_cache.py), and this rank holds its own
+    share of every entry."""
+    shares = runtime.kv_shares if runtime is not None else ()
+    if not shares:
+        return limit
+    counted = shares[cluster.limit_rank(shares)]
+    return limit * shares[runtime.group.rank()] // counted if counted > 0 else limit
+
+
 class Diverged(RuntimeError):
     """This rank cannot replay rank 0's step (its generator or cache no longer matches)."""
 
@@ -121,7 +132,7 @@ class Follower:
             cache_entries=len(self._entries),
             cache_bytes=sum(nbytes for _, nbytes in self._entries.values()),
             cache_max_entries=settings.cache_max_entries,
-            cache_max_bytes=settings.cache_max_bytes,
+            cache_max_bytes=_own_limit(settings.cache_max_bytes, runtime),
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
             memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,

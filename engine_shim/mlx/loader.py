@@ -50,6 +50,8 @@ class Runtime:
     eos_token_ids: frozenset[int]  #: tokens that end a generation
     group: Any = None  #: a distributed engine's mlx group (None: one process)
     placement: str | None = None  #: what this rank holds, in words (distributed only)
+    #: every rank's KV bytes per token, by rank, learned at load (distributed only; () on one process)
+    kv_shares: tuple[int, ...] = ()
     memory_limit_bytes: int = 0  #: the GPU memory MLX may use (0: not known, the CPU backend)
 
 
@@ -129,8 +131,12 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
 
         stage, start = SPAN_LOAD_WARMUP, time.perf_counter_ns()
         _warm_up(model, tokenizer)
+        shares: tuple[int, ...] = ()
         if group is not None:
             cluster.same_seed(group)
+            layers = int(config.get("text_config", config)["num_hidden_layers"])
+            full = kv_bytes_per_token(config, params[0].dtype.size if params else 2)
+            shares = cluster.kv_shares(group, cluster.kv_share(model, group, used, full, layers))
         if options.freeze_heap:
             gc.collect()
             gc.freeze()  # later collections skip what the process holds for good
@@ -141,10 +147,7 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
         raise EngineError(f"model load failed at {stage}: {exc}") from exc
     record.end_ns = time.perf_counter_ns()
     dtype_bytes = params[0].dtype.size if params else 2
-    kv_bytes = kv_bytes_per_token(config, dtype_bytes)
-    if group is not None:
-        layers = int(config.get("text_config", config)["num_hidden_layers"])
-        kv_bytes = cluster.kv_share(model, group, used, kv_bytes, layers)
+    kv_bytes = shares[group.rank()] if group is not None else kv_bytes_per_token(config, dtype_bytes)
     return Runtime(
         model=model,
         tokenizer=tokenizer,
@@ -156,6 +159,7 @@ def load_runtime(record: LoadRecord, options: LoadOptions = LoadOptions()) -> Ru
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         group=group,
         placement=placement,
+        kv_shares=shares,
     )
 
 

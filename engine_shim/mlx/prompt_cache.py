@@ -12,6 +12,12 @@ least recently used entries while over ``max_entries`` (``max_entries``) or ``ma
 (``max_bytes``). Reuse is rounded down to whole fingerprint blocks, like vLLM's block-granular
 prefix caching, so ``cached_tokens`` compares across engines and with the block hashes; at least
 one prompt token is always left to compute, because the last prompt token's logits are needed.
+
+Bytes: an entry counts its layers' bytes. A distributed engine's rank 0 (cluster.py) holds only its
+own share of each entry's KV while every rank caches the same entries, so its cache counts each entry
+as the rank holding the most KV per token does (``scale``: the entry's bytes here x that rank's KV
+bytes per token // this rank's, exact where both shares are whole per-layer sizes, as they are): the
+byte limit, and every byte figure the cache reports, are that rank's. On one process the scale is 1.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class CacheEntry:
 
     tokens: list[int]  #: token ids the KV covers (prompt and generated)
     layers: list[Any]  #: one mlx-lm ``KVCache`` per layer holding exactly ``len(tokens)`` positions
-    nbytes: int  #: bytes of keys and values
+    nbytes: int  #: bytes of keys and values, as the cache counts them (``PrefixCache`` scale)
     request_id: str  #: the request whose tokens these are
     array: np.ndarray = field(init=False, repr=False)  #: ``tokens`` as int64, for prefix matching
     id: int = field(default_factory=itertools.count().__next__)  #: names the entry to a distributed engine's ranks
@@ -90,13 +96,14 @@ def lookup_record(lookup: Lookup) -> LookupRecord:
     return LookupRecord(lookup.reused, lookup.kind, lookup.entries, lookup.nbytes, tokens)
 
 
-def insert_record(insertion: Insertion) -> InsertRecord:
-    """The plain summary of an insert and its evictions (no arrays)."""
+def insert_record(insertion: Insertion, limit_rank: int | None = None) -> InsertRecord:
+    """The plain summary of an insert and its evictions (no arrays); ``limit_rank``: a distributed
+    rank 0's declaration of the rank whose bytes its cache counts."""
     evictions = [EvictionRecord(e.entry.tokens, e.entry.nbytes, e.entry.request_id, e.reason, e.entries_after,
                                 e.bytes_after) for e in insertion.evictions]
     entry = insertion.entry
     return InsertRecord(entry.tokens, entry.nbytes, insertion.entries_after, insertion.bytes_after,
-                        insertion.max_entries, insertion.max_bytes, evictions)
+                        insertion.max_entries, insertion.max_bytes, evictions, limit_rank)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -119,10 +126,14 @@ class PrefixCache:
     Used from one thread only (the generation thread owns it).
     """
 
-    def __init__(self, max_entries: int, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, max_entries: int, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale: tuple[int, int] = (1, 1)):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.block_size = block_size
+        #: (numerator, denominator): an entry counts its layers' bytes x numerator // denominator
+        #: (module docstring: a distributed rank 0 counts the bytes of the rank holding the most)
+        self.scale = scale
         self.nbytes = 0
         self._entries: dict[CacheEntry, None] = {}  # insertion order = LRU order (oldest first)
 
@@ -147,9 +158,13 @@ class PrefixCache:
         kind = MATCH_EXACT if best_len == len(prompt) else MATCH_PREFIX
         return Lookup(_slice_layers(best.layers, reused), reused, kind, best, entries, nbytes)
 
+    def own(self, counted: int) -> int:
+        """``counted`` bytes (as this cache counts them) in this process's own bytes."""
+        return counted * self.scale[1] // self.scale[0]
+
     def insert(self, tokens: list[int], layers: list[Any], request_id: str) -> Insertion:
         """Store ``layers`` (the KV of ``tokens``) and evict what the limits require."""
-        nbytes = sum(layer.nbytes for layer in layers)
+        nbytes = sum(layer.nbytes for layer in layers) * self.scale[0] // self.scale[1]
         entry = CacheEntry(tokens, layers, nbytes, request_id)
         evictions: list[Eviction] = []
         for old in list(self._entries):

@@ -76,6 +76,9 @@ class InsertRecord:
     max_entries: int  #: entry limit in force
     max_bytes: int  #: byte limit in force
     evictions: list[EvictionRecord] = field(default_factory=list)  #: in the order they happened
+    #: a distributed rank 0: the rank whose bytes the byte limit and these byte figures count (the one
+    #: holding the most KV per token); None on one process (its own)
+    limit_rank: int | None = None
 
 
 @dataclass(eq=False)
@@ -209,3 +212,6 @@ class HeartbeatRecord:
     #: 0 while none runs (--rank-timeout 0, the ring not joined yet): its "no stall" then means nothing.
     #: None: not a distributed rank 0 (no ring to watch)
     stall_watch_ms: int | None = None
+    #: a distributed rank 0 with a prompt cache: the rank whose bytes its cache's bytes and byte limit
+    #: count (the one holding the most KV per token); None: one process (its own bytes)
+    cache_limit_rank: int | None = None

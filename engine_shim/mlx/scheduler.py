@@ -101,6 +101,9 @@ class Scheduler:
         #: 0 until the watchdog runs, None on one process.
         self._watch_ms: int | None = 0 if settings.distributed else None
         self._abandoned: list[Job] = []
+        #: A distributed rank 0's cache: the rank whose bytes its byte limit counts (``_cache_scale``),
+        #: as its heartbeats and inserts declare it; None on one process.
+        self.limit_rank: int | None = None
 
     # --- called from other threads -------------------------------------------------------------
     def request_load(self, lazy: bool) -> LoadRecord:
@@ -165,14 +168,18 @@ class Scheduler:
             running=len(self._running),
             max_batch=self.max_batch,
             cache_entries=len(cache) if cache is not None else 0,
-            cache_bytes=cache.nbytes if cache is not None else 0,
+            # A node's own bytes and its own bytes at the limit (prompt_cache.py: on a cluster the
+            # limit counts the rank holding the most KV per token), as every rank reports them.
+            cache_bytes=cache.own(cache.nbytes) if cache is not None else 0,
             cache_max_entries=self.settings.cache_max_entries,
-            cache_max_bytes=self.settings.cache_max_bytes,
+            cache_max_bytes=cache.own(self.settings.cache_max_bytes) if cache is not None
+            else self.settings.cache_max_bytes,
             kv_bytes_per_token=runtime.kv_bytes_per_token if runtime is not None else 0,
             memory_bytes=self._memory_bytes,
             memory_limit_bytes=runtime.memory_limit_bytes if runtime is not None else 0,
             stall=self._stall_report(),
             stall_watch_ms=self._watch_ms,
+            cache_limit_rank=self.limit_rank,
         )
 
     def _stall_report(self) -> tuple[str, str, int, list[str]] | None:
@@ -268,10 +275,22 @@ class Scheduler:
         if self.settings.cache_max_entries <= 0 or self.settings.cache_max_bytes <= 0:
             log.info("prompt cache off (--cache-max-entries/--cache-max-bytes 0); lookups still report fingerprints")
         elif is_cacheable(make_prompt_cache(runtime.model)):
-            self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes)
+            self.cache = PrefixCache(self.settings.cache_max_entries, self.settings.cache_max_bytes,
+                                     scale=self._cache_scale(runtime))
         else:
             log.warning("prompt cache disabled: the model's caches are not plain KVCache layers")
         self._new_generator()
+
+    def _cache_scale(self, runtime: Runtime) -> tuple[int, int]:
+        """How this cache counts an entry's bytes (``PrefixCache.scale``): a distributed rank 0 decides
+        for every rank, each caching its own share of the same entries, so its byte limit counts the
+        rank holding the most KV per token (``cluster.limit_rank``; its heartbeats and inserts declare
+        it); one process counts its own."""
+        shares = runtime.kv_shares
+        if not shares or shares[runtime.group.rank()] <= 0:
+            return 1, 1
+        self.limit_rank = cluster.limit_rank(shares)
+        return shares[self.limit_rank], shares[runtime.group.rank()]
 
     def _new_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
@@ -473,7 +492,7 @@ class Scheduler:
         # whole KV arrays.
         mx.async_eval([array for layer in layers for array in (layer.keys, layer.values)])
         record.insert_end_ns = time.perf_counter_ns()
-        record.insertion = insert_record(insertion)
+        record.insertion = insert_record(insertion, self.limit_rank)
         if self._channel is not None:
             self._ops.append(("store", job.uid, insertion.entry.id, [e.entry.id for e in insertion.evictions]))
 

@@ -31,7 +31,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max-batch", int, 8, "sequences generated concurrently (continuous batching)", minimum=1),
     Setting("prefill-step-size", int, 2048, "prompt tokens per prefill chunk", minimum=1),
     Setting("cache-max-entries", int, 16, "prompt-cache entry limit (0: no prompt cache)", minimum=0),
-    Setting("cache-max-bytes", int, 1 << 30, "prompt-cache byte limit (0: no prompt cache)", minimum=0),
+    Setting("cache-max-bytes", int, 1 << 30, "prompt-cache byte limit (0: no prompt cache); a distributed engine "
+            "counts the bytes of the rank holding the most KV per token (docs/cluster.md)", minimum=0),
     Setting("default-max-tokens", int, 512, "completion limit when a request gives none", minimum=1),
     Setting("lazy-load", bool, False, "load the model on the first request instead of at start"),
     Setting("capture-content", bool, False, "attach bounded prompt snippets to spans (off: no text leaves)"),
@@ -92,7 +93,7 @@ class EngineSettings:
     max_batch: int = 8  #: concurrent sequences
     prefill_step_size: int = 2048  #: prompt tokens per prefill chunk
     cache_max_entries: int = 16  #: prompt-cache entry limit
-    cache_max_bytes: int = 1 << 30  #: prompt-cache byte limit
+    cache_max_bytes: int = 1 << 30  #: prompt-cache byte limit (distributed: the most-holding rank's bytes)
     default_max_tokens: int = 512  #: completion limit when a request gives none
     lazy_load: bool = False  #: load on the first request
     capture_content: bool = False  #: prompt snippets in spans

@@ -161,6 +161,7 @@ class SpanBuilder:
             **encode.cache_state(c.UNIT_ENTRY, insertion.entries_after, insertion.bytes_after),
             c.CACHE_MAX_ENTRIES: insertion.max_entries,
             c.CACHE_MAX_BYTES: insertion.max_bytes,
+            **({c.CACHE_LIMIT_RANK: insertion.limit_rank} if insertion.limit_rank is not None else {}),
         }, root)
         at = self.clock.epoch(record.insert_end_ns)
         for eviction in insertion.evictions:
@@ -224,6 +225,8 @@ class SpanBuilder:
                                c.OPEN_REQUESTS: list(open_ids)})
         if record.stall_watch_ms is not None:
             attributes[c.STALL_RANK_TIMEOUT_MS] = record.stall_watch_ms
+        if record.cache_limit_rank is not None:
+            attributes[c.CACHE_LIMIT_RANK] = record.cache_limit_rank
         self._leaf(c.SPAN_HEARTBEAT, record.at_ns, record.at_ns, attributes)
 
 
