@@ -19,7 +19,7 @@ definitions (docs/analyzers.md, "Advice"):
 - **capacity**: per instance, its own requests replayed on its own cache at its declared limits
   scaled by ``CAPACITY_FACTORS`` and unlimited; the change is the smallest size that keeps
   ``KEEP_SHARE`` of what an unlimited cache would add; the capacity misses of the verdicts name the
-  requests. Whether memory allows it: the extra KV bytes against the memory the instance reports.
+  requests. Whether memory allows it: the extra KV bytes against the free memory each of its nodes reports.
 - **concurrency**: per instance whose requests queued, a first-come-first-served model of its batch
   slots (``--max-batch`` from its heartbeats): each request arrives when its load wait ends and holds
   a slot as long as it did. The model is run at the current limit (its total wait is shown beside the
@@ -304,7 +304,7 @@ def _own_limits(workload: Workload) -> tuple[int | None, int | None]:
     return own.tokens_of(workload, 0), own.entries_of(workload, 0)
 
 
-def capacity_advice(workload: Workload, verdicts: list[CacheVerdict], memory: dict[str, int | None],
+def capacity_advice(workload: Workload, verdicts: list[CacheVerdict], memory: dict[str, dict],
                     sample: str) -> list[Advice]:
     """Per instance, its own traffic replayed at larger caches (module docstring)."""
     out = []
@@ -347,16 +347,17 @@ def capacity_advice(workload: Workload, verdicts: list[CacheVerdict], memory: di
             else point["ttft_saved_ms"] - base["ttft_saved_ms"]
         kv = workload.instances[name].kv_bytes_per_token
         size_text = _size_text(point, tokens, entries, kv)
-        extra = None if kv is None or point["capacity_tokens"] is None or tokens is None \
-            else (point["capacity_tokens"] - tokens) * kv
+        extra_tokens = None if point["capacity_tokens"] is None or tokens is None \
+            else point["capacity_tokens"] - tokens
+        extra = None if kv is None or extra_tokens is None else extra_tokens * kv
+        room = _room(name, extra_tokens, kv, memory)
         change = Change(
             f"Give {name}'s prompt cache {size_text}: the replay of its own requests keeps "
             f"{KEEP_SHARE:.0%} or more of what an unlimited cache would add", saved,
             len(mine.requests), point["prefill_tokens_saved"] - base["prefill_tokens_saved"],
             why_not=None if saved is not None else f"{name}'s prefill rate is unknown (no prefill time measured)",
             data={"capacity_tokens": point["capacity_tokens"], "capacity_entries": point["capacity_entries"],
-                  "factor": point["factor"], "extra_kv_bytes": extra, "memory_bytes": memory.get(name),
-                  "memory": _memory_text(name, extra, memory.get(name)), "curve": curve,
+                  "factor": point["factor"], "extra_kv_bytes": extra, **room, "curve": curve,
                   "own": {"capacity_tokens": tokens, "capacity_entries": entries, "cache_model": model,
                           "token_hit_ratio": base["token_hit_ratio"],
                           "prefill_tokens_saved": base["prefill_tokens_saved"]}})
@@ -372,8 +373,8 @@ def capacity_advice(workload: Workload, verdicts: list[CacheVerdict], memory: di
                 "capacity_miss", f"Request {verdict.request_id} found its {verdict.seen_tokens or 0:,}-token prefix "
                                  f"evicted {evicted}.",
                 {"request_id": verdict.request_id, "evicted_by": verdict.evicted_by}))
-        advice.evidence.append(Evidence("memory", change.data["memory"], {"extra_kv_bytes": extra,
-                                                                          "memory_bytes": memory.get(name)}))
+        advice.evidence.append(Evidence("memory", room["memory"], {"extra_kv_bytes": extra, **{
+            key: room[key] for key in ("memory_bytes", "memory_free_bytes", "fits", "nodes")}}))
         out.append(advice)
     return out
 
@@ -410,12 +411,48 @@ def _size_text(point: dict, tokens: int | None, entries: int | None, kv: int | N
     return " and ".join(parts)
 
 
-def _memory_text(name: str, extra: int | None, held: int | None) -> str:
-    if extra is None:
-        return f"How many bytes this takes is unknown: {name} reports no KV bytes per token."
+def _room(name: str, extra_tokens: int | None, kv: int | None, beats: dict[str, dict]) -> dict[str, Any]:
+    """Whether the memory an instance reports free holds a larger cache: ``extra_tokens`` more tokens
+    of KV on each of its nodes (one process: itself; a distributed instance, ``<name>/rank<r>``: each
+    rank its own share, at its latest heartbeat). ``fits``: True, False, or None where a node reports
+    no free memory (or no KV bytes per token); the text says which."""
+    beat = beats.get(name, {})
+    held, free = beat.get("memory_bytes"), beat.get("memory_free_bytes")
+    out: dict[str, Any] = {"memory_bytes": held, "memory_free_bytes": free, "fits": None, "nodes": None}
+    if extra_tokens is None or not kv:
+        out["memory"] = f"How many bytes this takes is unknown: {name} reports no KV bytes per token."
+        return out
+    ranks = {0: beat, **{c.node_rank(name, other): b for other, b in beats.items() if other.startswith(name + "/rank")}}
+    nodes = [{"rank": rank, "kv_bytes_per_token": b.get("kv_bytes_per_token"),
+              "extra_kv_bytes": extra_tokens * b["kv_bytes_per_token"] if b.get("kv_bytes_per_token") else None,
+              "memory_free_bytes": b.get("memory_free_bytes")} for rank, b in sorted(ranks.items())]
+    for node in nodes:
+        node["fits"] = None if node["extra_kv_bytes"] is None or node["memory_free_bytes"] is None \
+            else node["extra_kv_bytes"] <= node["memory_free_bytes"]
+    known = [n["fits"] for n in nodes]
+    out["fits"] = False if False in known else (None if None in known else True)
+    if len(nodes) > 1:
+        out["nodes"] = nodes
+    extra = extra_tokens * kv
     held_text = f"it holds {fmt_bytes(held)} now" if held else "it reports no memory figure"
-    return (f"This takes {fmt_bytes(extra)} more KV memory on {name}; {held_text}, and no engine here reports its "
-            "free memory, so whether it fits is for the operator to check.")
+    if len(nodes) > 1:
+        short = [n for n in nodes if n["fits"] is False]
+        unknown = [n for n in nodes if n["fits"] is None]
+        where = "; ".join(f"rank {n['rank']} {fmt_bytes(n['extra_kv_bytes'])} of its "
+                          f"{fmt_bytes(n['memory_free_bytes'])} free" for n in nodes if n["fits"] is not None)
+        verdict = (f"it does not fit on rank {short[0]['rank']}" if short else
+                   f"whether it fits is unknown: rank {unknown[0]['rank']} reports no free memory" if unknown
+                   else "it fits on every node")
+        out["memory"] = (f"This takes {extra_tokens:,} more tokens of KV on each of {name}'s {len(nodes)} nodes "
+                         f"({where}): {verdict}.")
+    elif free is None:
+        out["memory"] = (f"This takes {fmt_bytes(extra)} more KV memory on {name}; {held_text}, and it reports no "
+                         "free memory, so whether it fits is for the operator to check.")
+    else:
+        out["memory"] = (f"This takes {fmt_bytes(extra)} more KV memory on {name}; {held_text} and reports "
+                         f"{fmt_bytes(free)} free: " + ("it fits." if out["fits"] else
+                                                        f"it does not fit ({fmt_bytes(extra - free)} short)."))
+    return out
 
 
 # --- concurrency ---------------------------------------------------------------------------------
@@ -744,7 +781,7 @@ def advise(reader: TraceReader, since_ns: int | None, until_ns: int | None = Non
         nothing["routing"] = why
     else:
         found.append(routing)
-    capacity = capacity_advice(workload, verdicts, {k: v.get("memory_bytes") for k, v in beats.items()}, sample)
+    capacity = capacity_advice(workload, verdicts, beats, sample)
     found += capacity
     if not capacity:
         nothing["capacity"] = "no instance's traffic would reuse more with a larger cache (replayed)"

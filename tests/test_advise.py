@@ -166,6 +166,8 @@ def advised(tmp_path_factory, tiny_model):
     assert collector.stop() == 0
     collector.rows = {prefix: _rows(collector, prefix) for prefix in ("ctx-", "rr-", "cap-", "q-", "qb-", "cold-")}
     collector.steps = _steps(collector, "adv-qb", collector.rows["qb-"])
+    [(collector.cap_free,)] = collector.sql("SELECT arg_max(memory_free_bytes, t_ns) FROM heartbeats "
+                                            "WHERE instance_id = 'adv-cap'")
     collector.from_file = json.loads(_cli("analyze", "advise", "--db", str(collector.db), "--since", "all",
                                           "--request-prefix", "cap-", "--json").stdout)
     collector.start()
@@ -314,6 +316,12 @@ def test_capacity_advice_sizes_the_cache_that_keeps_the_working_set(advised):
     assert gain > 0 and _close(best["prefill_tokens"], gain), (best["prefill_tokens"], gain)
     assert advice["requests"] > 0 and all(rid.startswith("cap-") for rid in advice["request_ids"])
     assert best["extra_kv_bytes"] == (best["capacity_tokens"] - CAP_BYTES // KV) * KV
+    # Whether memory allows it: against the free memory the engine's latest heartbeat reported.
+    free = advised.cap_free
+    assert free and best["memory_free_bytes"] == free, (best, free)
+    assert best["fits"] is (best["extra_kv_bytes"] <= free) and best["nodes"] is None
+    memory = next(e for e in advice["evidence"] if e["kind"] == "memory")
+    assert memory["fits"] is best["fits"] and "free" in memory["text"] and "operator" not in memory["text"], memory
 
 
 def test_concurrency_advice_models_the_queue_it_measured(advised):
