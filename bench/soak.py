@@ -10,7 +10,9 @@ seconds before take (``/api/requests/ID/slow`` and ``/cache``). At the end, side
 same run: the steady samples' (one retention and two passes in) second half against their first,
 medians, as ratios.
 A store whose size grows with the traffic it has seen, or whose ingest or verdicts slow down as it
-ages, shows it here.
+ages, shows it here. Mind the workload: bench/synth.py's sessions lengthen their prompts (each turn
+joins the history, up to 2,048 tokens) for the first twenty minutes or so, and the stored block
+lists with them: used blocks that grow over such a run are live data (docs/benchmarks.md, Soak).
 
     python bench/soak.py [--minutes 10] [--retention 2m] [--rate 1500] [--sample 30]
 """
