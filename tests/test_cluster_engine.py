@@ -155,6 +155,16 @@ def _last_seen(collector, instance: str) -> int:
     return max((row["last_seen_ns"] or 0 for row in page["instances"] if row["instance_id"] == instance), default=0)
 
 
+def _nodes_beat_after(collector, instance: str, ranks: int, t_ns: int) -> bool:
+    """Whether every node of a distributed instance has a stored heartbeat later than ``t_ns`` (the
+    instances page's JSON twin)."""
+    page = httpx.get(f"{collector.url}/instances.json", params={"instance": instance}, headers=collector.headers,
+                     timeout=30).json()
+    nodes = [n for row in page["instances"] if row["instance_id"] == instance and row.get("cluster")
+             for n in row["cluster"]["nodes"]]
+    return len(nodes) == ranks and all((n.get("heartbeat_ns") or 0) > t_ns for n in nodes)
+
+
 def _long_stream(pool: ThreadPoolExecutor, cluster, request_id: str):
     """A streamed 4,000-token generation, started on ``pool``; returns once its first token came, with
     the future of its SSE events (the last one an error if it failed)."""
@@ -706,7 +716,9 @@ def test_a_cluster_cache_limit_counts_the_node_holding_the_most_and_a_capacity_m
                              collector=collector).start()
     for request_id, messages in (("cap-a", first), ("cap-b", other), ("cap-a-again", first)):
         assert cluster.chat(messages, max_tokens=2, headers={"X-Request-Id": request_id}).status_code == 200
-    time.sleep(2)  # each rank's heartbeats after the last insert
+    answered = time.time_ns()
+    wait_for(lambda: _nodes_beat_after(collector, "ring", 2, answered), 30,
+             "each rank's heartbeat after the last insert")
     cluster.stop()
     answer = httpx.get(f"{collector.url}/api/requests/cap-a-again/verdict", timeout=60).json()["cache"]
     page = httpx.get(f"{collector.url}/instances.json", params={"instance": "ring"}, timeout=60).json()
