@@ -133,6 +133,16 @@ def limit_rank(shares: tuple[int, ...]) -> int:
     return max(range(len(shares)), key=lambda rank: (shares[rank], -rank)) if shares else 0
 
 
+def limit_scale(runtime: Any) -> tuple[int, int]:
+    """(the counted rank's KV bytes per token, this rank's): a cache entry's bytes here x the first
+    // the second are the bytes the byte limit counts (prompt_cache.py ``scale``); (1, 1) on one
+    process or where this rank's share is unknown."""
+    shares = runtime.kv_shares if runtime is not None else ()
+    if not shares or shares[runtime.group.rank()] <= 0:
+        return 1, 1
+    return shares[limit_rank(shares)], shares[runtime.group.rank()]
+
+
 def same_seed(group: Any) -> None:
     """Give every rank rank 0's random state, so that sampling draws the same tokens everywhere."""
     import mlx.core as mx

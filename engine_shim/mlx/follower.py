@@ -28,11 +28,8 @@ def _own_limit(limit: int, runtime: Runtime | None) -> int:
     """This rank's own bytes when the cache is at its byte limit: rank 0's limit counts the rank
     holding the most KV per token (cluster.limit_rank, prompt_cache.py), and this rank holds its own
     share of every entry."""
-    shares = runtime.kv_shares if runtime is not None else ()
-    if not shares:
-        return limit
-    counted = shares[cluster.limit_rank(shares)]
-    return limit * shares[runtime.group.rank()] // counted if counted > 0 else limit
+    counted, own = cluster.limit_scale(runtime)
+    return limit * own // counted
 
 
 class Diverged(RuntimeError):

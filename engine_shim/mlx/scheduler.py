@@ -287,10 +287,9 @@ class Scheduler:
         rank holding the most KV per token (``cluster.limit_rank``; its heartbeats and inserts declare
         it); one process counts its own."""
         shares = runtime.kv_shares
-        if not shares or shares[runtime.group.rank()] <= 0:
-            return 1, 1
-        self.limit_rank = cluster.limit_rank(shares)
-        return shares[self.limit_rank], shares[runtime.group.rank()]
+        if shares and shares[runtime.group.rank()] > 0:
+            self.limit_rank = cluster.limit_rank(shares)
+        return cluster.limit_scale(runtime)
 
     def _new_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
