@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -416,6 +415,8 @@ class DuckDBStore(NamedQueryReader):
         self._disk_budget: int | None = None  #: --max-disk-bytes
         self._usage: tuple[float, int] | None = None  #: (when, bytes) last measured; journaled bytes added since
         self._expired: dict = {}  #: what the last retention pass did (/healthz)
+        self._retainer = _cursor_of(self._con)  #: the retention pass's own cursor (``expire``)
+        self._expiring = threading.Lock()  #: one pass at a time (the keeper's, or one asked for)
         self._keeper = retention.Keeper(self.expire, lambda: self._retention_s)
         if self._retention_s:
             self._keeper.start()
@@ -799,15 +800,6 @@ class DuckDBStore(NamedQueryReader):
                     return False
                 time.sleep(retention.CHECKPOINT_PAUSE_S)  # a retry's pause: another connection's commit ends
         return False
-
-    @functools.cached_property
-    def _retainer(self) -> duckdb.DuckDBPyConnection:
-        """The retention pass's own cursor (``expire``; one pass at a time)."""
-        return _cursor_of(self._con)
-
-    @functools.cached_property
-    def _expiring(self) -> threading.Lock:
-        return threading.Lock()
 
     def limit_disk(self, limit_bytes: int) -> None:
         """Refuse writes (503 + Retry-After) while the store would use more than ``limit_bytes``
