@@ -38,6 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tokentrace import contract as c
 from tokentrace.collector.settings import _retention
+from tokentrace.collector.stores.retention import files_usage
 
 SPANS_PER_BATCH = 512
 
@@ -61,15 +62,9 @@ def moved(body: bytes, now_ns: int, tag: str) -> tuple[bytes, str | None]:
 
 
 def on_disk(db: Path) -> int:
-    """Bytes the store takes on disk: its file, WAL and the folders beside it."""
-    total = 0
-    for path in (db, Path(f"{db}.wal")):
-        if path.exists():
-            total += path.stat().st_size
-    for folder in (Path(f"{db}.journal"), Path(f"{db}.spans"), Path(f"{db}.quarantine"), Path(f"{db}.tmp")):
-        if folder.is_dir():
-            total += sum(entry.stat().st_size for entry in folder.iterdir() if entry.is_file())
-    return total
+    """Bytes the store takes on disk: its file, and its WAL and the folders beside it
+    (``retention.files_usage``, what the disk budget counts besides the file's used blocks)."""
+    return (db.stat().st_size if db.exists() else 0) + sum(files_usage(str(db)).values())
 
 
 def rss_mib(pid: int) -> float:
