@@ -55,8 +55,8 @@ _CHUNK = 100
 
 def _generate(task: tuple[str, int, int, int]) -> list[tuple[bytes, int]]:
     shape, seed, count, spans_per_batch = task
-    batches = (Workload(seed=seed).batches(spans_per_batch) if shape == "engine"
-               else light_batches(spans_per_batch, seed=seed))
+    batches = (Workload(seed=seed, full_histories=shape == "engine-full").batches(spans_per_batch)
+               if shape.startswith("engine") else light_batches(spans_per_batch, seed=seed))
     bodies = []
     for _ in range(count):
         request = next(batches)

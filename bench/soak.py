@@ -10,11 +10,13 @@ seconds before take (``/api/requests/ID/slow`` and ``/cache``). At the end, side
 same run: the steady samples' (one retention and two passes in) second half against their first,
 medians, as ratios.
 A store whose size grows with the traffic it has seen, or whose ingest or verdicts slow down as it
-ages, shows it here. Mind the workload: bench/synth.py's sessions lengthen their prompts (each turn
+ages, shows it here. The workload is stationary: every session of bench/synth.py starts with a full
+history (``--shape engine-full``), so prompts and the block lists stored for them are as long from
+the first minute as at the last. With ``--shape engine`` sessions lengthen their prompts (each turn
 joins the history, up to 2,048 tokens) for the first twenty minutes or so, and the stored block
 lists with them: used blocks that grow over such a run are live data (docs/benchmarks.md, Soak).
 
-    python bench/soak.py [--minutes 10] [--retention 2m] [--rate 1500] [--sample 30]
+    python bench/soak.py [--minutes 10] [--retention 2m] [--rate 1500] [--sample 30] [--shape engine-full]
 """
 
 from __future__ import annotations
@@ -151,13 +153,16 @@ def main() -> int:
     parser.add_argument("--retention", default="2m", help="the collector's --retention (minutes: 2m)")
     parser.add_argument("--rate", type=float, default=1500.0, help="spans/s sent")
     parser.add_argument("--sample", type=float, default=30.0, help="seconds between samples")
+    parser.add_argument("--shape", choices=("engine-full", "engine"), default="engine-full",
+                        help="engine-full: sessions start with full histories (a stationary workload); "
+                             "engine: prompts lengthen over the run")
     args = parser.parse_args()
     seconds = args.minutes * 60
     retention_s = _retention(args.retention)
     # A "512" batch holds about 460 spans (synth.Workload counts 9 spans a request and adds 8).
     count = int(seconds * args.rate / (SPANS_PER_BATCH * 0.85)) + 2
-    print(f"generating {count} batches of {SPANS_PER_BATCH} engine-shaped spans (cached in .cache/)", flush=True)
-    bodies = make_bodies(count, SPANS_PER_BATCH)
+    print(f"generating {count} batches of {SPANS_PER_BATCH} {args.shape} spans (cached in .cache/)", flush=True)
+    bodies = make_bodies(count, SPANS_PER_BATCH, args.shape)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         collector = CollectorProcess(Path(tmp), "--retention", args.retention).start()
         try:

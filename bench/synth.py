@@ -54,16 +54,25 @@ def salt_of(replica: int) -> int:
     return 0 if not replica else random.Random(f"salt-{replica}").getrandbits(64) - (1 << 63)
 
 
+#: Tokens of a session's history that later prompts repeat (bench/synth.Workload).
+HISTORY = 2048
+
+
 class Workload:
     """Deterministic stream of engine-shaped requests over ``instances`` instances.
 
     With ``replica`` given, trace and span ids come from the seed too (their first two bytes are the
     replica number) and every prompt hash is XORed with ``salt_of(replica)``: replica r of a seed is
     replica 0's workload with other ids and unrelated prefixes, which bench/analyze.py can write by
-    copying replica 0's stored rows (and checks it equals ingesting it). Without it, ids are random."""
+    copying replica 0's stored rows (and checks it equals ingesting it). Without it, ids are random.
+
+    A session's history grows by every turn up to ``HISTORY`` tokens, so prompts lengthen over the
+    first ~12 turns of each session (~6,000 requests of one workload). ``full_histories`` starts every
+    session with a full history of its own: prompts are as long from the first request as they will
+    ever be, for a benchmark that needs a stationary workload (bench/soak.py)."""
 
     def __init__(self, seed: int = 7, instances: int = 4, sessions: int = 500, start_ns: int | None = None,
-                 replica: int | None = None):
+                 replica: int | None = None, full_histories: bool = False):
         self.rng = random.Random(seed)
         self._ids = None if replica is None else random.Random(f"ids-{seed}")
         self._prefix = (replica or 0).to_bytes(2, "big")
@@ -71,7 +80,9 @@ class Workload:
         self.instances = [f"bench-{i}" for i in range(instances)]
         self.systems = [[self.rng.randrange(1, 30000) for _ in range(self.rng.choice((64, 256, 512)))]
                         for _ in range(8)]
-        self.sessions = [(self.rng.randrange(8), []) for _ in range(sessions)]
+        full = HISTORY if full_histories else 0
+        self.sessions = [(self.rng.randrange(8), [self.rng.randrange(1, 30000) for _ in range(full)])
+                         for _ in range(sessions)]
         self.clock = start_ns if start_ns is not None else 1_700_000_000_000_000_000
         self.count = 0
 
@@ -100,7 +111,7 @@ class Workload:
         cached = len(self.systems[system]) + len(history) if history and rng.random() < 0.7 else 0
         output = rng.randrange(8, 128)
         history.extend(turn + [rng.randrange(1, 30000) for _ in range(output)])
-        del history[:-2048]
+        del history[:-HISTORY]
         self.clock += rng.randrange(2_000_000, 40_000_000)
         t0, queue = self.clock, rng.randrange(0, 30_000_000)
         prefill = (len(prompt) - cached) * 40_000 + 2_000_000
