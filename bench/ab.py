@@ -5,10 +5,10 @@ Each round starts one collector of each variant in turn (the order rotates every
 drives it as bench/ingest.py does (4 senders over loopback, 512-span engine batches from its cache,
 each distinct batch once), waits until the journal is merged, and reads the collector's CPU seconds
 (user + system, /proc) and its merges (``/healthz``). It prints, per round and variant, collector
-CPU microseconds a span acknowledged, spans/s, spans a merge, peak resident memory and the span files
-it listed when measured (collector/stores/span_files.py: files, compactions done); then each
-variant's medians, its ratio to the first variant and the rounds in which it used less CPU a span
-than the first.
+CPU microseconds a span acknowledged, spans/s, the senders' p99, spans a merge, peak resident
+memory and the span files it listed when measured (collector/stores/span_files.py: files,
+compactions done); then each variant's medians (CPU a span by thread too), its ratios to the first
+variant and the rounds in which it used less CPU a span than the first.
 
 A variant is ``LABEL=SPEC``; SPEC is empty (the checkout as it is) or comma-separated items:
 ``tree:DIR`` runs the collector from another checkout (``git worktree add DIR COMMIT``, then its
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness_collector import CollectorProcess, proc_status
-from ingest import cpu_seconds, drive, make_bodies, wait_merged
+from ingest import cpu_seconds, drive, make_bodies, percentile, thread_times, wait_merged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +66,9 @@ def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, obj
             continue
         if item.startswith("tree:"):
             tree = Path(item[5:]).resolve()
-            if not list(tree.glob("collector/_fastotlp*.so")):
-                raise argparse.ArgumentTypeError(f"{tree}: no collector/_fastotlp*.so (build its extensions in place)")
+            if decoder_of(tree) is None:
+                raise argparse.ArgumentTypeError(f"{tree}: no collector/**/_fastotlp*.so "
+                                                 "(build its extensions in place)")
             continue
         target, sep, value = item.partition("=")
         module, _, name = target.rpartition(".")
@@ -78,6 +79,13 @@ def parse_variant(text: str) -> tuple[str, Path | None, list[tuple[str, str, obj
         except (ValueError, SyntaxError) as exc:
             raise argparse.ArgumentTypeError(f"{item!r}: the value is not a Python literal") from exc
     return label, tree, settings, env
+
+
+def decoder_of(tree: Path) -> Path | None:
+    """The compiled decoder's path in ``tree`` without its suffix (collector/_fastotlp before issue
+    45 gave the collector its folders, collector/decoding/_fastotlp after), or None if unbuilt."""
+    found = sorted(tree.glob("collector/**/_fastotlp*.so"))
+    return found[0].parent / "_fastotlp" if found else None
 
 
 def prepare(folder: Path, tree: Path | None, settings: list) -> None:
@@ -100,7 +108,7 @@ def check_variant(pid: int, folder: Path, tree: Path | None, settings: list, env
     """Fail unless the collector ``pid`` runs the variant's code: its decoder mapped from the
     variant's checkout, its settings applied (the sitecustomize records each process it ran in), and
     its environment holding the variant's variables."""
-    expected = (tree or ROOT) / "collector" / "_fastotlp"
+    expected = decoder_of(tree or ROOT)
     if not any(str(expected) in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()):
         raise SystemExit(f"the collector (pid {pid}) has not loaded {expected}*.so: it runs another checkout")
     applied = folder / "applied"
@@ -124,17 +132,20 @@ def measure(collector: CollectorProcess, folder: Path, tree: Path | None, settin
     try:
         check_variant(collector.proc.pid, folder, tree, settings, env)
         drive(collector.port, bodies[:8], 4, 5, 8)  # warm: imports, first merges
-        cpu = cpu_seconds(collector.proc.pid)
-        acked, elapsed, _, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
+        cpu, threads = cpu_seconds(collector.proc.pid), thread_times(collector.proc.pid) or {}
+        acked, elapsed, latencies, _, refused, _ = drive(collector.port, bodies[8:], 4, seconds, 1_000_000)
         lag = wait_merged(collector)
         cpu = cpu_seconds(collector.proc.pid) - cpu
+        after = thread_times(collector.proc.pid) or {}
+        by_thread = {name: (used[1] - threads.get(name, [0, 0.0])[1]) / acked * 1e6 for name, used in after.items()}
         journal = collector.health()["journal"]
         peak = proc_status(collector.proc.pid, "VmHWM") / (1 << 20)
     finally:
         collector.stop()
     # Acknowledged spans a second, and the pace of the tables: the acknowledged spans over the run and
     # the wait until the last of them was merged (a collector may acknowledge ahead of its merges).
-    return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "tables": acked / (elapsed + lag), "refused": refused,
+    return {"us": cpu / acked * 1e6, "rate": acked / elapsed, "p99": percentile(latencies, 0.99),
+            "tables": acked / (elapsed + lag), "refused": refused, "threads": by_thread,
             "merge": journal["merged_spans"] / max(1, journal["merges"]), "peak": peak,
             "files": journal.get("span_files", {"files": 0, "compactions": 0})}
 
@@ -162,22 +173,29 @@ def main() -> int:
                 run = measure(start(workdir, folder, env), folder, tree, settings, env, bodies, args.seconds)
                 results[label].append(run)
                 print(f"round {round_ + 1} {label:>10}: {run['us']:6.2f} us/span  {run['rate']:9,.0f} spans/s  "
+                      f"p99 {run['p99']:6.1f} ms  "
                       f"({run['tables']:,.0f} into the tables)  "
                       f"{run['merge']:9,.0f} spans a merge  peak {run['peak']:5.0f} MiB  {run['refused']} refused  "
                       f"{run['files']['files']} span files ({run['files']['compactions']} compactions)", flush=True)
     base_label = args.variant[0][0]
     base = results[base_label]
-    base_us = statistics.median(r["us"] for r in base)
+    base_us, base_rate, base_p99 = (statistics.median(r[key] for r in base) for key in ("us", "rate", "p99"))
     for label, runs in results.items():
-        us = statistics.median(r["us"] for r in runs)
-        line = (f"{label:>10}: median {us:6.2f} us/span, {statistics.median(r['rate'] for r in runs):9,.0f} spans/s "
+        us, rate, p99 = (statistics.median(r[key] for r in runs) for key in ("us", "rate", "p99"))
+        line = (f"{label:>10}: median {us:6.2f} us/span, {rate:9,.0f} spans/s, p99 {p99:.1f} ms "
                 f"({statistics.median(r['tables'] for r in runs):,.0f} into the tables), "
                 f"{statistics.median(r['merge'] for r in runs):9,.0f} spans a merge, "
                 f"peak {statistics.median(r['peak'] for r in runs):5.0f} MiB")
         if label != base_label:
             fewer = sum(r["us"] < b["us"] for r, b in zip(runs, base, strict=True))
-            line += f"; {us / base_us:.3f} x {base_label}'s CPU a span, less in {fewer} of {len(runs)} rounds"
+            line += (f"; {us / base_us:.3f} x {base_label}'s CPU a span, less in {fewer} of {len(runs)} rounds; "
+                     f"spans/s {rate / base_rate:.3f} x, p99 {p99 / base_p99:.3f} x {base_label}'s")
         print(line)
+        names = sorted({name for r in runs for name in r["threads"]}, key=lambda n: -statistics.median(
+            r["threads"].get(n, 0.0) for r in runs))
+        print("            us/span by thread: " + ", ".join(
+            f"{name} {statistics.median(r['threads'].get(name, 0.0) for r in runs):.2f}" for name in names
+            if statistics.median(r["threads"].get(name, 0.0) for r in runs) >= 0.05))
     return 0
 
 
