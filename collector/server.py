@@ -38,5 +38,5 @@ def build_app(config: CollectorConfig, store) -> FastAPI:
     app.include_router(dashboard)
     # Outermost: a body that stops arriving is cut off whatever it was sent to (collector/receiver/budget.py).
     app.add_middleware(BodyDeadline, timeout=config.body_timeout, min_rate=config.body_min_rate,
-                       count=lambda: collector.counters.reject("body_timeout"))
+                       count=lambda: collector.counters.reject("body_timeout"), arrivals=collector.arrivals)
     return app

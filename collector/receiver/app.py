@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tokentrace import __version__, wire
-from tokentrace.collector.receiver.budget import EXPANSION, Budget, Hold
+from tokentrace.collector.receiver.budget import EXPANSION, Arrivals, Budget, Hold
 from tokentrace.collector.receiver.ingest import Counters, Pipeline
 from tokentrace.collector.receiver.otlp import JSON, Encoding, decompress, encode_response, encoding_for
 from tokentrace.collector.settings import CollectorConfig
@@ -181,15 +181,20 @@ def _same_host(path: str, query: list[tuple[str, str]]) -> str:
     return location + (f"?{rest}" if rest else "")
 
 
-async def _read_body(request: Request, limit: int, hold: Hold) -> bytes:
+async def _read_body(request: Request, limit: int, hold: Hold, arrivals: Arrivals | None = None) -> bytes:
     """The body, held against the byte budget (collector/receiver/budget.py): refused before reading when
-    Content-Length says it does not fit, or as soon as the chunks received pass the budget. The rest
+    Content-Length says it does not fit (once ``arrivals`` found no body arriving too slowly to give
+    up its reservation), or as soon as the chunks received pass the budget. The rest
     of a refused body is read and dropped, never held, so that a sender still writing it reads the
     503 (closing the connection instead resets it, and most clients then see no answer at all)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
-    if declared.isdigit() and not hold.take(EXPANSION * int(declared)):
+    arrival = request.scope.get("state", {}).get("arrival")  # BodyDeadline's record of this body
+    if arrival is not None:
+        arrival.hold = hold
+    if declared.isdigit() and not hold.take(EXPANSION * int(declared)) \
+            and not (arrivals is not None and arrivals.make_room(EXPANSION * int(declared), hold)):
         await _discard(request, limit)
         raise Overloaded(_FULL.format(hold.budget.limit), retry_after=1)
     chunks, size = [], 0
@@ -268,6 +273,8 @@ class Collector:
         self.listeners: list = []
         self.stop_error: str | None = None  #: why stopping failed (a checkpoint on a full disk)
         self.budget = Budget(config.max_pending_bytes)
+        #: The bodies arriving (budget.BodyDeadline keeps it): one too slow gives its reservation up.
+        self.arrivals = Arrivals(config.body_min_rate)
 
     def start(self) -> None:
         """Start the parse workers, the writer thread and, when configured, the spool watcher."""
@@ -321,7 +328,7 @@ class Collector:
                       "last_write_error": self.queue.last_error if self.queue else None},
             "queue": {"depth": self.queue.depth() if self.queue else 0,
                       "capacity": self.config.max_queue},
-            "pending": self.budget.snapshot(),
+            "pending": {**self.budget.snapshot(), "slow_bodies_evicted": self.arrivals.evicted},
             **self.counters.snapshot(),
             "spool": self.spool.snapshot() if self.spool else None,
             "journal": self.store.journal_state() if hasattr(self.store, "journal_state") else None,
@@ -373,7 +380,7 @@ def create_app(collector: Collector) -> FastAPI:
         began = time.perf_counter()
         try:
             encoding = encoding_for(request.headers.get("content-type"))
-            body = await _read_body(request, limit, hold)
+            body = await _read_body(request, limit, hold, collector.arrivals)
             read = time.perf_counter()
             spool = _spool_record(request, body)
             payload = await _inflate(body, request.headers.get("content-encoding"), limit, hold)

@@ -22,7 +22,12 @@ than a sixth of the budget was refused with 503 at every retry, even by an idle 
 
 A request holds its cost while its body arrives, so a body must keep arriving (``BodyDeadline``,
 issue 45): three connections that each declared a large Content-Length and sent one byte held the
-whole budget for as long as they stayed open, and every other sender got 503.
+whole budget for as long as they stayed open, and every other sender got 503. The deadline bounds
+how long one connection holds its share, not how long an attacker does: connections that reconnect
+as soon as they are cut off took the budget back within milliseconds, before any sender waiting out
+its Retry-After came back (bench/attacks.py: an honest sender got none of 10 tries through). So
+under contention a body that arrives slower than the minimum rate gives up its reservation to the
+request that finds the budget full (``Arrivals.make_room``).
 """
 
 from __future__ import annotations
@@ -119,6 +124,60 @@ class Hold:
         self.budget.give(cost)
 
 
+class Arrival:
+    """One request whose body is arriving: when it began, the bytes received, what it holds."""
+
+    __slots__ = ("began", "complete", "evicted", "hold", "received")
+
+    def __init__(self, began: float):
+        self.began = began
+        self.received = 0
+        self.complete = False
+        self.hold: Hold | None = None  #: set by the receiver once it reserves for the body
+        self.evicted = False  #: it gave its reservation up to a request waiting (``Arrivals.make_room``)
+
+
+class Arrivals:
+    """The requests whose bodies are arriving, and whether each keeps up with ``min_rate``. Used
+    from the event loop only (BodyDeadline registers, the receiver asks for room)."""
+
+    #: Seconds a body has before it can lose its reservation for arriving too slowly.
+    GRACE_S = 1.0
+
+    def __init__(self, min_rate: int):
+        self.min_rate = min_rate
+        self._open: set[Arrival] = set()
+        self.evicted = 0  #: reservations given up so far
+
+    def begin(self) -> Arrival:
+        arrival = Arrival(time.monotonic())
+        self._open.add(arrival)
+        return arrival
+
+    def end(self, arrival: Arrival) -> None:
+        self._open.discard(arrival)
+
+    def make_room(self, cost: int, hold: Hold) -> bool:
+        """Take ``cost`` for ``hold`` once the budget is found full, after taking the reservations
+        of bodies that arrive slower than ``min_rate`` (received / min_rate behind the seconds since
+        they began, less ``GRACE_S``), the slowest first, until it fits; False if it still does not.
+        An evicted body keeps holding what it has received (those bytes are in memory); the rest of
+        its reservation is given back, and its connection is cut off with 408 at its next read."""
+        now = time.monotonic()
+        behind = sorted((arrival for arrival in self._open
+                         if not arrival.complete and not arrival.evicted and arrival.hold is not None
+                         and arrival.hold is not hold and arrival.hold.bytes > EXPANSION * arrival.received
+                         and arrival.received / self.min_rate < now - arrival.began - self.GRACE_S),
+                        key=lambda arrival: arrival.received / self.min_rate - (now - arrival.began))
+        for arrival in behind:
+            arrival.evicted = True
+            self.evicted += 1
+            arrival.hold.keep(EXPANSION * arrival.received)
+            if hold.take(cost):
+                return True
+        return False
+
+
 #: google.rpc.Code DEADLINE_EXCEEDED, the code of a 408's body.
 _DEADLINE_EXCEEDED = 4
 
@@ -136,30 +195,37 @@ class BodyDeadline:
     is not timed.
     """
 
-    def __init__(self, app, timeout: float, min_rate: int, count=None):
+    def __init__(self, app, timeout: float, min_rate: int, count=None, arrivals: Arrivals | None = None):
         self.app = app
         self.timeout = timeout  #: seconds a body may take beyond what ``min_rate`` allows
         self.min_rate = min_rate  #: bytes a second of a body that earn it one more second
         self.count = count  #: called once for each request cut off (``rejected.body_timeout``)
+        #: The bodies arriving, shared with the receiver (its ``make_room``); each request's is
+        #: ``scope["state"]["arrival"]``.
+        self.arrivals = arrivals if arrivals is not None else Arrivals(min_rate)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        began, received, expired, complete = time.monotonic(), 0, False, False
+        arrival, expired = self.arrivals.begin(), False
+        scope.setdefault("state", {})["arrival"] = arrival
 
         async def timed_receive():
-            nonlocal received, expired, complete
-            if complete or expired:  # past the body: the app waits for a disconnect, untimed
+            nonlocal expired
+            if arrival.complete or expired:  # past the body: the app waits for a disconnect, untimed
                 return await receive()
-            left = began + self.timeout + received / self.min_rate - time.monotonic()
+            left = arrival.began + self.timeout + arrival.received / self.min_rate - time.monotonic()
             try:
                 message = await asyncio.wait_for(receive(), max(left, 0.001))
             except TimeoutError:
                 expired = True
                 return {"type": "http.disconnect"}
+            if arrival.evicted:  # its reservation went to a request waiting: cut off as if late
+                expired = True
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                complete = not message.get("more_body", False)
+                arrival.received += len(message.get("body", b""))
+                arrival.complete = not message.get("more_body", False)
             return message
 
         async def closing_send(message):
@@ -174,14 +240,22 @@ class BodyDeadline:
         except ClientDisconnect:
             if not expired:
                 raise
-            await self._answer(received, send)
+            await self._answer(arrival, send)
+        finally:
+            self.arrivals.end(arrival)
         if expired and self.count is not None:
             self.count()
 
-    async def _answer(self, received: int, send) -> None:
-        """408: the body did not arrive in time."""
-        message = (f"the request body did not arrive in time: {received} bytes in "
-                   f"{self.timeout:g} s + 1 s per {self.min_rate} bytes received (--body-timeout, --body-min-rate)")
+    async def _answer(self, arrival: Arrival, send) -> None:
+        """408: the body did not arrive in time, or arrived slower than the minimum rate while others
+        waited for its reservation."""
+        if arrival.evicted:
+            message = (f"the request body arrived slower than {self.min_rate} bytes a second ({arrival.received} "
+                       f"bytes in {time.monotonic() - arrival.began:.1f} s) while the collector's byte budget was "
+                       f"full, and its reservation went to a request waiting (--body-min-rate)")
+        else:
+            message = (f"the request body did not arrive in time: {arrival.received} bytes in {self.timeout:g} s "
+                       f"+ 1 s per {self.min_rate} bytes received (--body-timeout, --body-min-rate)")
         body = json.dumps({"code": _DEADLINE_EXCEEDED, "message": message}).encode()
         await send({"type": "http.response.start", "status": 408,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
