@@ -21,10 +21,10 @@ at the end, so a peak between two samples is not missed.
 4. large: ``--senders`` senders post bodies of 2 x ``--max-body-bytes``, by turns with a declared
    Content-Length and chunked.
 5. gateway: a ``tokentrace gateway`` in front of a ``tokentrace engine`` on a generated tiny model
-   (as tests/test_gateway_limits.py); ``--senders`` senders post 256 MiB chat bodies, declared and
-   chunked by turns, while an honest client sends small chats. Its bound: idle + 2 x senders x
-   ``--max-request-bytes`` (the gateway has no byte budget across requests; each body is refused
-   past the limit).
+   (as tests/test_gateway_limits.py) with ``--max-pending-bytes`` the budget; ``--gateway-senders``
+   senders post 256 MiB chat bodies, declared and chunked by turns, while an honest client sends
+   small chats. Its bound: idle + 2 x the budget, as the collector's (each body is cut at
+   ``--max-request-bytes``; the bodies held together at ``--max-pending-bytes``).
 
 Prints, for each attack, one line per measure: idle and peak RSS, (peak - idle) / budget against
 the bound 2 (and against 2 x budget + store memory), the attackers' answers by status code, the
@@ -71,7 +71,8 @@ ATTACKS = ("amplify", "idle", "idle-repeat", "malformed", "large", "gateway")
 #: reconnecting idle body that finds the budget taken meanwhile gets 503; a chunked body charged as it
 #: arrives meets a budget others share before its size passes --max-body-bytes (alone, it gets 413).
 EXPECTED = {"amplify": {"413"}, "idle": {"408"}, "idle-repeat": {"408", "503"}, "malformed": {"400"},
-            "large": {"declared 413", "chunked 413", "chunked 503"}, "gateway": {"declared 413", "chunked 413"}}
+            "large": {"declared 413", "chunked 413", "chunked 503"},
+            "gateway": {"declared 413", "chunked 413", "chunked 503"}}
 FAILED = (Exception, pytest.fail.Exception)
 
 
@@ -399,7 +400,7 @@ def collector_attack(name: str, args) -> dict:
 
 # --- the gateway ---------------------------------------------------------------------------------------
 def gateway_attack(args) -> dict:
-    limit = args.max_request_mib * MIB
+    limit, budget = args.max_request_mib * MIB, args.budget_mib * MIB
     with tempfile.TemporaryDirectory(prefix="attacks-gateway-") as tmp:
         workdir, model = Path(tmp), Path(tmp) / "tiny"
         try:
@@ -416,6 +417,7 @@ def gateway_attack(args) -> dict:
             try:
                 engine = EngineProcess(workdir, model, instance_id="attacks").start()
                 gateway = GatewayProcess(workdir, {"attacks": engine.url}, "--max-request-bytes", str(limit),
+                                         "--max-pending-bytes", str(budget),
                                          "--body-timeout", str(args.body_timeout)).start()
             except FAILED as exc:
                 return {"name": "gateway", "skipped": f"the engine or gateway did not start: {str(exc)[:300]}"}
@@ -436,16 +438,17 @@ def gateway_attack(args) -> dict:
 
             honest = Honest(gateway.port, CHAT_PATH, JSON, lambda: (chat, []), args.honest_interval)
             with Peak(gateway.proc.pid) as peak:
-                answers = drive([huge] * args.senders, honest, args.seconds)
+                answers = drive([huge] * args.gateway_senders, honest, args.seconds)
             health = gateway.health()
         finally:
             for process in (gateway, engine):
                 if process is not None:
                     with contextlib.suppress(*FAILED):
                         process.stop()
-    title = (f"{args.senders} senders x 256 MiB chat bodies, declared and chunked by turns, through "
-             f"`tokentrace gateway` (--max-request-bytes {args.max_request_mib} MiB) in front of an engine")
-    return {"name": "gateway", "title": title, "peak": peak, "budget": limit, "bound": 2 * args.senders * limit,
+    title = (f"{args.gateway_senders} senders x 256 MiB chat bodies, declared and chunked by turns, through "
+             f"`tokentrace gateway` (--max-request-bytes {args.max_request_mib} MiB, --max-pending-bytes "
+             f"{args.budget_mib} MiB) in front of an engine")
+    return {"name": "gateway", "title": title, "peak": peak, "budget": budget, "bound": 2 * budget,
             "wide": None, "answers": answers, "honest": honest, "health": health, "exit": 0}
 
 
@@ -471,8 +474,8 @@ def report(result: dict) -> bool:
     grown_own, grown_all = peak.own - peak.idle_own, peak.all - peak.idle_all
     met = grown_own <= result["bound"] and grown_all <= result["bound"]
     result["met"], result["ratio"], result["bound_ratio"] = met, grown_own / budget, result["bound"] / budget
-    unit = "--max-request-bytes" if name == "gateway" else "budget"
-    bound_words = (f"2 x {result['bound'] // budget // 2} senders" if name == "gateway" else "2")
+    unit = "--max-pending-bytes" if name == "gateway" else "budget"
+    bound_words = "2"
     print(f"== {name}: {result['title']}")
     hwm = f", high-water {peak.hwm / MIB:.0f}" if peak.hwm else " (VmHWM not resettable: samples only)"
     print(f"  RSS:       idle {peak.idle_own / MIB:.0f} MiB, peak {peak.own / MIB:.0f} MiB{hwm}; "
@@ -524,6 +527,8 @@ def main() -> int:
     parser.add_argument("--body-timeout", type=float, default=2.0, help="the collector's and gateway's --body-timeout")
     parser.add_argument("--max-body-mib", type=int, default=16, help="the collector's --max-body-bytes")
     parser.add_argument("--max-request-mib", type=int, default=8, help="the gateway's --max-request-bytes")
+    parser.add_argument("--gateway-senders", type=int, default=8,
+                        help="attackers of the gateway (8 x 2 x --max-request-bytes pass a 64 MiB budget)")
     parser.add_argument("--honest-spans", type=int, default=200, help="spans in each honest batch")
     parser.add_argument("--honest-interval", type=float, default=0.1, help="seconds between honest requests")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="which, comma-separated: " + ", ".join(ATTACKS))
@@ -546,7 +551,7 @@ def main() -> int:
             print(f"  {result['name']:<11} skipped")
             continue
         honest = result["honest"]
-        unit = "--max-request-bytes" if result["name"] == "gateway" else "budget"
+        unit = "--max-pending-bytes" if result["name"] == "gateway" else "budget"
         print(f"  {result['name']:<11} (peak - idle) / {unit} {result['ratio']:5.2f} "
               f"(bound {result['bound_ratio']:g}): {'bound met' if result['met'] else 'NOT met'}; "
               f"honest {honest.answers[200]:,} / "

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from harness_collector import proc_status
+from harness_collector import proc_status, wait_for
 from harness_engine import EngineProcess, tiny_model  # noqa: F401 - fixture
 from harness_gateway import GatewayProcess
 
@@ -28,15 +28,20 @@ CHAT = {"model": "default_model", "messages": [{"role": "user", "content": "Hi."
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, tiny_model):  # noqa: F811
-    workdir = tmp_path_factory.mktemp("gateway-limits")
-    engine = EngineProcess(workdir, tiny_model, "--api-key", ENGINE_KEY, instance_id="keyed").start()
-    process = GatewayProcess(workdir, {"keyed": engine.url}, "--api-key", GATEWAY_KEY,
-                             "--upstream-key", f"keyed={ENGINE_KEY}", "--body-timeout", "1",
+def engine(tmp_path_factory, tiny_model):  # noqa: F811
+    process = EngineProcess(tmp_path_factory.mktemp("gateway-limits-engine"), tiny_model, "--api-key", ENGINE_KEY,
+                            instance_id="keyed").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, engine):
+    process = GatewayProcess(tmp_path_factory.mktemp("gateway-limits"), {"keyed": engine.url}, "--api-key",
+                             GATEWAY_KEY, "--upstream-key", f"keyed={ENGINE_KEY}", "--body-timeout", "1",
                              "--body-min-rate", "1000000").start()
     yield process
     process.stop()
-    engine.stop()
 
 
 def test_an_upstream_that_requires_a_key_is_served_with_its_key(gateway):
@@ -110,3 +115,37 @@ def test_a_body_that_does_not_arrive_in_time_is_cut_off_with_408(gateway):
     # Served as before once the idle connection is gone.
     assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, headers=gateway.headers,
                       timeout=60).status_code == 200
+
+
+def test_the_bodies_held_at_once_are_bounded_by_max_pending_bytes(tmp_path, engine):
+    """Each body is bounded by --max-request-bytes, but nothing bounded them together:
+    bench/attacks.py saw the gateway grow 4.4 x --max-request-bytes under 4 senders of oversize
+    bodies, 7.5 x under 8. Now bodies are charged as they arrive (twice: the body and its parsed
+    JSON) until their answers end; a request alone is admitted, another past the bound gets 503 +
+    Retry-After, and passes once the first is done."""
+    limit = 4 << 20
+    gateway = GatewayProcess(tmp_path, {"keyed": engine.url}, "--upstream-key", f"keyed={ENGINE_KEY}",
+                             "--max-pending-bytes", str(limit), "--body-timeout", "60").start()
+    head = b'{"model": "default_model", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi."}], "pad": "'
+    pad, tail = b"x" * (3 << 20), b'"}'
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as first:
+            first.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % (len(head) + len(pad) + len(tail)) + head + pad)
+            wait_for(lambda: gateway.health().get("pending", {}).get("used_bytes", 0) >= 2 * len(pad), 30,
+                     "the first body held (twice its 3 MiB: past the bound, admitted alone)")
+            refused = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=60)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["Retry-After"] == "1"
+            assert f"--max-pending-bytes allows ({limit}" in refused.json()["error"]["message"]
+            first.sendall(tail)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += first.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        wait_for(lambda: gateway.health()["pending"]["used_bytes"] == 0, 30, "the first body given back")
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+        pending = gateway.health()["pending"]
+        assert pending["refused"] == 1 and pending["peak_bytes"] >= 2 * len(pad), pending
+    finally:
+        gateway.stop()

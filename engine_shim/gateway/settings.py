@@ -39,6 +39,8 @@ SETTINGS: tuple[Setting, ...] = (
     _row("insecure-no-api-key", bool, False, "allow binding off loopback without --api-key"),
     _row("max-request-bytes", int, 8 << 20, "largest request body accepted (413 beyond), as the engine's",
             minimum=1),
+    _row("max-pending-bytes", int, 256 << 20, "bytes of request bodies the gateway holds at once, each counted "
+            "twice (the body and its parsed JSON) until its answer ends; past it 503 + Retry-After", minimum=1),
     _row("body-timeout", float, 10.0, "seconds a request body may take to arrive, plus 1 s per --body-min-rate "
             "bytes received; a slower body is cut off with 408", minimum=0.01),
     _row("body-min-rate", int, 1 << 20, "bytes of a request body that earn it one more second past --body-timeout "
@@ -85,6 +87,7 @@ class GatewaySettings:
     api_key: str | None = None  #: bearer key clients must send
     insecure_no_api_key: bool = False  #: allow non-loopback bind without a key
     max_request_bytes: int = 8 << 20  #: request body limit
+    max_pending_bytes: int = 256 << 20  #: request bodies held at once (Gateway.bodies)
     body_timeout: float = 10.0  #: seconds a body may take beyond what body_min_rate allows
     body_min_rate: int = 1 << 20  #: bytes a second a body must keep up
     otlp_endpoint: str = "http://127.0.0.1:4318"  #: collector base URL ('' disables export)
