@@ -18,6 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -524,13 +525,8 @@ def test_under_mlx_launch_the_ranks_are_the_launchers_and_answer_as_one_process(
     # mlx.launch starts both ranks with the same command line; rank 0 serves, rank 1 follows.
     collector = collector_factory().start()
     port = free_port()
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    log = (tmp_path / "launch.log").open("wb")
-    proc = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()),
-                             sys.executable, "-m", "tokentrace", "engine", "--model", str(qwen2_model), "--port",
-                             str(port), "--instance-id", "launched", "--otlp-endpoint", collector.url,
-                             "--spool-dir", str(tmp_path / "spool")], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc, log = _mlx_launch(tmp_path, qwen2_model, port, "--instance-id", "launched", "--otlp-endpoint",
+                            collector.url)
     try:
         wait_for(lambda: _status(f"http://127.0.0.1:{port}/health") == 200, 120, "the launched engine")
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=SEEDED, timeout=60)
@@ -544,6 +540,196 @@ def test_under_mlx_launch_the_ranks_are_the_launchers_and_answer_as_one_process(
         "SELECT DISTINCT instance_id, resource FROM spans WHERE instance_id LIKE 'launched%'")}
     assert {(r[contract.NODE_RANK], r[contract.NODE_RANKS]) for r in resources.values()} == {(0, 2), (1, 2)}
     assert set(resources) == {"launched", "launched/rank1"}
+
+
+def _mlx_launch(tmp_path: Path, model: Path, port: int, *options: str, ranks: int = 2):
+    """``tokentrace engine`` started by mlx.launch (``ranks`` ranks, ring backend, the same command
+    line each) in a session of its own; returns the launcher's process and its open log."""
+    log = (tmp_path / "launch.log").open("wb")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlx.launch"), "-n", str(ranks), "--backend", "ring",
+                             "--starting-port", str(free_port()), sys.executable, "-m", "tokentrace", "engine",
+                             "--model", str(model), "--port", str(port), "--spool-dir", str(tmp_path / "spool"),
+                             *options], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_it_serves_again(
+        tmp_path, collector_factory, qwen2_model):
+    """Under mlx.launch rank 0 has no other rank's process at hand (it used to say only that "a rank
+    has not completed its part of the step"); every rank beats to it on a control connection beside
+    the ring, so a rank stopped mid-generation is named: connected but silent."""
+    collector = collector_factory().start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = _mlx_launch(tmp_path, qwen2_model, port, "--instance-id", "ring", "--otlp-endpoint", collector.url,
+                            "--rank-timeout", "4", "--heartbeat-interval", "0.5")
+    try:
+        wait_for(lambda: _status(url + "/health") == 200, 120, "the launched engine")
+        ranks = _launched_ranks(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        live: tuple[float, str] | None = None  # the collector's live answer while the request is open
+        gauged: tuple[float, dict] | None = None
+        with ThreadPoolExecutor(1) as pool:
+            open_request = _long_stream(pool, SimpleNamespace(url=url), "launched-stalled")
+            time.sleep(1.2)
+            os.kill(ranks[1], signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                while not open_request.done() and (live is None or gauged is None):
+                    answer = httpx.get(f"{collector.url}/api/requests/launched-stalled/slow",
+                                       headers=collector.headers, timeout=10)
+                    if live is None and "still open" in answer.text and not open_request.done():
+                        live = (time.monotonic() - stopped, answer.text)
+                    gauges = _stall_gauges(collector)
+                    if gauged is None and gauges.get(("tokentrace_requests_stalled", "RankStopped")) and \
+                            not open_request.done():
+                        gauged = (time.monotonic() - stopped, gauges)
+                    time.sleep(0.2)
+                events = open_request.result(timeout=30)
+                failed_after = time.monotonic() - stopped
+                health = httpx.get(url + "/health", timeout=5)
+                refused = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+                    "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+            finally:
+                os.kill(ranks[1], signal.SIGCONT)
+        print(f"named after {live and round(live[0], 2)} s (live), failed after {failed_after:.2f} s",
+              file=sys.stderr)
+        assert 4 <= failed_after < 10, failed_after  # the deadline, not a hang
+        message = events[-1]["error"]["message"]
+        assert f"rank 1 (pid {ranks[1]} on host" in message and "connected but silent" in message, message
+        assert health.status_code == 503 and "rank 1" in health.json()["reason"], health.text
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "instance_stalled", refused.text
+        reason = refused.json()["error"]["message"]
+        assert "rank 1 (pid" in reason and "connected but silent" in reason, reason
+        # Every downstream surface reads it as it reads LocalRanks': the live answer and /metrics.
+        assert live is not None and "RankStopped" in live[1] and "rank 1 (pid" in live[1], live
+        assert "connected but silent" in live[1], live
+        assert gauged is not None, "the stall was never gauged as RankStopped"
+        held = {state: n for (name, state), n in gauged[1].items() if name == "tokentrace_requests_stalled"}
+        assert held == {"RankStopped": 1, "RankLost": 0, "RankUnresponsive": 0}, gauged
+        # SIGCONT: the ring moves again, its beats come again, and the instance serves.
+        wait_for(lambda: _status(url + "/health") == 200, 30, "the instance to recover")
+        again = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert again.status_code == 200, again.text
+        assert proc.poll() is None
+        # The failed request's verdict, once its row came (before the launcher's SIGTERM reaches each
+        # rank's span exporter too): the state rank 0 reported, and rank 1, whose heartbeats stopped.
+        wait_for(lambda: httpx.get(f"{collector.url}/api/requests/launched-stalled/verdict", headers=collector.headers,
+                                   timeout=30).status_code == 200, 60, "the failed request's row")
+        (stalled,) = [e for e in _verdict(collector, "launched-stalled")["evidence"] if e["kind"] == "stalled"]
+        assert stalled["state"] == "RankStopped" and stalled["rank"] == 1, stalled
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+        collector.stop()
+
+
+def test_under_mlx_launch_a_rank_waiting_in_the_ring_beats_on_and_only_the_stopped_one_is_named(tmp_path,
+                                                                                             qwen2_model):
+    """Three ranks: with rank 2 stopped, rank 1 waits in the ring's receive all along; its control
+    beats come from a thread of their own and keep flowing meanwhile (MLX releases the GIL while it
+    waits), so the diagnosis names rank 2 alone."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = _mlx_launch(tmp_path, qwen2_model, port, "--instance-id", "ring3", "--rank-timeout", "4",
+                            "--parallel", "pipeline", ranks=3)
+    try:
+        wait_for(lambda: _status(url + "/health") == 200, 120, "the launched engine")
+        ranks = _launched_ranks(proc.pid)
+        assert set(ranks) == {0, 1, 2}, ranks
+        with ThreadPoolExecutor(1) as pool:
+            open_request = _long_stream(pool, SimpleNamespace(url=url), "launched3-stalled")
+            time.sleep(1.2)
+            os.kill(ranks[2], signal.SIGSTOP)
+            try:
+                events = open_request.result(timeout=30)
+                health = httpx.get(url + "/health", timeout=5)
+            finally:
+                os.kill(ranks[2], signal.SIGCONT)
+        message = events[-1]["error"]["message"]
+        assert f"rank 2 (pid {ranks[2]} on host" in message and "connected but silent" in message, message
+        assert "rank 1" not in message, message  # it waited in the ring, beating
+        assert health.status_code == 503 and health.json()["reason"] in message, health.text
+        wait_for(lambda: _status(url + "/health") == 200, 30, "the instance to recover")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+
+
+def test_the_control_plane_names_a_closed_a_silent_and_a_lagging_rank_over_real_sockets(caplog):
+    """Rank 0's control plane (cluster.ControlPlane) with real connections: one without the secret
+    refused, a rank that beats (cluster.ControlLink), ranks that went silent or closed theirs, one that
+    never connected; and a rank whose control connection cannot be made serves on with a warning."""
+    import socket
+
+    from tokentrace.engine_shim.mlx import cluster
+
+    plane = cluster.ControlPlane(5, "127.0.0.1", beat_s=0.2)  # silent after 0.4 s
+    plane.own_steps = lambda: 10
+    links: list[cluster.ControlLink] = []
+    raw: dict[int, socket.socket] = {}
+    try:
+        assert plane._server.getsockname()[0] == "127.0.0.1"  # the ring's address, not every interface
+        with socket.create_connection(("127.0.0.1", plane.port), timeout=5) as intruder:
+            intruder.sendall(json.dumps({"secret": "guess", "rank": 1, "pid": 1, "host": "x"}).encode() + b"\n")
+            assert intruder.recv(16) == b""  # closed unheard
+        wrong = cluster.ControlLink("127.0.0.1", plane.port, "0" * 32, 1, steps=lambda: 0, beat_s=0.1).start()
+        links.append(wrong)
+        wait_for(lambda: plane.rejected >= 2, 5, "the wrong secret refused")
+        assert not plane.peers and not wrong.connected.is_set()
+        wrong.close()
+
+        beating = cluster.ControlLink("127.0.0.1", plane.port, plane.secret, 1, steps=lambda: 10, beat_s=0.1).start()
+        links.append(beating)
+        assert beating.connected.wait(5)
+        for rank in (2, 3):  # ranks that present themselves, then beat only when told
+            sock = raw[rank] = socket.create_connection(("127.0.0.1", plane.port), timeout=5)
+            sock.sendall(json.dumps({"secret": plane.secret, "rank": rank, "pid": 4000 + rank,
+                                     "host": "node"}).encode() + b"\n")
+            assert sock.recv(3) == b"ok\n"
+
+        def beat(rank: int, steps: int) -> None:
+            raw[rank].sendall(json.dumps({"steps": steps, "t": time.monotonic()}).encode() + b"\n")
+
+        beat(2, 10)
+        beat(3, 7)
+        wait_for(lambda: plane.peers[1].steps == 10 and plane.peers[2].steps == 10 and plane.peers[3].steps == 7,
+                 5, "every rank's beat")
+        # All beating: rank 3 lags; rank 4 never connected (which one stalls, rank 0 cannot fully tell).
+        code, reason = plane.diagnose()
+        assert code == "RankUnresponsive", reason
+        assert "rank 3 (pid 4003 on host node) has completed 7 ring operations" in reason, reason
+        assert "rank 1 (" not in reason and "rank 2 (" not in reason, reason
+        assert "rank 4 has no control connection" in reason, reason
+
+        time.sleep(0.8)  # rank 1 beats on (its link's thread); ranks 2 and 3 stay silent
+        code, reason = plane.diagnose()
+        assert code == "RankStopped", reason
+        assert "rank 2 (pid 4002 on host node) is connected but silent" in reason, reason
+        assert "rank 3 (pid 4003 on host node) is connected but silent" in reason, reason
+        assert "rank 1 (" not in reason, reason
+
+        raw.pop(3).close()  # its process exited: the kernel closes its connection
+        code, reason = plane.diagnose()
+        assert code == "RankLost", reason
+        assert reason == ("rank 3 (pid 4003 on host node) closed its control connection: its process exited or "
+                          "its host went down"), reason
+
+        # A rank that cannot reach rank 0's control plane: a warning, and it goes on (no exception).
+        caplog.clear()
+        nowhere = cluster.ControlLink("127.0.0.1", free_port(), plane.secret, 2, steps=lambda: 0).start()
+        links.append(nowhere)
+        wait_for(lambda: "no control connection to rank 0" in caplog.text, 10, "the warning")
+        assert not nowhere.connected.is_set()
+    finally:
+        for link in links:
+            link.close()
+        for sock in raw.values():
+            sock.close()
+        plane.close()
 
 
 def _status(url: str) -> int | None:

@@ -53,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         logging.getLogger(__name__).warning(warning)
     node = _node(settings)
+    control = None
+    if settings.distributed and local is None and not follower and int(node.get(contract.NODE_RANKS) or 0) > 1:
+        # Under mlx.launch no other rank's process is at hand: a control plane beside the ring, on
+        # which every rank beats, lets the watchdog name the rank that stalls it (cluster.py).
+        control = cluster.ControlPlane.open(int(node[contract.NODE_RANKS]))
     instance_id = settings.service_instance_id
     if node.get(contract.NODE_RANK):
         instance_id = contract.node_instance_id(instance_id, node[contract.NODE_RANK])
@@ -81,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         engine.scheduler.diagnose = local.diagnose
         local.watch(lambda rank, code: engine.scheduler.rank_lost(
             f"rank {rank} exited ({'killed by signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"))
+    elif control is not None:
+        engine.scheduler.control = control
+        engine.scheduler.diagnose = control.diagnose
+        control.own_steps = lambda: engine.scheduler.ring_ops
     server = uvicorn.Server(uvicorn.Config(
         create_app(engine), host=settings.host, port=settings.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=5,
@@ -101,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         telemetry.close()  # idempotent: the server's shutdown closed it unless startup failed
         if local is not None:
             local.stop()
+        if control is not None:
+            control.close()
     lost = exporter.counters.dropped_spans
     records = exporter.dropped_records + telemetry.dropped
     if lost or records:

@@ -11,6 +11,11 @@ rank's ``BatchGenerator`` and prompt cache stay the same (notes: mlx-distributed
 
 Every rank exports its own telemetry (its load, heartbeats and steps) from its own process, under
 ``<instance>/rank<r>`` for ranks above 0: a rank's telemetry never rides on the ring.
+
+Under ``mlx.launch`` rank 0 has no other rank's process at hand; the ``ControlPlane`` (rank 0) and
+each rank's ``ControlLink`` are a side channel beside the ring (TCP, rank 0's address in the ring's
+host list) on which every rank says who it is and beats, so that a stalled ring's diagnosis names
+the rank there too.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hmac
 import json
 import logging
 import os
 import pickle
+import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -29,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +48,10 @@ log = logging.getLogger(__name__)
 PIPELINE, TENSOR, AUTO = "pipeline", "tensor", "auto"
 #: The ring's failure, as mlx reports it when a peer's connection drops.
 RING_ERROR_MARK = "[ring]"
+#: What a rank 0 that cannot tell which rank stalled the ring says (no rank's process at hand, no
+#: control connection from it): the scheduler's diagnosis when it has none.
+UNTOLD = ("RankUnresponsive", "a rank has not completed its part of the step; which one this rank cannot tell "
+          "(each rank's own heartbeats can)")
 
 
 @dataclass(frozen=True)
@@ -288,6 +301,313 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+# --- the control plane: rank 0's side channel to the other ranks, beside the ring ---------------
+#: Seconds between the control heartbeats a rank above 0 sends rank 0.
+CONTROL_BEAT_S = 0.5
+#: A connected rank that has sent nothing for this many beats' time is silent.
+CONTROL_SILENT_BEATS = 2
+#: How long a connecting rank has to present itself, and to hear rank 0's answer.
+_HELLO_TIMEOUT_S = 5.0
+#: The longest line either side reads (a hello or a beat is far shorter).
+_MAX_LINE = 4096
+#: How long a rank above 0 waits before it tries its control connection again.
+_RETRY_S = 2.0
+
+
+def ring_host(rank: int = 0) -> str | None:
+    """The address ``rank`` has in the ring's host list (``MLX_HOSTFILE``: a list per rank of
+    ``ip:port``, as mlx.launch and ``launch_local`` write it); None when it cannot be read."""
+    try:
+        with open(os.environ.get("MLX_HOSTFILE", "")) as handle:
+            entry = json.load(handle)[rank][0]
+        host = str(entry).rsplit(":", 1)[0]
+    except (OSError, ValueError, TypeError, IndexError, KeyError):
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+@dataclass
+class _Peer:
+    """A rank above 0 as its control connection presented it, and what rank 0 last heard from it."""
+
+    rank: int
+    pid: int
+    host: str
+    sock: socket.socket
+    heard: float  #: rank 0's time.monotonic() when its last line arrived
+    steps: int = -1  #: the ring operations it had completed (its last beat); -1 before its first beat
+    closed: float | None = None  #: rank 0's time.monotonic() when its connection closed
+
+    def name(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on host {self.host})"
+
+
+class ControlPlane:
+    """Rank 0's side of the control plane (under mlx.launch, where no other rank's process is at
+    hand): a TCP listener on rank 0's address in the ring's host list, never on the ring. At load
+    rank 0 hands the other ranks ``setup()`` (its address, port and a random secret) over the
+    ``Channel``; each connects (``ControlLink``), presents the secret with its rank, pid and host, and
+    beats every ``CONTROL_BEAT_S`` with the ring operations it completed. Connections without the
+    secret are closed unheard. ``diagnose`` names the rank that stalled a ring, as ``LocalRanks`` does
+    on one host, with the same codes."""
+
+    def __init__(self, ranks: int, host: str, beat_s: float = CONTROL_BEAT_S):
+        self.ranks = ranks
+        self.host = host
+        self.beat_s = beat_s
+        self.secret = secrets.token_hex(16)
+        #: Rank 0's own completed ring operations (the scheduler's ``ring_ops``), to tell who lags.
+        self.own_steps: Callable[[], int] | None = None
+        self.peers: dict[int, _Peer] = {}
+        self.rejected = 0  #: connections closed for a wrong or missing secret (or a malformed hello)
+        self._lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.create_server((host, 0), family=family)
+        self.port = self._server.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name="tokentrace-control", daemon=True).start()
+
+    @classmethod
+    def open(cls, ranks: int, host: str | None = None) -> ControlPlane | None:
+        """Rank 0's control plane on its address in the ring's host list (``host`` overrides it);
+        None, with a warning, when it cannot listen there: the watchdog then cannot name a rank."""
+        host = host or ring_host(0)
+        if host is None:
+            log.warning("no control plane: rank 0's address in the ring's host list cannot be read; a stalled "
+                        "ring's diagnosis cannot name the rank")
+            return None
+        try:
+            return cls(ranks, host)
+        except OSError as exc:
+            log.warning("no control plane: cannot listen on %s (%s); a stalled ring's diagnosis cannot name the "
+                        "rank", host, exc)
+            return None
+
+    def setup(self) -> tuple[str, int, str]:
+        """What the other ranks need to connect: (address, port, secret)."""
+        return self.host, self.port, self.secret
+
+    def close(self) -> None:
+        """Stop listening and close every rank's connection."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._server.close()
+        with self._lock:
+            peers = list(self.peers.values())
+        for peer in peers:
+            _shut(peer.sock)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="tokentrace-control-peer", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = None
+        reader = conn.makefile("rb")
+        try:
+            conn.settimeout(_HELLO_TIMEOUT_S)
+            peer = self._hello(conn, reader.readline(_MAX_LINE))
+            if peer is None:
+                return
+            conn.settimeout(None)
+            _keepalive(conn)
+            conn.sendall(b"ok\n")
+            while True:
+                line = reader.readline(_MAX_LINE)
+                if not line:
+                    return
+                now = time.monotonic()
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    peer.steps = int(json.loads(line).get("steps", peer.steps))
+                peer.heard = now
+        except OSError:
+            return
+        finally:
+            if peer is not None:
+                peer.closed = time.monotonic()
+            _shut(conn)
+            reader.close()
+
+    def _hello(self, conn: socket.socket, line: bytes) -> _Peer | None:
+        """The rank a connection presents, registered; None (the connection refused) without the secret."""
+        try:
+            hello = json.loads(line)
+            secret, rank = str(hello["secret"]), int(hello["rank"])
+            pid, host = int(hello["pid"]), str(hello["host"])[:255]
+        except (ValueError, TypeError, KeyError):
+            secret, rank, pid, host = "", -1, 0, ""
+        if not hmac.compare_digest(secret.encode(), self.secret.encode()) or not 0 < rank < self.ranks:
+            self.rejected += 1
+            log.warning("control plane: refused a connection from %s (no valid secret and rank)",
+                        _address(conn))
+            return None
+        peer = _Peer(rank, pid, host, conn, time.monotonic())
+        with self._lock:
+            old, self.peers[rank] = self.peers.get(rank), peer
+        if old is not None:
+            _shut(old.sock)  # the same rank again (it reconnected): the new connection is its own
+        log.info("control plane: %s connected from %s", peer.name(), _address(conn))
+        return peer
+
+    def diagnose(self) -> tuple[str, str]:
+        """(error code, reason) of a ring that stopped moving, from the control connections: a rank
+        whose connection closed (``RankLost``), one connected but silent for more than
+        ``CONTROL_SILENT_BEATS`` beats (``RankStopped``), else ``RankUnresponsive`` naming the ranks
+        whose completed ring operations lag, if any; a rank without a control connection is one this
+        rank cannot tell about (``UNTOLD``)."""
+        with self._lock:
+            peers = dict(self.peers)
+        self._notice_closed(peers.values())
+        now = time.monotonic()
+        lost, silent, reporting, untold = [], [], {}, []
+        for rank in range(1, self.ranks):
+            peer = peers.get(rank)
+            if peer is None:
+                untold.append(rank)
+            elif peer.closed is not None:
+                lost.append(peer)
+            elif now - peer.heard > CONTROL_SILENT_BEATS * self.beat_s:
+                silent.append((peer, now - peer.heard))
+            else:
+                reporting[rank] = peer
+        if lost:
+            return "RankLost", "; ".join(f"{peer.name()} closed its control connection: its process exited or "
+                                         f"its host went down" for peer in lost)
+        if silent:
+            return "RankStopped", "; ".join(
+                f"{peer.name()} is connected but silent (nothing for {quiet:.1f} s): stopped (SIGSTOP, a debugger) "
+                f"or its host hangs" for peer, quiet in silent)
+        if untold:
+            ranks = ", ".join(map(str, untold))
+            reason = (f"{UNTOLD[1][:-1]}: rank{'s' if len(untold) > 1 else ''} {ranks} "
+                      f"{'have' if len(untold) > 1 else 'has'} no control connection)")
+        else:
+            reason = ("every rank is connected and beating on its control connection, but a step has not "
+                      "completed: a rank or a link of the ring is stuck")
+        steps = {rank: peer.steps for rank, peer in reporting.items() if peer.steps >= 0}
+        if self.own_steps is not None:
+            with contextlib.suppress(Exception):
+                steps[0] = int(self.own_steps())
+        if len(steps) > 1 and min(steps.values()) < max(steps.values()):
+            ahead = max(steps.values())
+            lagging = [f"{'rank 0 (this process)' if rank == 0 else reporting[rank].name()} has completed "
+                       f"{count:,} ring operations" for rank, count in sorted(steps.items()) if count < ahead]
+            reason += f"; lagging: {', '.join(lagging)}, the others {ahead:,}"
+        return "RankUnresponsive", reason
+
+    @staticmethod
+    def _notice_closed(peers: Any) -> None:
+        """Mark the connections whose rank has closed its end, before their reader threads have read
+        to it (a ring that broke because a rank exited is diagnosed at once): Linux's POLLRDHUP."""
+        rdhup = getattr(select, "POLLRDHUP", 0)
+        if not rdhup or not hasattr(select, "poll"):
+            return
+        for peer in peers:
+            if peer.closed is not None:
+                continue
+            poller = select.poll()
+            try:
+                poller.register(peer.sock, rdhup | select.POLLHUP | select.POLLERR)
+                if poller.poll(0):
+                    peer.closed = time.monotonic()
+            except (OSError, ValueError):
+                peer.closed = peer.closed or time.monotonic()
+
+
+class ControlLink:
+    """A rank above 0's side of the control plane: from a thread of its own (which beats on while
+    the main thread waits in the ring: MLX's evaluation releases the GIL), it connects to rank 0's
+    ``ControlPlane``, presents the secret, its rank, pid and host, then sends a line every
+    ``beat_s`` with the ring operations it completed (``steps()``). A connection that cannot be made
+    is a warning, never a failure: the rank serves on (rank 0 cannot name it if the ring stalls),
+    and the link tries again every few seconds."""
+
+    def __init__(self, host: str, port: int, secret: str, rank: int, steps: Callable[[], int],
+                 beat_s: float = CONTROL_BEAT_S):
+        self.host, self.port, self.secret, self.rank = host, port, secret, rank
+        self.steps = steps
+        self.beat_s = beat_s
+        self.connected = threading.Event()  #: set while rank 0 has accepted this rank's connection
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, name="tokentrace-control-link", daemon=True)
+
+    def start(self) -> ControlLink:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            _shut(self._sock)
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.is_set():
+            try:
+                self._session()
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                if self.connected.is_set():
+                    log.warning("rank %d: lost its control connection to rank 0 (%s); connecting again", self.rank,
+                                exc)
+                    warned = False
+                elif not warned:
+                    log.warning("rank %d: no control connection to rank 0 at %s:%d (%s); serving on without it: "
+                                "rank 0 cannot name this rank if the ring stalls (trying again every %g s)",
+                                self.rank, self.host, self.port, exc, _RETRY_S)
+                    warned = True
+            self.connected.clear()
+            self._stop.wait(_RETRY_S)
+
+    def _session(self) -> None:
+        with socket.create_connection((self.host, self.port), timeout=_HELLO_TIMEOUT_S) as sock:
+            self._sock = sock
+            hello = {"secret": self.secret, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+            sock.sendall(json.dumps(hello).encode() + b"\n")
+            with sock.makefile("rb") as reader:
+                if reader.readline(_MAX_LINE).strip() != b"ok":
+                    raise ConnectionRefusedError("rank 0 refused it")
+            self.connected.set()
+            log.info("rank %d: control connection to rank 0 at %s:%d", self.rank, self.host, self.port)
+            while not self._stop.wait(self.beat_s):
+                sock.sendall(json.dumps({"steps": self.steps(), "t": round(time.monotonic(), 3)}).encode() + b"\n")
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive probes after 2 s without a byte: a connection whose host went down (no FIN)
+    closes within seconds, as one whose process exited does at once; a stopped process's kernel still
+    answers them."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def _address(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
 
 
 # --- each rank's compute and its waits on the ring ----------------------------------------------

@@ -4,7 +4,9 @@ did to its generator and prompt cache before each step, and steps with it (clust
 It serves no API and decides nothing: the requests, their admission, cancellations and the
 prompt cache's policy are rank 0's. What it reports is its own: its load (with the ring joined
 and its shard placed as stages), heartbeats from its own process, and its engine steps, which
-time this rank's share of each step (its compute and its waits on the ring).
+time this rank's share of each step (its compute and its waits on the ring). Under mlx.launch it
+also beats to rank 0 itself, on a control connection beside the ring (cluster.ControlLink), so that
+rank 0 can name it when the ring stalls.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tokentrace.engine_shim.mlx.jobs import Job, SamplingObjects
 from tokentrace.engine_shim.mlx.loader import LoadOptions, Runtime, load_runtime, new_load_record
 from tokentrace.engine_shim.mlx.prompt_cache import _slice_layers
 from tokentrace.engine_shim.mlx.records import HeartbeatRecord, RequestRecord, StepWindow
-from tokentrace.engine_shim.mlx.scheduler import MSG_STEP, MSG_STOP, WINDOW_NS, WINDOW_STEPS, Submit
+from tokentrace.engine_shim.mlx.scheduler import MSG_CONTROL, MSG_STEP, MSG_STOP, WINDOW_NS, WINDOW_STEPS, Submit
 from tokentrace.engine_shim.mlx.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class Follower:
         self._window = StepWindow()
         self._timer: cluster.StepTimer | None = None
         self._failed: str | None = None  # why the last step failed here, until rank 0's reset
+        #: Ring operations (messages received, steps) completed: what its control beats tell rank 0.
+        self.ring_ops = 0
+        self.control: cluster.ControlLink | None = None  #: its control connection to rank 0 (mlx.launch)
 
     def run(self) -> int:
         """Load, then follow; 0 when rank 0 stopped the instance, 1 when the load failed or the
@@ -80,6 +85,10 @@ class Follower:
         try:
             while True:
                 kind, ops = channel.receive()
+                self.ring_ops += 1
+                if kind == MSG_CONTROL:
+                    self._connect(ops)
+                    continue
                 if self._failed is not None and ops[:1] != [("reset",)]:
                     raise Diverged(f"its step failed ({self._failed}) and rank 0's did not")
                 self._failed = None
@@ -93,6 +102,7 @@ class Follower:
                         self._step_failed(exc)
                     except Exception as exc:  # rank 0's step failed alike: its next message resets the batch
                         self._step_failed(exc)
+                    self.ring_ops += 1
                 else:
                     self._flush_window()
                 if kind == MSG_STOP:
@@ -106,8 +116,20 @@ class Follower:
             log.error("rank %d lost the ring (%s): rank 0 or another rank is gone", runtime.group.rank(), exc)
             return 1
         finally:
+            if self.control is not None:
+                self.control.close()
             self._flush_window()
             self._generator.close()
+
+    def _connect(self, setup: tuple[str, int, str]) -> None:
+        """Rank 0's control plane is at ``setup`` (address, port, secret): connect and beat from a
+        thread of its own; a connection that cannot be made is a warning (ControlLink), never a
+        failure of this rank."""
+        host, port, secret = setup
+        if self.control is not None:
+            self.control.close()
+        self.control = cluster.ControlLink(host, port, secret, self.runtime.group.rank(),
+                                           steps=lambda: self.ring_ops).start()
 
     def _step_failed(self, exc: Exception) -> None:
         """A step that raised here: rank 0's raised alike (the same batch, the same inputs) and it

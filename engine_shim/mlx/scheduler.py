@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 #: A stall report names at most this many open requests.
 MAX_OPEN_REPORTED = 256
-#: What a rank 0 without its ranks' processes at hand (under mlx.launch) says of a stalled ring.
-_UNTOLD = ("RankUnresponsive", "a rank has not completed its part of the step; which one this rank cannot tell "
-           "(each rank's own heartbeats can)")
+#: What a rank 0 without its ranks' processes at hand (under mlx.launch) and without a control
+#: connection from them says of a stalled ring.
+_UNTOLD = cluster.UNTOLD
 #: A window of engine.steps closes after this many steps or this long, whichever comes first.
 WINDOW_STEPS = 256
 WINDOW_NS = 1_000_000_000
@@ -52,6 +52,8 @@ PrefillGate = Callable[[bool], None]
 LOAD_IDLE, LOAD_RUNNING, LOAD_READY, LOAD_FAILED = "not_loaded", "loading", "ready", "failed"
 #: What rank 0 of a distributed engine tells the other ranks before each iteration (cluster.py).
 MSG_STEP, MSG_IDLE, MSG_STOP = "step", "idle", "stop"
+#: Rank 0's first message under mlx.launch: where its control plane listens (cluster.ControlPlane).
+MSG_CONTROL = "control"
 
 
 class Scheduler:
@@ -92,9 +94,14 @@ class Scheduler:
         self.degraded: str | None = None
         #: Why its ring has not moved for --rank-timeout (a rank stopped stepping); None while it moves.
         self.stalled: str | None = None
-        #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it
-        #: from the ranks it started; under mlx.launch no rank can tell).
+        #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it:
+        #: the ranks it started, or under mlx.launch the control plane's connections).
         self.diagnose: Callable[[], tuple[str, str]] | None = None
+        #: Under mlx.launch, rank 0's control plane: its address goes to the other ranks at load.
+        self.control: cluster.ControlPlane | None = None
+        #: Ring operations (hand-overs and steps) this rank completed: the control plane compares it
+        #: with the other ranks' counts to tell which one lags.
+        self.ring_ops = 0
         self._memory_bytes: int | None = None  #: what the last heartbeat read of MLX's active memory
         self._ring_since = 0  # perf_counter_ns when the current ring operation began; 0 outside one
         #: A distributed rank 0's stall watch, as its heartbeats declare it (HeartbeatRecord.stall_watch_ms):
@@ -259,6 +266,10 @@ class Scheduler:
         if self.load_state == LOAD_READY:
             self._emit(self.heartbeat())  # the first state report: limits and KV bytes per token
         self._on_load_done(record)
+        if self.load_state == LOAD_READY and self.control is not None and self._channel is not None:
+            # Setup, not telemetry: where the other ranks connect to rank 0's control plane (follower.py).
+            with self._on_ring():
+                self._channel.send((MSG_CONTROL, self.control.setup()))
 
     def _install(self, runtime: Runtime) -> None:
         from mlx_lm.models.cache import make_prompt_cache
@@ -569,6 +580,7 @@ class Scheduler:
             yield
         finally:
             self._ring_since = 0
+            self.ring_ops += 1
 
     def _watch(self) -> None:
         """A distributed rank 0's watchdog: a ring operation past half --rank-timeout is reported at
