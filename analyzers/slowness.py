@@ -59,7 +59,7 @@ from tokentrace.collector.stores.store import TraceReader
 #: The error codes of a request a distributed engine failed because its ring stopped moving
 #: (engine_shim/mlx/cluster.py LocalRanks.diagnose), and what each says of the rank.
 STALL_STATES = {
-    "RankStopped": "is alive but not stepping: its process is stopped (SIGSTOP or a debugger)",
+    "RankStopped": "is alive but not stepping: its process is stopped (SIGSTOP, a debugger) or its host hangs",
     "RankLost": "is gone: its process exited",
     "RankUnresponsive": "did not complete its part of the step, its process alive",
 }
