@@ -59,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import pytest  # the harnesses report a failure with pytest.fail: its exception is caught here
-from harness_collector import CollectorProcess, wait_for
+from harness_collector import CollectorProcess, proc_status, wait_for
+from overload import rss  # (RSS of a process, RSS of it and its children)
 from test_collector_attacks import amplifying_body
 from test_collector_errors import make_request
 
@@ -77,35 +78,6 @@ FAILED = (Exception, pytest.fail.Exception)
 
 
 # --- memory -----------------------------------------------------------------------------------------
-def _field(pid: int, field: str) -> int:
-    """A memory figure of ``pid`` from /proc/PID/status in bytes; 0 when the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
-
-
-def rss(pid: int) -> tuple[int, int]:
-    """(RSS of ``pid``, RSS of ``pid`` and its children, its parse workers) in bytes."""
-    own = _field(pid, "VmRSS")
-    return own, own + sum(_field(child, "VmRSS") for child in _children(pid))
-
-
 class Peak:
     """RSS of a process sampled every 0.1 s in a thread while the block runs (its own, and with its
     children), and its own high-water mark (VmHWM), reset when the block starts where
@@ -137,7 +109,7 @@ class Peak:
         self._done.set()
         self._thread.join()
         if self.hwm is not None:
-            self.hwm = _field(self.pid, "VmHWM")
+            self.hwm = proc_status(self.pid, "VmHWM")
             # The workers' own peaks are not reset; a higher own peak raises the sum by as much.
             self.all += max(0, self.hwm - self.own)
             self.own = max(self.own, self.hwm)

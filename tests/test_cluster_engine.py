@@ -436,10 +436,7 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
                                          timeout=60)
                     if not open_request.done():
                         live["cli"] = (time.monotonic() - stopped, cli.returncode, cli.stderr + cli.stdout)
-                gauges = _stall_gauges(collector)
-                if gauged is None and gauges.get(("tokentrace_requests_stalled", "RankStopped")) and \
-                        not open_request.done():
-                    gauged = (time.monotonic() - stopped, gauges)
+                gauged = _first_stall_gauges(collector, open_request, stopped, gauged)
                 time.sleep(0.2)
             events = open_request.result(timeout=30)
             failed_after = time.monotonic() - stopped
@@ -494,6 +491,17 @@ def _stall_gauges(collector) -> dict[tuple[str, str | None], float]:
     text = httpx.get(collector.url + "/metrics", headers=collector.headers, timeout=10).text
     return {(name, labels.get("state")): value for name, labels, value in parse_samples(text)
             if name in ("tokentrace_requests_stalled", "tokentrace_stall_seconds") and labels["instance_id"] == "ring"}
+
+
+def _first_stall_gauges(collector, open_request, stopped: float, gauged):
+    """(seconds since ``stopped``, /metrics' stall series) once they first count the request stalled
+    while it is still open; ``gauged`` (None until then) once it was."""
+    if gauged is not None:
+        return gauged
+    gauges = _stall_gauges(collector)
+    if gauges.get(("tokentrace_requests_stalled", "RankStopped")) and not open_request.done():
+        return time.monotonic() - stopped, gauges
+    return None
 
 
 def test_three_ranks_answer_as_one_process_each_with_its_layers(engine_factory, collector_factory, qwen2_model):
@@ -580,10 +588,7 @@ def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_
                                        headers=collector.headers, timeout=10)
                     if live is None and "still open" in answer.text and not open_request.done():
                         live = (time.monotonic() - stopped, answer.text)
-                    gauges = _stall_gauges(collector)
-                    if gauged is None and gauges.get(("tokentrace_requests_stalled", "RankStopped")) and \
-                            not open_request.done():
-                        gauged = (time.monotonic() - stopped, gauges)
+                    gauged = _first_stall_gauges(collector, open_request, stopped, gauged)
                     time.sleep(0.2)
                 events = open_request.result(timeout=30)
                 failed_after = time.monotonic() - stopped
