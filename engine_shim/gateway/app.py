@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from tokentrace import contract as c
+from tokentrace.collector.receiver.budget import Budget
 from tokentrace.engine_shim.gateway.adapters import adapter_class, detect
 from tokentrace.engine_shim.gateway.adapters.base import (
     CHAT,
@@ -76,32 +77,11 @@ class RateLimiter:
 
 
 #: Bytes a request body holds per byte while its request lasts: the body and its parsed JSON (mostly
-#: the strings of its messages, about the body's own size).
+#: the strings of its messages, about the body's own size). The bodies in flight are charged as they
+#: arrive against ``--max-pending-bytes`` (the collector's ``Budget``: a request alone is admitted)
+#: and held until their answers end: each body was bounded by ``--max-request-bytes``, but not their
+#: sum (bench/attacks.py saw 4.4 x that limit with 4 senders, 7.5 x with 8).
 BODY_COPIES = 2
-
-
-class Bodies:
-    """Bytes of request bodies held by the requests in flight, against ``--max-pending-bytes``: a
-    body is charged as it arrives and held until its answer ends, so neither many large bodies at
-    once nor idle connections grow the gateway past the bound (each body alone is bounded by
-    ``--max-request-bytes``; bench/attacks.py saw 4.4 x that with 4 senders, 7.5 x with 8, before
-    this bound). A request alone is always admitted. Used from the event loop only."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self.refused = 0
-
-    def take(self, cost: int, own: int) -> bool:
-        """Charge ``cost`` more bytes to a request holding ``own``, unless others hold bytes too
-        and the limit would be passed."""
-        if self.used > own and self.used + cost > self.limit:
-            self.refused += 1
-            return False
-        self.used += cost
-        self.peak = max(self.peak, self.used)
-        return True
 
 
 class Gateway:
@@ -114,7 +94,8 @@ class Gateway:
         self.forced = dict(settings.adapter)
         self.router = Router(settings.route, self.upstreams, settings.prefix_load_bound)
         self.limiter = RateLimiter(settings.rate_limit)
-        self.bodies = Bodies(settings.max_pending_bytes)
+        self.bodies = Budget(settings.max_pending_bytes)
+        self.bodies_refused = 0  #: requests answered 503 for --max-pending-bytes
         self.client: httpx.AsyncClient | None = None
         self.routes: dict[str, Route] = {CHAT.path: CHAT, COMPLETIONS.path: COMPLETIONS}
         self._poller: asyncio.Task | None = None
@@ -249,8 +230,7 @@ class Gateway:
                 "upstreams": [{"name": u.name, "url": u.base_url, "kind": u.adapter.kind if u.adapter else None,
                                "down": u.down, "reason": u.down_reason or None, "inflight": u.inflight,
                                "waiting": u.waiting, "served": u.served} for u in self.upstreams],
-                "pending": {"limit_bytes": self.bodies.limit, "used_bytes": self.bodies.used,
-                            "peak_bytes": self.bodies.peak, "refused": self.bodies.refused}}
+                "pending": {**self.bodies.snapshot(), "refused": self.bodies_refused}}
 
     def models(self) -> dict[str, Any]:
         """Models the usable upstreams said they serve (their probe), once each."""
@@ -268,7 +248,7 @@ class Gateway:
         try:
             await self._proxy(route, scope, headers, receive, send, held)
         finally:
-            self.bodies.used -= held[0]
+            self.bodies.give(held[0])
 
     async def _proxy(self, route: Route, scope: dict, headers: dict[str, str], receive, send,
                      held: list[int]) -> None:
@@ -340,8 +320,9 @@ class Gateway:
             elif not full:  # dropped from here on; what was held goes back at once
                 full = True
                 chunks.clear()
-                self.bodies.used -= held[0]
+                self.bodies.give(held[0])
                 held[0] = 0
+                self.bodies_refused += 1
             if not message.get("more_body"):
                 break
         if full:
