@@ -635,15 +635,17 @@ def test_under_mlx_launch_a_rank_waiting_in_the_ring_beats_on_and_only_the_stopp
                                                                                              qwen2_model):
     """Three ranks: with rank 2 stopped, rank 1 waits in the ring's receive all along; its control
     beats come from a thread of their own and keep flowing meanwhile (MLX releases the GIL while it
-    waits), so the diagnosis names rank 2 alone."""
-    port = free_port()
+    waits), so the diagnosis names rank 2 alone. The control plane listens on the port chosen with
+    --control-port (a firewall opens that one), and both other ranks beat to it there."""
+    port, control_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     proc, log = _mlx_launch(tmp_path, qwen2_model, port, "--instance-id", "ring3", "--rank-timeout", "4",
-                            "--parallel", "pipeline", ranks=3)
+                            "--parallel", "pipeline", "--control-port", str(control_port), ranks=3)
     try:
         wait_for(lambda: _status(url + "/health") == 200, 120, "the launched engine")
         ranks = _launched_ranks(proc.pid)
         assert set(ranks) == {0, 1, 2}, ranks
+        wait_for(lambda: _control_connections(control_port) == 2, 30, "ranks 1 and 2 on the chosen control port")
         with ThreadPoolExecutor(1) as pool:
             open_request = _long_stream(pool, SimpleNamespace(url=url), "launched3-stalled")
             time.sleep(1.2)
@@ -735,6 +737,36 @@ def test_the_control_plane_names_a_closed_a_silent_and_a_lagging_rank_over_real_
         for sock in raw.values():
             sock.close()
         plane.close()
+
+
+def test_a_chosen_control_port_that_is_taken_is_a_clear_error():
+    """--control-port names the one port a firewall lets through: when rank 0 cannot listen there,
+    no other port will do (the ranks could not reach it), so it is an error naming the port, where
+    a free port (0) that cannot be had only costs the diagnosis its rank (a warning)."""
+    import socket
+
+    from tokentrace.engine_shim.mlx import cluster
+    from tokentrace.errors import ConfigError
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--control-port {port}: cannot listen on 127.0.0.1 port {port}"):
+            cluster.ControlPlane.open(2, "127.0.0.1", port=port)
+    plane = cluster.ControlPlane.open(2, "127.0.0.1", port=port)  # free again: it listens there
+    try:
+        assert plane is not None and plane.port == port
+    finally:
+        plane.close()
+    no_port = subprocess.run([sys.executable, "-m", "tokentrace", "engine", "--model", "/tmp", "--control-port",
+                              "70000"], capture_output=True, text=True, timeout=120)
+    assert no_port.returncode == 2 and "--control-port must be an integer <= 65535, received '70000'" in \
+        no_port.stderr, no_port.stderr
+
+
+def _control_connections(port: int) -> int:
+    """Established TCP connections to 127.0.0.1:``port`` (the kernel's table, /proc/net/tcp)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1] == f"0100007F:{port:04X}" and row.split()[3] == "01")
 
 
 def _status(url: str) -> int | None:

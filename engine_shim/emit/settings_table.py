@@ -31,6 +31,7 @@ class Setting:
     default: Any  #: value when neither the option nor the environment variable is given
     help: str  #: one line for --help and docs
     minimum: float | None = None  #: smallest accepted value for numbers
+    maximum: float | None = None  #: largest accepted value for numbers
     choices: tuple[str, ...] = ()  #: accepted values for text, when closed
     prefix: str = "TOKENTRACE_ENGINE_"  #: environment variable prefix of the table the setting is in
 
@@ -105,6 +106,8 @@ def parse_value(setting: Setting, raw: Any, source: str, convert: Convert | None
         raise ConfigError(f"{source} must be {_KINDS[setting.type]}, received {raw!r}") from None
     if setting.minimum is not None and value < setting.minimum:
         raise ConfigError(f"{source} must be {_KINDS[setting.type]} >= {setting.minimum:g}, received {raw!r}")
+    if setting.maximum is not None and value > setting.maximum:
+        raise ConfigError(f"{source} must be {_KINDS[setting.type]} <= {setting.maximum:g}, received {raw!r}")
     if setting.choices and value not in setting.choices:
         raise ConfigError(f"{source} must be one of {', '.join(setting.choices)}, received {raw!r}")
     return value

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.distributed and local is None and not follower and int(node.get(contract.NODE_RANKS) or 0) > 1:
         # Under mlx.launch no other rank's process is at hand: a control plane beside the ring, on
         # which every rank beats, lets the watchdog name the rank that stalls it (cluster.py).
-        control = cluster.ControlPlane.open(int(node[contract.NODE_RANKS]))
+        control = cluster.ControlPlane.open(int(node[contract.NODE_RANKS]), port=settings.control_port)
     instance_id = settings.service_instance_id
     if node.get(contract.NODE_RANK):
         instance_id = contract.node_instance_id(instance_id, node[contract.NODE_RANK])

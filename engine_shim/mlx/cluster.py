@@ -353,7 +353,7 @@ class ControlPlane:
     secret are closed unheard. ``diagnose`` names the rank that stalled a ring, as ``LocalRanks`` does
     on one host, with the same codes."""
 
-    def __init__(self, ranks: int, host: str, beat_s: float = CONTROL_BEAT_S):
+    def __init__(self, ranks: int, host: str, beat_s: float = CONTROL_BEAT_S, port: int = 0):
         self.ranks = ranks
         self.host = host
         self.beat_s = beat_s
@@ -364,23 +364,26 @@ class ControlPlane:
         self.rejected = 0  #: connections closed for a wrong or missing secret (or a malformed hello)
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = socket.create_server((host, 0), family=family)
+        self._server = socket.create_server((host, port), family=family)
         self.port = self._server.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._accept, name="tokentrace-control", daemon=True).start()
 
     @classmethod
-    def open(cls, ranks: int, host: str | None = None) -> ControlPlane | None:
-        """Rank 0's control plane on its address in the ring's host list (``host`` overrides it);
-        None, with a warning, when it cannot listen there: the watchdog then cannot name a rank."""
+    def open(cls, ranks: int, host: str | None = None, port: int = 0) -> ControlPlane | None:
+        """Rank 0's control plane on its address in the ring's host list (``host`` overrides it), on
+        ``port`` (0: a free one); None, with a warning, when it cannot listen there: the watchdog
+        then cannot name a rank. A chosen ``port`` that cannot be had is a ConfigError."""
         host = host or ring_host(0)
         if host is None:
             log.warning("no control plane: rank 0's address in the ring's host list cannot be read; a stalled "
                         "ring's diagnosis cannot name the rank")
             return None
         try:
-            return cls(ranks, host)
+            return cls(ranks, host, port=port)
         except OSError as exc:
+            if port:  # a port the operator chose (and opened in a firewall): no other one will do
+                raise ConfigError(f"--control-port {port}: cannot listen on {host} port {port} ({exc})") from exc
             log.warning("no control plane: cannot listen on %s (%s); a stalled ring's diagnosis cannot name the "
                         "rank", host, exc)
             return None

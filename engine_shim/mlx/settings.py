@@ -66,6 +66,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rank-timeout", float, 10.0, "a distributed engine's step or hand-over that has not completed after "
             "this many seconds stalls the instance: its open requests fail naming the rank, new ones get 503 until "
             "the ring moves again (0: wait forever)", minimum=0),
+    Setting("control-port", int, 0, "under mlx.launch, the TCP port on rank 0's address in the host list where the "
+            "other ranks' control connections (their heartbeats, beside the ring) arrive (0: a free port; set one to "
+            "open it in a firewall)", minimum=0, maximum=65535),
     Setting("timed-step-every", int, 8, "a pipeline rank times one engine step in this many: its layers' compute "
             "and its waits on the ring (0: none; the others keep mlx-lm's overlap of steps)", minimum=0),
     Setting("split", str, None, "pipeline layer counts per rank, rank 0 first, e.g. 10,6 (default: even; rank 0 "
@@ -120,6 +123,7 @@ class EngineSettings:
     parallel: str = "auto"  #: pipeline, tensor or auto
     split: str | None = None  #: pipeline layer counts per rank
     rank_timeout: float = 10.0  #: seconds a ring operation may take before the instance is stalled
+    control_port: int = 0  #: rank 0's control-plane port under mlx.launch (0: a free one)
     timed_step_every: int = 8  #: a pipeline rank times one step in this many (0: none)
 
     @property
