@@ -363,6 +363,40 @@ def test_a_pipeline_verdict_splits_each_phase_into_each_ranks_compute_and_its_wa
         assert f"{phase.capitalize()} on 2 ranks" in item["text"] and "Bottleneck: rank 0." in item["text"]
 
 
+def test_every_rank_times_the_steps_rank_0_chooses_and_each_request_gets_each_phase_timed(
+        engine_factory, collector_factory, qwen2_model):
+    """A timed step costs mlx-lm's overlap of one step with the next (3 % of decode tokens/s at one
+    step in 8 on this small model: bench/cluster.py), so rank 0 times one step in
+    --timed-step-every at most once each --timed-step-gap, plus the first step of each request's
+    prefill and of its decode, and tells the other ranks with the step: they time the same steps.
+    With a gap longer than the run, each request gets exactly those two, and its verdict still
+    splits its decode into each rank's compute and its waits."""
+    collector = collector_factory().start()
+    cluster = engine_factory("--ranks", "2", "--parallel", "pipeline", "--timed-step-gap", "600",
+                             model=qwen2_model, instance_id="ring", collector=collector).start()
+    ids = [f"ring-timed-{i}" for i in range(3)]
+    for i, request_id in enumerate(ids):
+        assert cluster.chat([{"role": "user", "content": f"tell me story {i}"}], max_tokens=40, ignore_eos=True,
+                            headers={"X-Request-Id": request_id}).status_code == 200
+    assert cluster.stop() == 0
+    verdict = _verdict(collector, ids[0])
+    collector.stop()
+    steps = {instance: [] for instance in ("ring", "ring/rank1")}
+    for instance, timed, prefill, decode in collector.sql(
+            "SELECT instance_id, compute_ns IS NOT NULL, prefill_request_ids, decode_request_ids FROM steps "
+            "WHERE instance_id LIKE 'ring%' ORDER BY instance_id, start_ns"):
+        steps[instance].append((timed, sorted(prefill or []), sorted(decode or [])))
+    assert steps["ring"] == steps["ring/rank1"] and len(steps["ring"]) > 3 * 40  # the same steps, the same ones timed
+    timed = [(prefill, decode) for is_timed, prefill, decode in steps["ring"] if is_timed]
+    assert len(timed) == 2 * len(ids), timed  # the gap held every other step back
+    for request_id in ids:
+        assert any(request_id in prefill for prefill, _ in timed), (request_id, timed)
+        assert any(request_id in decode for _, decode in timed), (request_id, timed)
+    assert verdict["category"] == "decode", verdict  # and a short request's decode is still split per rank
+    item = _cluster_evidence(verdict)
+    assert {r["rank"]: r["steps"] for r in item["ranks"]} == {0: 1, 1: 1}, item
+
+
 def _pin(pid: int, cpu: int, nice: int = 0) -> None:
     """Every thread of a process on one CPU, at a niceness."""
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -618,10 +618,18 @@ def _address(conn: socket.socket) -> str:
 #: and its waits on the ring. The others keep mlx-lm's overlap of one step's evaluation with the
 #: next's dispatch.
 TIMED_EVERY = 8
+#: ... but at most one each this many seconds (--timed-step-gap): a timed step loses that overlap
+#: (about the Python time of building one step's graph, ~1 ms here), which on a small model's 4 ms
+#: steps cost 3 % of decode tokens/s at one in 8 (bench/cluster.py).
+TIMED_GAP_S = 0.25
 
 
 class StepTimer:
-    """Times one engine step in ``every`` on a rank of a pipeline placement.
+    """Times some engine steps on a rank of a pipeline placement: rank 0 decides which (``due``)
+    and tells the other ranks with the step (an op of its hand-over), so that every rank times the
+    same steps. Due is one step in ``every``, at most one each ``gap_s``, and any step in which a
+    sequence begins a phase (prefill, decode) that no timed step of its own has covered yet: a short
+    request still gets its phases split, and the cost stays bounded by the gap.
 
     A timed step first drains what the generator left evaluating (so that it starts clean), then
     evaluates the forward pass at the rank's boundaries, not per layer: the input of its first layer
@@ -638,11 +646,13 @@ class StepTimer:
     another process keeps off its CPU burns less (its wait is then partly starvation, not the link).
     """
 
-    def __init__(self, model: Any, every: int = TIMED_EVERY):
+    def __init__(self, model: Any, every: int = TIMED_EVERY, gap_s: float = TIMED_GAP_S):
         from mlx_lm.generate import generation_stream
 
         inner = model.model
         self.every = every
+        self.gap_ns = int(gap_s * 1e9)
+        self._timed_step = self._timed_ns = 0  # the last timed step's number and start
         self.stream = generation_stream
         self.receives = inner.pipeline_rank < inner.pipeline_size - 1
         self.armed = False
@@ -655,15 +665,24 @@ class StepTimer:
         if hasattr(inner, "norm"):
             inner.norm = _Mark(inner.norm, self, before=True, after=False, gathered=True)
 
-    def arm(self) -> bool:
-        """Before a step: whether this one is timed (then it starts from a drained stream)."""
+    def due(self, fresh: bool = False) -> bool:
+        """Rank 0, before a step: whether every rank times it; ``fresh`` when a sequence in it
+        begins a phase no timed step has covered."""
         self.steps += 1
-        if self.every <= 0 or self.steps % self.every:
+        if self.every <= 0:
+            return False
+        return fresh or (self.steps - self._timed_step >= self.every
+                         and time.perf_counter_ns() - self._timed_ns >= self.gap_ns)
+
+    def arm(self, due: bool) -> bool:
+        """Before a step rank 0 found ``due``: time it (from a drained stream); returns ``due``."""
+        if not due:
             return False
         import mlx.core as mx
 
         mx.synchronize(self.stream)
-        self._start = self._last = time.perf_counter_ns()
+        self._start = self._last = self._timed_ns = time.perf_counter_ns()
+        self._timed_step = self.steps
         self._last_cpu = time.process_time_ns()
         self._compute = self._wait = self._wait_cpu = 0
         self.armed = True
@@ -719,16 +738,17 @@ class _Mark:
 
 
 class timed_step:
-    """``with timed_step(timer):`` around one engine step; ``result`` is then (compute, ring wait,
-    whole step, CPU in the ring waits) in ns when the step was timed, else None (no timer, or not
-    this step's turn)."""
+    """``with timed_step(timer, due):`` around one engine step; ``result`` is then (compute, ring
+    wait, whole step, CPU in the ring waits) in ns when the step was timed, else None (no timer, or
+    a step rank 0 did not find due)."""
 
-    def __init__(self, timer: StepTimer | None):
+    def __init__(self, timer: StepTimer | None, due: bool):
         self.timer = timer
+        self.due = due
         self.result: tuple[int, int, int, int] | None = None
 
     def __enter__(self) -> timed_step:
-        self.armed = self.timer is not None and self.timer.arm()
+        self.armed = self.timer is not None and self.timer.arm(self.due)
         return self
 
     def __exit__(self, kind: Any, *_: Any) -> None:
@@ -739,10 +759,9 @@ class timed_step:
                 self.timer.armed = False
 
 
-def step_timer(runtime: Any, every: int = TIMED_EVERY) -> StepTimer | None:
-    """The step timer of a pipeline rank timing one step in ``every``; None for one process, a
-    tensor placement (whose communication is inside every layer: its ranks report step times only)
-    or ``every`` 0."""
+def step_timer(runtime: Any, every: int = TIMED_EVERY, gap_s: float = TIMED_GAP_S) -> StepTimer | None:
+    """The step timer of a pipeline rank (``StepTimer``); None for one process, a tensor placement
+    (whose communication is inside every layer: its ranks report step times only) or ``every`` 0."""
     model = runtime.model
     if every <= 0:
         return None
@@ -750,4 +769,4 @@ def step_timer(runtime: Any, every: int = TIMED_EVERY) -> StepTimer | None:
         return None
     if getattr(model.model, "pipeline_size", 1) < 2:
         return None
-    return StepTimer(model, every)
+    return StepTimer(model, every, gap_s)

@@ -55,6 +55,7 @@ class Follower:
         self._prefilled: dict[int, int] = {}  # uid -> prompt tokens computed so far (prefilling sequences)
         self._window = StepWindow()
         self._timer: cluster.StepTimer | None = None
+        self._time_next = False  #: rank 0 asked for the next step to be timed (its "time" op)
         self._failed: str | None = None  # why the last step failed here, until rank 0's reset
         #: Ring operations (messages received, steps) completed: what its control beats tell rank 0.
         self.ring_ops = 0
@@ -79,7 +80,7 @@ class Follower:
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
         self._new_generator()
-        self._timer = cluster.step_timer(runtime, self.settings.timed_step_every)
+        self._timer = cluster.step_timer(runtime, self.settings.timed_step_every, self.settings.timed_step_gap)
         self._submit(self.heartbeat())
         channel = cluster.Channel(runtime.group)
         try:
@@ -173,6 +174,9 @@ class Follower:
             getattr(self, "_op_" + op[0])(*op[1:])
         self._ended.clear()  # ended sequences rank 0 did not store are not stored here either
 
+    def _op_time(self) -> None:
+        self._time_next = True
+
     def _op_insert(self, uid: int, request_id: str, tokens: list[int], reused: int, entry_id: int | None,
                    max_tokens: int, sampling: Any) -> None:
         layers = None
@@ -225,7 +229,7 @@ class Follower:
         self._prefilled.clear()
 
     def _step(self) -> None:
-        timed = cluster.timed_step(self._timer)
+        timed, self._time_next = cluster.timed_step(self._timer, self._time_next), False
         start = time.perf_counter_ns()
         with timed:
             prompt_responses, generated = self._generator.next()

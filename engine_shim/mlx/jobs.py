@@ -60,6 +60,7 @@ class Job:
     sampler: Any = None  #: the Guarded sampler the job samples with (None: greedy)
     fault: str | None = None  #: why this sequence failed inside the batch (its processors raised)
     abandoned: bool = False  #: failed while a distributed engine's ring was stalled; still in the batch until it moves
+    timed_phases: set[str] = field(default_factory=set)  #: phases a timed step was asked for (StepTimer.due)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     """Per generated token, when asked: (token, logprob, [(alternative, logprob), ...])."""
 

@@ -89,7 +89,8 @@ class Scheduler:
         #: before the next step (inserts, removals, cache stores; follower.py).
         self._channel: cluster.Channel | None = None
         self._ops: list[tuple] = []
-        self._timer: cluster.StepTimer | None = None  #: a pipeline rank's timer of one step in N
+        self._timer: cluster.StepTimer | None = None  #: a pipeline rank's timer of some steps
+        self._time_next = False  #: whether the next step is timed (on every rank: an op tells them)
         #: Why this distributed instance cannot serve (a rank lost); None while it can.
         self.degraded: str | None = None
         #: Why its ring has not moved for --rank-timeout (a rank stopped stepping); None while it moves.
@@ -234,6 +235,9 @@ class Scheduler:
             return
         self._drain()
         if self._running:
+            self._time_next = self._timer is not None and self._timer.due(self._fresh_phase())
+            if self._time_next:
+                self._ops.append(("time",))  # every rank times this step (follower.py)
             self._sync(MSG_STEP)
             self._step()
             if self._gate_closed and not self._prefilling():
@@ -277,7 +281,7 @@ class Scheduler:
         self.runtime = runtime
         if runtime.group is not None and runtime.group.size() > 1:
             self._channel = cluster.Channel(runtime.group)
-            self._timer = cluster.step_timer(runtime, self.settings.timed_step_every)
+            self._timer = cluster.step_timer(runtime, self.settings.timed_step_every, self.settings.timed_step_gap)
             if self.settings.rank_timeout > 0:
                 threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
                 self._watch_ms = max(1, round(self.settings.rank_timeout * 1000))  # never 0: that says "off"
@@ -390,8 +394,19 @@ class Scheduler:
         self._finish(job, job.cancel_reason, now, layers, tokens)
         self._deliver([(job, -1, job.cancel_reason)])
 
+    def _fresh_phase(self) -> bool:
+        """Whether a running sequence is in a phase (prefill until its first token, then decode)
+        that no timed step has been asked for yet; each asks once (``StepTimer.due``)."""
+        fresh = False
+        for job in self._running.values():
+            phase = "decode" if job.record.token_ns else "prefill"
+            if phase not in job.timed_phases:
+                job.timed_phases.add(phase)
+                fresh = True
+        return fresh
+
     def _step(self) -> None:
-        timed = cluster.timed_step(self._timer)
+        timed = cluster.timed_step(self._timer, self._time_next)
         start = time.perf_counter_ns()
         # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
         with timed, self._on_ring():

@@ -71,6 +71,8 @@ SETTINGS: tuple[Setting, ...] = (
             "open it in a firewall)", minimum=0, maximum=65535),
     Setting("timed-step-every", int, 8, "a pipeline rank times one engine step in this many: its layers' compute "
             "and its waits on the ring (0: none; the others keep mlx-lm's overlap of steps)", minimum=0),
+    Setting("timed-step-gap", float, 0.25, "... at most one each this many seconds; the first step of each "
+            "request's prefill and of its decode is timed whatever the gap", minimum=0),
     Setting("split", str, None, "pipeline layer counts per rank, rank 0 first, e.g. 10,6 (default: even; rank 0 "
             "holds the last layers)"),
 )
@@ -125,6 +127,7 @@ class EngineSettings:
     rank_timeout: float = 10.0  #: seconds a ring operation may take before the instance is stalled
     control_port: int = 0  #: rank 0's control-plane port under mlx.launch (0: a free one)
     timed_step_every: int = 8  #: a pipeline rank times one step in this many (0: none)
+    timed_step_gap: float = 0.25  #: ... at most one each this many seconds (and each request's first of a phase)
 
     @property
     def distributed(self) -> bool:
