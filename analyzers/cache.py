@@ -128,8 +128,9 @@ class CacheFacts:
     #: eviction, else this lookup): node_heartbeats_at rows, one per rank; [] for one process
     nodes: list[dict] = field(default_factory=list)
     #: on a distributed instance, the rank whose bytes its cache's byte limit counted at that eviction,
-    #: as the insert that evicted the entry declares it (tokentrace.cache.limit_rank); None where it does
-    #: not (an engine older than the declaration, whose limit counted rank 0's)
+    #: as the insert that evicted the entry declares it (tokentrace.cache.limit_rank, its row's
+    #: cache_inserts.limit_rank); None where it does not (an engine older than the declaration, whose
+    #: limit counted rank 0's) or its row has none (stored before the column, collector/stores/sql)
     limit_rank: int | None = None
 
 
@@ -183,27 +184,17 @@ def load_cache_facts(reader: TraceReader, request_id: str) -> CacheFacts:
                       tails, nodes, limit_rank)
 
 
-def _declared_limit_rank(reader: TraceReader, instance_id: str, request_id: str | None) -> int | None:
-    """The rank whose bytes a distributed instance's byte limit counted when ``request_id``'s insert
-    evicted an entry there: what that insert declared (its llm.cache.insert span's
-    tokentrace.cache.limit_rank); None where it declared none (an engine older than the declaration)
-    or is not stored."""
-    row = reader.request(request_id) if request_id else None
-    if row is None or not row.get("trace_id"):
+def _declared_limit_rank(reader: TraceReader, instance_id: str, eviction: dict) -> int | None:
+    """The rank whose bytes a distributed instance's byte limit counted at ``eviction``: what the insert
+    that made it declared (tokentrace.cache.limit_rank, a non-negative integer), read from the evicting
+    request's cache_inserts row on the instance whose span holds the eviction (``insert_limit_rank``);
+    None where it declared none (an engine older than the declaration), the row is not stored or was
+    stored before the column, or no request is named."""
+    if not eviction.get("evicted_by_request_id"):
         return None
-    spans = reader.trace(row["trace_id"])
-    if spans.is_empty():
-        return None
-    for name, instance, attributes in zip(spans["name"], spans["instance_id"], spans["attributes"], strict=True):
-        if name != c.SPAN_CACHE_INSERT or instance != instance_id or c.CACHE_LIMIT_RANK not in (attributes or ""):
-            continue
-        try:
-            rank = json.loads(attributes).get(c.CACHE_LIMIT_RANK)
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
-            return rank
-    return None
+    rows = reader.rows("insert_limit_rank", request_id=eviction["evicted_by_request_id"], instance_id=instance_id,
+                       evicted_ns=eviction["t_ns"])
+    return rows[0]["limit_rank"] if rows else None
 
 
 def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block: int, prompt: int,
@@ -239,7 +230,7 @@ def _reach(reader: TraceReader, request: dict, hashes: list[int], t: int, block:
                           if row["instance_id"] == here_key and here["t_ns"] < row["start_ns"] < t}.values())
         nodes = reader.rows("node_heartbeats_at", instance_id=here_key, t_ns=eviction["t_ns"] if eviction else t)
         if len(nodes) > 1 and eviction is not None:
-            limit_rank = _declared_limit_rank(reader, here_key, eviction["evicted_by_request_id"])
+            limit_rank = _declared_limit_rank(reader, here_key, eviction)
     others = [row for row in cached_on if row["instance_id"] != here_key and row["fingerprint"] is not None]
     gone = reader.rows("evictions_of", fingerprints=[row["fingerprint"] for row in others],
                        before_ns=t) if others else []

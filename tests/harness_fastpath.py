@@ -132,7 +132,7 @@ def mlx_payload(seed: int, wire: bool = False) -> bytes:
             record.token_ns = [at + 1_000 + i * rng.randrange(50, 90) for i in range(rng.randrange(1, 30))]
             record.finish_ns, record.finish_reason = record.token_ns[-1], "stop"
             evictions = [EvictionRecord(tokens[:5], 4096, f"mlx-{seed}-old", "max_entries", 3, 9_000)] * (n % 3)
-            record.insertion = InsertRecord(tokens, 8192, 4, 10_000, 16, 1 << 30, evictions)
+            record.insertion = InsertRecord(tokens, 8192, 4, 10_000, 16, 1 << 30, evictions, [None, 0, 1][n % 3])
             record.insert_start_ns, record.insert_end_ns = record.finish_ns, record.finish_ns + 50
             record.first_content_ns, record.end_ns = at + 1_200, record.finish_ns + 100
             builder.build(record)
@@ -198,6 +198,11 @@ ODD = ["", "quote\" back\\slash", "\x00\x01\x1f\x7f tab\t nl\n cr\r \b \f", "é 
        ["a", "", "☃"], [1.5, float("nan")], [True, False], [1, "s", 2.5, True, None], [None]]
 
 
+#: Declared limit ranks (tokentrace.cache.limit_rank), one per request in turn: only a non-negative
+#: int_value is a rank, the rest store NULL (None sends an empty AnyValue).
+LIMIT_RANKS = [1, 0, -1, True, 1.0, "1", 2**63 - 1, None]
+
+
 ODD_KEYS = ["foreign", "", "kéy ☃", "tab\tquote\"back\\slash\x01"]
 
 
@@ -247,7 +252,8 @@ def engine_request(rng: random.Random, requests: int = 12, odd: bool = True) -> 
             evict = {c.ENTRY_FINGERPRINT: 7, c.ENTRY_TOKENS: 32.0, c.EVICT_REASON: "max_bytes", c.ENTRY_REQUEST_ID: "",
                      c.CACHE_ENTRIES: 3}
             add(c.SPAN_CACHE_INSERT, root, {c.CACHE_BLOCK_HASHES: prompt, c.ENTRY_FINGERPRINT: prompt[-1] if prompt
-                                            else 0.5, c.CACHE_MAX_BYTES: 1 << 40},
+                                            else 0.5, c.CACHE_MAX_BYTES: 1 << 40,
+                                            c.CACHE_LIMIT_RANK: LIMIT_RANKS[n % len(LIMIT_RANKS)]},
                 events=[(c.EVENT_CACHE_EVICT, evict)] * rng.randrange(3))
         window = [0, 1_000, 2_000]
         add(c.SPAN_ENGINE_STEPS, None, {

@@ -235,6 +235,55 @@ def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids
         store.close()
 
 
+def test_a_chdb_store_written_before_014_gains_limit_rank_undeclared_for_its_earlier_inserts(chdb_dir):
+    """ClickHouse migration 014 adds cache_inserts.limit_rank (as DuckDB's 021) without filling the
+    rows stored before (they stay undeclared: the cache verdict reads None, the byte limit counted as
+    rank 0's); an insert written after it has what its span declared, on the verdict's read too."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tokentrace.analyzers.cache import _declared_limit_rank
+    from tokentrace.collector.decoding.normalize import normalize
+    from tokentrace.collector.decoding.tables import TABLES
+    from tokentrace.collector.stores import sqlfiles
+    from tokentrace.collector.stores.store_clickhouse import Target
+
+    database, now = unique_database("before014"), time.time_ns()
+    inserts = normalize(ExportTraceServiceRequest.FromString(
+        golden.encode(golden.load("golden_engine_trace.json"), now)[0])).expanded("cache_inserts")
+    assert [row[-1] for row in inserts] == [1]  # the golden insert declares rank 1
+    target = Target(database, path=str(chdb_dir))
+    admin = target.client(None)
+    admin.command("CREATE DATABASE {db:Identifier}", parameters={"db": database})
+    old = target.client(database)
+    old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
+                "ENGINE = MergeTree ORDER BY version")
+    for version, name, script in sqlfiles.migrations("clickhouse"):
+        if version < 14:
+            for statement in sqlfiles.statements(script):
+                old.command(statement)
+            old.insert("schema_migrations", [(version, name, 0)], column_names=["version", "name", "applied_ns"])
+    old.insert("cache_inserts", [row[:-1] for row in inserts], column_names=list(TABLES["cache_inserts"][:-1]))
+    old.close()
+    admin.close()
+    store = _open(f"chdb://{chdb_dir}?database={database}")
+    try:
+        assert [name for (name,) in sql(store, "SELECT name FROM system.columns WHERE database = {db:String} "
+                                        "AND table = 'cache_inserts' ORDER BY position", db=database)] == \
+            list(TABLES["cache_inserts"])
+        assert sql(store, "SELECT limit_rank FROM cache_inserts") == [(None,)]
+        evicted_ns = inserts[0][2] + 500_000  # the golden insert's eviction
+        eviction = {"evicted_by_request_id": "golden-req-1", "t_ns": evicted_ns}
+        assert _declared_limit_rank(store, "golden-1", eviction) is None
+        batch = Pipeline(Counters(), 1 << 24, 65536).batch(
+            golden.encode(golden.load("golden_engine_trace.json"), now + 60 * 10**9)[0], Encoding("protobuf", PROTOBUF))
+        assert store.write(batch) is True
+        later = {**eviction, "t_ns": evicted_ns + 60 * 10**9}
+        assert _declared_limit_rank(store, "golden-1", later) == 1
+        assert _declared_limit_rank(store, None, later) is None
+    finally:
+        store.close()
+
+
 def test_split_exports_on_one_chdb_collector(collector_factory, tmp_path):
     """chdb allows one process per directory, so here both halves go to one collector: the same
     checks as the two-collector server test below, which runs only against a real server."""

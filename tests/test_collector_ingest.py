@@ -92,8 +92,8 @@ def test_golden_trace_sent_by_the_sdk_lands_in_every_table(collector_factory):
         (1, "user", 24, 40, lookup["tokentrace.segments.hashes"][1]),
     ]
     assert collector.sql("SELECT fingerprint, tokens, bytes, block_size, cache_entries, cache_bytes, "
-                         "max_entries, max_bytes FROM cache_inserts") == [
-        (fingerprint, 64, 65536, 16, 3, 189000, 3, 1_000_000)]
+                         "max_entries, max_bytes, limit_rank FROM cache_inserts") == [
+        (fingerprint, 64, 65536, 16, 3, 189000, 3, 1_000_000, 1)]
     assert collector.sql(
         "SELECT t_ns - ?, fingerprint, tokens, bytes, reason, entry_request_id, evicted_by_request_id, "
         "cache_entries, cache_bytes FROM cache_evictions ORDER BY t_ns", [base]) == [

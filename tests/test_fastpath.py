@@ -99,6 +99,22 @@ def test_generated_engine_batches_with_odd_values_take_the_fast_path():
     assert taken(batch).spans >= 2400
 
 
+@pytest.mark.parametrize(("declared", "stored"), [
+    (1, 1), (0, 0), (2**63 - 1, 2**63 - 1), (True, None), (False, None), (-1, None), ("1", None), (1.0, None),
+    (None, None),  # an empty AnyValue
+], ids=repr)
+def test_an_inserts_declared_limit_rank_is_stored_alike_by_both_decoders(declared, stored):
+    """cache_inserts.limit_rank: a non-negative int_value is a rank (what the cache verdict counts the
+    byte limit by); a bool, a double, a string or a negative one is NULL, the attribute kept as sent."""
+    body = one_span(c.SPAN_CACHE_INSERT, {c.CACHE_MAX_BYTES: 1000, c.CACHE_LIMIT_RANK: declared}).SerializeToString()
+    got = taken(body)  # the Python path's Columns, exactly
+    assert got.tables["cache_inserts"].column("limit_rank").to_pylist() == [stored]
+    attributes = json.loads(got.tables["spans"].column("attributes")[0].as_py())
+    assert attributes[c.CACHE_LIMIT_RANK] == declared and type(attributes[c.CACHE_LIMIT_RANK]) is type(declared)
+    absent = taken(one_span(c.SPAN_CACHE_INSERT, {c.CACHE_MAX_BYTES: 1000}).SerializeToString())
+    assert absent.tables["cache_inserts"].column("limit_rank").to_pylist() == [None]
+
+
 def _edit(change):
     """The body of ``one_span()`` after ``change(request)``."""
     request = one_span()

@@ -163,6 +163,7 @@ PARAMS = {
     "reasons": (["max_entries", "max_bytes", "memory_pressure", "trim"], ["max_entries"], []),
     "block_indices": ([0, 1, 2, 3], [0], []),
     "inserted_ns": (BASE + 680_000_000, BASE, None),  # the golden insert span's start
+    "evicted_ns": (BASE + 680_500_000, BASE, None),  # the golden insert span's eviction
     "starts": ([BASE + 100_000_000, BASE + 110_000_000], [BASE], []),
     "traces": (["0" * 32], ["0" * 32, "f" * 32], []),
     "t_ns": (BASE, 0, None),

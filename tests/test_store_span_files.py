@@ -15,9 +15,13 @@ from pathlib import Path
 import duckdb
 import golden
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from test_store_damage import _damage
 from test_store_journal import BASE, _counts, _golden_batch, _migrated_to, _parsed_batch
 
+from tokentrace import contract as c
+from tokentrace.analyzers.cache import _declared_limit_rank
+from tokentrace.collector.decoding.normalize import normalize
 from tokentrace.collector.stores import journal, span_files, store_check
 from tokentrace.collector.stores.store_duckdb import DuckDBStore
 from tokentrace.errors import StoreError
@@ -264,6 +268,61 @@ def test_a_store_written_before_020_opens_and_its_files_are_still_page_checked(t
     report = store_check.check(str(path))  # the gap these files keep: a flipped statistic is not seen
     assert report.clean and report.span_files == 3 and report.span_files_unsummed == 2
     assert "3 span files (2 listed before whole-file checksums: their pages checked)" in report.summary()
+
+
+#: (what the golden insert declares as tokentrace.cache.limit_rank, what limit_rank holds): only a
+#: non-negative integer is a rank; None leaves the attribute out.
+_DECLARED = [(1, 1), (0, 0), (-1, None), (True, None), (1.0, None), ("1", None), (None, None)]
+
+
+def _declaring(offset_s: int, declared):
+    """The golden trace (fresh ids, ``offset_s`` later) with its insert declaring ``declared``."""
+    fixture = golden.load("golden_engine_trace.json")
+    attributes = next(s for s in fixture["spans"] if s["id"] == "insert")["attributes"]
+    attributes.pop(c.CACHE_LIMIT_RANK)
+    if declared is not None:
+        attributes[c.CACHE_LIMIT_RANK] = declared
+    body, _ = golden.encode(fixture, BASE + offset_s * 1_000_000_000)
+    return normalize(ExportTraceServiceRequest.FromString(body))
+
+
+@pytest.mark.parametrize("spans_in", ["span_rows", "span files"])
+def test_a_store_written_before_021_gains_the_limit_rank_its_table_of_spans_declared(tmp_path, monkeypatch, spans_in):
+    """021_insert_limit_rank.sql: cache_inserts gains limit_rank, and the rows stored before it take
+    what their llm.cache.insert span declared, by the decoders' rule, where the span is in the table
+    ``span_rows``; the spans of span files are not read there (the migration runs before the open
+    checks them and points the view at where they are), so those rows stay undeclared. The cache
+    verdict's read (``_declared_limit_rank``) then gives the rank or None."""
+    if spans_in == "span files":
+        monkeypatch.setattr(span_files, "MIN_SPANS", 1)
+        monkeypatch.setattr(journal, "GATHER_S", 0.0)
+    path = tmp_path / "old.duckdb"
+    store = DuckDBStore(path)
+    for n, (declared, _) in enumerate(_DECLARED):
+        assert store.write(_declaring(10 * n, declared))
+        store.settle()
+    assert len(_listed(store)) == (len(_DECLARED) if spans_in == "span files" else 0)
+    store.close()
+    con = duckdb.connect(str(path))  # the store as 020 left it
+    con.execute("ALTER TABLE cache_inserts DROP COLUMN limit_rank")
+    con.execute("DELETE FROM schema_migrations WHERE version = 21")
+    con.close()
+
+    store = DuckDBStore(path)
+    try:
+        expected = [stored if spans_in == "span_rows" else None for _, stored in _DECLARED]
+        got = store._cursor().execute("SELECT limit_rank FROM cache_inserts ORDER BY start_ns").fetchall()
+        assert [rank for (rank,) in got] == expected
+        for n, stored in enumerate(expected):  # the golden insert's eviction, 680.5 ms in
+            eviction = {"evicted_by_request_id": "golden-req-1", "t_ns": BASE + (10 * n) * 10**9 + 680_500_000}
+            assert _declared_limit_rank(store, "golden-1", eviction) == stored, n
+            assert _declared_limit_rank(store, "golden-2", eviction) is None  # another instance's insert
+        assert store.write(_declaring(100, 1))  # written after the migration: the decoders fill it
+        store.settle()
+        eviction = {"evicted_by_request_id": "golden-req-1", "t_ns": BASE + 100 * 10**9 + 680_500_000}
+        assert _declared_limit_rank(store, "golden-1", eviction) == 1
+    finally:
+        store.close()
 
 
 def _crash_child(path: Path, after: str) -> subprocess.CompletedProcess:

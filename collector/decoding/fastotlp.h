@@ -81,7 +81,7 @@ static inline int buf_put(buf_t *b, const void *src, size_t n) {
     X(STEPS_DURATIONS) X(STEPS_PREFILL_SEQS) X(STEPS_DECODE_SEQS) X(STEPS_PREFILL_TOKENS)         \
     X(STEPS_DECODE_TOKENS) X(STEPS_REQUESTS) X(STEPS_MEMBERS) X(KV_BYTES_PER_TOKEN) X(MEMORY_BYTES)      \
     X(LOAD_LAZY) X(MODEL_PATH) X(LOAD_BYTES) X(STEPS_COMPUTE) X(STEPS_RING_WAIT) X(MEMORY_FREE) \
-    X(STEPS_RING_WAIT_CPU)
+    X(STEPS_RING_WAIT_CPU) X(CACHE_LIMIT_RANK)
 
 /* The contract spans whose typed rows fastotlp_rows.c builds: all of normalize._BUILDERS. Other
  * names with a builder (an engine translation's, or one normalize gains) are configured as

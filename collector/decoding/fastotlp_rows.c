@@ -32,6 +32,13 @@ static int put_attr_int(table_t *t, const attrs_t *a, enum key_id key) {
     return put_i64_opt(t, has, v);
 }
 
+/* normalize._rank: an int_value of 0 or more; a bool, a double, a string or a negative is NULL. */
+static int put_attr_rank(table_t *t, const attrs_t *a, enum key_id key) {
+    const attr_t *found = attrs_get(a, key);
+    int has = found && found->kind == V_INT && found->i >= 0;
+    return put_i64_opt(t, has, has ? found->i : 0);
+}
+
 static int put_attr_ms(table_t *t, const attrs_t *a, enum key_id key) {
     double v = 0;
     int has = value_ms(attrs_get(a, key), &v);
@@ -325,6 +332,7 @@ static int insert(decoder_t *d, const span_t *s, view_t rid) {
     static const enum key_id rest[] = {K_ENTRY_TOKENS, K_ENTRY_BYTES, K_CACHE_BLOCK_SIZE, K_CACHE_ENTRIES,
                                        K_CACHE_BYTES, K_CACHE_MAX_ENTRIES, K_CACHE_MAX_BYTES};
     for (size_t i = 0; i < sizeof rest / sizeof *rest; i++) TRY(put_attr_int(t, a, rest[i]));
+    TRY(put_attr_rank(t, a, K_CACHE_LIMIT_RANK));
     TRY(row_end(t, d->span_index));
     return blocks(d, rid, s->start, "insert", has_fingerprint, fingerprint, hashes, n);
 }

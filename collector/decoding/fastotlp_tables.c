@@ -60,7 +60,7 @@ static const colspec_t SEGMENTS[] = {
 static const colspec_t CACHE_INSERTS[] = {
     {"request_id", S}, {"instance_id", S}, {"start_ns", L}, {"end_ns", L}, {"fingerprint", L}, {"tokens", L},
     {"bytes", L}, {"block_size", L}, {"cache_entries", L}, {"cache_bytes", L}, {"max_entries", L},
-    {"max_bytes", L},
+    {"max_bytes", L}, {"limit_rank", L},
 };
 static const colspec_t CACHE_EVICTIONS[] = {
     {"instance_id", S}, {"t_ns", L}, {"fingerprint", L}, {"tokens", L}, {"bytes", L}, {"reason", S},

@@ -404,7 +404,7 @@ def _insert(scope: _Scope, span, a: dict, ids: tuple) -> None:
         rid, scope.instance_id, span.start_time_unix_nano, span.end_time_unix_nano, fingerprint,
         _int(a.get(c.ENTRY_TOKENS)), _int(a.get(c.ENTRY_BYTES)), _int(a.get(c.CACHE_BLOCK_SIZE)),
         _int(a.get(c.CACHE_ENTRIES)), _int(a.get(c.CACHE_BYTES)), _int(a.get(c.CACHE_MAX_ENTRIES)),
-        _int(a.get(c.CACHE_MAX_BYTES)),
+        _int(a.get(c.CACHE_MAX_BYTES)), _rank(a.get(c.CACHE_LIMIT_RANK)),
     ))
     _blocks(scope, rid, span.start_time_unix_nano, "insert", hashes, fingerprint)
 
@@ -593,6 +593,12 @@ def _int(value) -> int | None:
     if isinstance(value, float) and value.is_integer() and _INT64[0] <= value <= _INT64[1]:
         return int(value)
     return None
+
+
+def _rank(value) -> int | None:
+    """A rank: an integer attribute (int_value, not a bool or an integral double) of 0 or more, else
+    None. The attribute is kept in ``spans.attributes`` as sent either way."""
+    return value if type(value) is int and value >= 0 else None
 
 
 def _int_of(scope: _Scope, a: dict, key: str) -> int | None:

@@ -53,7 +53,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "cache_inserts": (
         "request_id", "instance_id", "start_ns", "end_ns", "fingerprint", "tokens", "bytes",
-        "block_size", "cache_entries", "cache_bytes", "max_entries", "max_bytes",
+        "block_size", "cache_entries", "cache_bytes", "max_entries", "max_bytes", "limit_rank",
     ),
     "cache_evictions": (
         "instance_id", "t_ns", "fingerprint", "tokens", "bytes", "reason", "entry_request_id",
@@ -100,7 +100,7 @@ TYPES: dict[str, tuple[str, ...]] = {
     "prefix_blocks": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT"),
     "segments": ("VARCHAR", "VARCHAR", "BIGINT", "BIGINT", "VARCHAR", "BIGINT", "BIGINT", "BIGINT", "VARCHAR",
                  "BIGINT"),
-    "cache_inserts": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 10,
+    "cache_inserts": ("VARCHAR", "VARCHAR") + ("BIGINT",) * 11,
     "cache_evictions": ("VARCHAR",) + ("BIGINT",) * 4 + ("VARCHAR",) * 3 + ("BIGINT", "BIGINT", "VARCHAR"),
     "instance_events": ("VARCHAR", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
     "model_loads": ("VARCHAR",) * 4 + ("BIGINT", "BIGINT", "BOOLEAN", "VARCHAR"),
