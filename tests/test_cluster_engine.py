@@ -797,6 +797,31 @@ def test_a_chosen_control_port_that_is_taken_is_a_clear_error():
         no_port.stderr, no_port.stderr
 
 
+def test_a_rank_launched_for_jaccl_joins_jaccl_or_says_this_mlx_has_none(tmp_path, qwen2_model):
+    """mlx.launch --backend jaccl (RDMA over Thunderbolt, macOS) gives each rank MLX_RANK, the
+    coordinator's address and the RDMA device matrix, but no ring host list: such a rank used to
+    take itself for one process and serve the whole model alone. It now joins jaccl, and where
+    this MLX has no jaccl (Linux here) exits with an error that says so."""
+    devices = tmp_path / "ibv.json"
+    devices.write_text(json.dumps([[None, "rdma_en3"], ["rdma_en3", None]]))
+    port = free_port()
+    env = {**os.environ, "MLX_RANK": "0", "MLX_JACCL_COORDINATOR": f"127.0.0.1:{free_port()}",
+           "MLX_IBV_DEVICES": str(devices)}
+    env.pop("MLX_HOSTFILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tokentrace", "engine", "--model", str(qwen2_model), "--port",
+                             str(port), "--otlp-endpoint", ""], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, output
+    assert "rank 0 of 2" in output, output
+    assert "model load failed at model.load.group: mlx.launch --backend jaccl: this MLX has no jaccl backend" \
+        in output, output  # rank 0 of the 2 the device matrix lists, never one process serving alone
+
+
 def _control_connections(port: int) -> int:
     """Established TCP connections to 127.0.0.1:``port`` (the kernel's table, /proc/net/tcp)."""
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]

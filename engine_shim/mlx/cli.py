@@ -132,15 +132,8 @@ def _node(settings) -> dict[str, object]:
     """A distributed engine's node attributes for this rank's resource (empty: one process)."""
     if not settings.distributed:
         return {}
-    import json
-
     rank = int(os.environ.get("MLX_RANK", "0"))
-    hostfile = os.environ.get("MLX_HOSTFILE", "")
-    try:
-        with open(hostfile) as handle:
-            ranks = len(json.load(handle))
-    except (OSError, ValueError, TypeError):
-        ranks = settings.ranks or 0
+    ranks = cluster.launched_ranks() or settings.ranks or 0
     return {contract.NODE_RANK: rank, contract.NODE_RANKS: ranks, contract.NODE_OF: settings.service_instance_id}
 
 

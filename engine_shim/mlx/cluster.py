@@ -1,6 +1,8 @@
-"""A distributed engine: N ranks of one instance over MLX's ``ring`` backend (issue 46).
+"""A distributed engine: N ranks of one instance over MLX's ``ring`` backend, or ``jaccl`` where
+the platform has it (issue 46).
 
-The ranks are started by ``mlx.launch`` (each gets ``MLX_RANK`` and ``MLX_HOSTFILE``) or, on one
+The ranks are started by ``mlx.launch`` (each gets ``MLX_RANK`` and ``MLX_HOSTFILE``, or jaccl's
+``MLX_JACCL_COORDINATOR`` and ``MLX_IBV_DEVICES``) or, on one
 host, by ``tokentrace engine --ranks N`` itself (``launch_local``: it writes the ring's hostfile,
 becomes rank 0 and starts ranks 1..N-1 as children that die with it). Every rank loads its part of
 the model (``--parallel pipeline``: a layer range, ``--split`` counts per rank; ``tensor``: a
@@ -75,16 +77,44 @@ def parse_split(text: str | None) -> tuple[int, ...] | None:
     return counts
 
 
+def launcher_backend() -> str | None:
+    """The backend mlx.launch (or ``launch_local``) started this rank for: "ring" (it gave the ring's
+    host list, ``MLX_HOSTFILE``) or "jaccl" (RDMA over Thunderbolt: the coordinator's address,
+    ``MLX_JACCL_COORDINATOR``, and the RDMA devices, ``MLX_IBV_DEVICES``, a row per rank); None when
+    this process was not launched as a rank."""
+    if os.environ.get("MLX_RANK") is None:
+        return None
+    if os.environ.get("MLX_JACCL_COORDINATOR") or os.environ.get("MLX_IBV_DEVICES"):
+        return "jaccl"
+    return "ring" if os.environ.get("MLX_HOSTFILE") else None
+
+
 def under_launcher() -> bool:
-    """Whether this process is a rank of a ring started by mlx.launch or ``launch_local``."""
-    return bool(os.environ.get("MLX_HOSTFILE")) and os.environ.get("MLX_RANK") is not None
+    """Whether this process is a rank of a group started by mlx.launch or ``launch_local``."""
+    return launcher_backend() is not None
+
+
+def launched_ranks() -> int | None:
+    """How many ranks the launcher started: the rows of its host list (ring) or of its RDMA device
+    matrix (jaccl); None when it cannot be read."""
+    path = os.environ.get("MLX_IBV_DEVICES" if launcher_backend() == "jaccl" else "MLX_HOSTFILE", "")
+    try:
+        with open(path) as handle:
+            return len(json.load(handle))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def join_ring() -> Any:
-    """This rank's group on the ring backend (blocks until every rank joined)."""
+    """This rank's group on the backend it was launched for (``launcher_backend``; blocks until
+    every rank joined); a ConfigError where this MLX has no such backend."""
     import mlx.core as mx
 
-    return mx.distributed.init(strict=True, backend="ring")
+    backend = launcher_backend() or "ring"
+    if not mx.distributed.is_available(backend):
+        raise ConfigError(f"mlx.launch --backend {backend}: this MLX has no {backend} backend (jaccl: RDMA over "
+                          "Thunderbolt, on macOS); launch with --backend ring")
+    return mx.distributed.init(strict=True, backend=backend)
 
 
 def place(model: Any, group: Any, placement: Placement) -> tuple[Placement, str]:
@@ -318,10 +348,17 @@ _RETRY_S = 2.0
 
 def ring_host(rank: int = 0) -> str | None:
     """The address ``rank`` has in the ring's host list (``MLX_HOSTFILE``: a list per rank of
-    ``ip:port``, as mlx.launch and ``launch_local`` write it); None when it cannot be read."""
+    ``ip:port``, as mlx.launch and ``launch_local`` write it), or under jaccl rank 0's: its
+    coordinator's (``MLX_JACCL_COORDINATOR``, ``ip:port``); None when it cannot be read."""
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR", "") if launcher_backend() == "jaccl" else ""
     try:
-        with open(os.environ.get("MLX_HOSTFILE", "")) as handle:
-            entry = json.load(handle)[rank][0]
+        if coordinator:
+            if rank != 0:
+                return None
+            entry = coordinator
+        else:
+            with open(os.environ.get("MLX_HOSTFILE", "")) as handle:
+                entry = json.load(handle)[rank][0]
         host = str(entry).rsplit(":", 1)[0]
     except (OSError, ValueError, TypeError, IndexError, KeyError):
         return None
