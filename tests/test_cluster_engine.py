@@ -604,7 +604,7 @@ def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc, log = _mlx_launch(tmp_path, qwen2_model, port, "--instance-id", "ring", "--otlp-endpoint", collector.url,
-                            "--rank-timeout", "4", "--heartbeat-interval", "0.5")
+                            "--rank-timeout", "8", "--heartbeat-interval", "0.5")
     try:
         wait_for(lambda: _status(url + "/health") == 200, 120, "the launched engine")
         ranks = _launched_ranks(proc.pid)
@@ -633,7 +633,10 @@ def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_
                 os.kill(ranks[1], signal.SIGCONT)
         print(f"named after {live and round(live[0], 2)} s (live), failed after {failed_after:.2f} s",
               file=sys.stderr)
-        assert 4 <= failed_after < 10, failed_after  # the deadline, not a hang
+        # The deadline, not a hang. 8 s, as on one host: the live answer and /metrics must show the
+        # stall between its report at half the deadline and the failure (with 4 s, a 2 s window, the
+        # test failed about once in ten runs here).
+        assert 8 <= failed_after < 15, failed_after
         message = events[-1]["error"]["message"]
         assert f"rank 1 (pid {ranks[1]} on host" in message and "connected but silent" in message, message
         assert health.status_code == 503 and "rank 1" in health.json()["reason"], health.text
