@@ -185,6 +185,28 @@ def _split_verdicts(first, second) -> None:
     assert "load-1" in json.dumps(slow["evidence"])  # the load, written by the other collector
 
 
+def _chdb_before(chdb_dir, database: str, version: int, fill) -> None:
+    """Database ``database`` of a chdb store as a collector from before migration ``version`` left
+    it: the migrations below it applied and recorded, then ``fill(client)`` writes its old rows."""
+    from tokentrace.collector.stores import sqlfiles
+    from tokentrace.collector.stores.store_clickhouse import Target
+
+    target = Target(database, path=str(chdb_dir))
+    admin = target.client(None)
+    admin.command("CREATE DATABASE {db:Identifier}", parameters={"db": database})
+    old = target.client(database)
+    old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
+                "ENGINE = MergeTree ORDER BY version")
+    for number, name, script in sqlfiles.migrations("clickhouse"):
+        if number < version:
+            for statement in sqlfiles.statements(script):
+                old.command(statement)
+            old.insert("schema_migrations", [(number, name, 0)], column_names=["version", "name", "applied_ns"])
+    fill(old)
+    old.close()
+    admin.close()
+
+
 def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids(chdb_dir):
     """ClickHouse migration 009 drops the trace, span and parent span ids from phases (issue 17, as
     DuckDB's 012 does): a database an earlier version wrote keeps every phase row with its other
@@ -193,29 +215,15 @@ def test_a_chdb_store_written_before_009_keeps_its_phases_without_their_span_ids
 
     from tokentrace.collector.decoding.normalize import normalize
     from tokentrace.collector.decoding.tables import TABLES
-    from tokentrace.collector.stores import sqlfiles
-    from tokentrace.collector.stores.store_clickhouse import Target
 
     database, now = unique_database("before009"), time.time_ns()
     phases = normalize(ExportTraceServiceRequest.FromString(
         golden.encode(golden.load("golden_engine_trace.json"), now)[0])).expanded("phases")
     assert phases and len(phases[0]) == len(TABLES["phases"])
-    target = Target(database, path=str(chdb_dir))
-    admin = target.client(None)
-    admin.command("CREATE DATABASE {db:Identifier}", parameters={"db": database})
-    old = target.client(database)
-    old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
-                "ENGINE = MergeTree ORDER BY version")
-    for version, name, script in sqlfiles.migrations("clickhouse"):
-        if version < 9:
-            for statement in sqlfiles.statements(script):
-                old.command(statement)
-            old.insert("schema_migrations", [(version, name, 0)], column_names=["version", "name", "applied_ns"])
     with_ids = ["request_id", "instance_id", "trace_id", "span_id", "parent_span_id", *TABLES["phases"][2:]]
-    old.insert("phases", [(r[0], r[1], f"{n:032x}", f"{n:016x}", None, *r[2:]) for n, r in enumerate(phases)],
-               column_names=with_ids)
-    old.close()
-    admin.close()
+    _chdb_before(chdb_dir, database, 9, lambda old: old.insert(
+        "phases", [(r[0], r[1], f"{n:032x}", f"{n:016x}", None, *r[2:]) for n, r in enumerate(phases)],
+        column_names=with_ids))
     store = _open(f"chdb://{chdb_dir}?database={database}")
     try:
         assert [name for (name,) in sql(store, "SELECT name FROM system.columns WHERE database = {db:String} "
@@ -244,27 +252,13 @@ def test_a_chdb_store_written_before_014_gains_limit_rank_undeclared_for_its_ear
     from tokentrace.analyzers.cache import _declared_limit_rank
     from tokentrace.collector.decoding.normalize import normalize
     from tokentrace.collector.decoding.tables import TABLES
-    from tokentrace.collector.stores import sqlfiles
-    from tokentrace.collector.stores.store_clickhouse import Target
 
     database, now = unique_database("before014"), time.time_ns()
     inserts = normalize(ExportTraceServiceRequest.FromString(
         golden.encode(golden.load("golden_engine_trace.json"), now)[0])).expanded("cache_inserts")
     assert [row[-1] for row in inserts] == [1]  # the golden insert declares rank 1
-    target = Target(database, path=str(chdb_dir))
-    admin = target.client(None)
-    admin.command("CREATE DATABASE {db:Identifier}", parameters={"db": database})
-    old = target.client(database)
-    old.command("CREATE TABLE schema_migrations (version Int64, name String, applied_ns Int64) "
-                "ENGINE = MergeTree ORDER BY version")
-    for version, name, script in sqlfiles.migrations("clickhouse"):
-        if version < 14:
-            for statement in sqlfiles.statements(script):
-                old.command(statement)
-            old.insert("schema_migrations", [(version, name, 0)], column_names=["version", "name", "applied_ns"])
-    old.insert("cache_inserts", [row[:-1] for row in inserts], column_names=list(TABLES["cache_inserts"][:-1]))
-    old.close()
-    admin.close()
+    _chdb_before(chdb_dir, database, 14, lambda old: old.insert(
+        "cache_inserts", [row[:-1] for row in inserts], column_names=list(TABLES["cache_inserts"][:-1])))
     store = _open(f"chdb://{chdb_dir}?database={database}")
     try:
         assert [name for (name,) in sql(store, "SELECT name FROM system.columns WHERE database = {db:String} "
