@@ -409,7 +409,7 @@ class Scheduler:
         timed = cluster.timed_step(self._timer, self._time_next)
         start = time.perf_counter_ns()
         # An exception here cannot be attributed to one sequence: run() fails the batch and serves on.
-        with timed, self._on_ring():
+        with self._on_ring(), timed:  # a timed step's drains wait on the ring too: inside the watch
             prompt_responses, generated = self._generator.next()
             end = time.perf_counter_ns()
         faulty = self._faulty()
