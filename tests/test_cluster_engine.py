@@ -9,6 +9,7 @@ request fails, new ones get 503 with the reason, /health says degraded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -588,12 +589,31 @@ def test_under_mlx_launch_the_ranks_are_the_launchers_and_answer_as_one_process(
     assert set(resources) == {"launched", "launched/rank1"}
 
 
+def _free_run(n: int) -> int:
+    """A port from which ``n`` ports in a row are free now: mlx.launch gives rank r the starting port
+    + r, and one free port's neighbour was sometimes taken (rank 1: "[ring] Couldn't bind socket
+    (error: 98)", the launch never served)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20_000, 60_000)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise AssertionError(f"no {n} free ports in a row")
+
+
 def _mlx_launch(tmp_path: Path, model: Path, port: int, *options: str, ranks: int = 2):
     """``tokentrace engine`` started by mlx.launch (``ranks`` ranks, ring backend, the same command
     line each) in a session of its own; returns the launcher's process and its open log."""
     log = (tmp_path / "launch.log").open("wb")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "mlx.launch"), "-n", str(ranks), "--backend", "ring",
-                             "--starting-port", str(free_port()), sys.executable, "-m", "tokentrace", "engine",
+                             "--starting-port", str(_free_run(ranks)), sys.executable, "-m", "tokentrace", "engine",
                              "--model", str(model), "--port", str(port), "--spool-dir", str(tmp_path / "spool"),
                              *options], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
