@@ -125,3 +125,51 @@ def test_the_prefill_gate_closes_at_admission_and_opens_after_the_first_token(ti
     assert record.admit_ns <= closed_at <= record.token_ns[0] <= opened_at
     # opened after the first token, not held for the whole generation
     assert opened_at < record.token_ns[1]
+
+
+class _RingWaitingOnALostRank:
+    """Stands in for a distributed rank 0's ``cluster.Channel`` once a rank is gone, where MLX's ring
+    waits on for good instead of raising its "[ring] connection to a peer was lost": seen once in about
+    20 kills of a rank here (rank 0's hand-over blocked in an all_sum, gdb), not produced on demand
+    (tests/test_cluster_engine.py kills ranks for real, and MLX raised each time it was tried)."""
+
+    def __init__(self):
+        self.lost = threading.Event()
+        self.waiting = threading.Event()
+        self.released = threading.Event()
+
+    def send(self, message):
+        if self.lost.is_set():
+            self.waiting.set()
+            self.released.wait(60)  # the ring waits on the lost rank until the test lets go
+            raise RuntimeError("[ring] connection to a peer was lost")
+
+
+def test_a_lost_rank_the_ring_waits_on_for_good_still_fails_the_open_request(harness):
+    """Rank 0's control plane (or its child watch) says a rank exited: the instance is degraded. The old
+    watchdog then failed nothing (it stalls only an instance not yet degraded), and the generation
+    thread, blocked in the ring, never reached its own error path: the open request never ended. Now
+    it fails ``LOST_GRACE_S`` after the loss, long before the stall watch's deadline."""
+    from tokentrace.engine_shim.mlx.scheduler import LOST_GRACE_S
+
+    h = harness(rank_timeout=300)
+    scheduler, ring = h.scheduler, _RingWaitingOnALostRank()
+    # What _install does for a group of more than one rank, and cli.py's diagnosis of the lost one.
+    scheduler._channel = ring
+    scheduler.diagnose = lambda: ("RankLost", "rank 1 (pid 4242) exited")
+    threading.Thread(target=scheduler._watch, daemon=True).start()
+    try:
+        job = h.submit("open", [5] * 12, max_tokens=100_000)
+        deadline = time.monotonic() + 60
+        while not job.record.token_ns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ring.lost.set()
+        assert ring.waiting.wait(60), "the generation thread's next hand-over never came"
+        lost = time.monotonic()
+        scheduler.rank_lost("rank 1 exited (killed by signal 9)")
+        assert h.wait("open") == {"open": "error"}
+        assert time.monotonic() - lost < LOST_GRACE_S + 2
+        assert job.record.error_type == "RankLost"
+        assert scheduler.unavailable == "rank 1 exited (killed by signal 9)"
+    finally:
+        ring.released.set()

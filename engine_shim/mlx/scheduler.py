@@ -36,6 +36,10 @@ MAX_OPEN_REPORTED = 256
 #: What a rank 0 without its ranks' processes at hand (under mlx.launch) and without a control
 #: connection from them says of a stalled ring.
 _UNTOLD = cluster.UNTOLD
+#: A ring operation still waiting this long after a rank was declared lost waits on the lost rank:
+#: its open requests fail then (``Scheduler._watch``). Longer than the ring takes to fail a send or
+#: receive to a closed socket, when it does, so that the generation thread's own error path runs first.
+LOST_GRACE_S = 1.0
 #: A window of engine.steps closes after this many steps or this long, whichever comes first.
 WINDOW_STEPS = 256
 WINDOW_NS = 1_000_000_000
@@ -93,6 +97,7 @@ class Scheduler:
         self._time_next = False  #: whether the next step is timed (on every rank: an op tells them)
         #: Why this distributed instance cannot serve (a rank lost); None while it can.
         self.degraded: str | None = None
+        self._lost_ns = 0  #: perf_counter_ns when a rank was declared lost (rank_lost); 0 before
         #: Why its ring has not moved for --rank-timeout (a rank stopped stepping); None while it moves.
         self.stalled: str | None = None
         #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it:
@@ -157,6 +162,7 @@ class Scheduler:
         """A distributed engine lost a rank (its process exited, or the ring broke): from now on
         every request fails with ``reason`` (the running ones as soon as their step fails)."""
         if self.degraded is None:
+            self._lost_ns = time.perf_counter_ns()
             self.degraded = reason
             log.error("distributed instance degraded: %s; requests are refused until it is restarted", reason)
         self._wake.set()
@@ -282,8 +288,9 @@ class Scheduler:
         if runtime.group is not None and runtime.group.size() > 1:
             self._channel = cluster.Channel(runtime.group)
             self._timer = cluster.step_timer(runtime, self.settings.timed_step_every, self.settings.timed_step_gap)
+            # Also with --rank-timeout 0 (no stall watch): a lost rank must never leave a request hanging.
+            threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
             if self.settings.rank_timeout > 0:
-                threading.Thread(target=self._watch, name="tokentrace-ring-watch", daemon=True).start()
                 self._watch_ms = max(1, round(self.settings.rank_timeout * 1000))  # never 0: that says "off"
         self._sampling = SamplingObjects(runtime.eos_token_ids, int(runtime.config["vocab_size"]),
                                          runtime.tokenizer.encode("\n"))
@@ -600,16 +607,25 @@ class Scheduler:
     def _watch(self) -> None:
         """A distributed rank 0's watchdog: a ring operation past half --rank-timeout is reported at
         once (a heartbeat naming the requests it holds open), one past --rank-timeout stalls the
-        instance."""
+        instance (neither with --rank-timeout 0). A ring operation still waiting ``LOST_GRACE_S``
+        after a rank was declared lost (its process exited: ``rank_lost``) fails the open requests
+        then, whatever --rank-timeout: the ring waits on a rank that is gone, and does not always
+        say so with an error (rank 0's hand-over to a killed rank was seen waiting on for good), so
+        the generation thread's own error path may never run."""
         limit = int(self.settings.rank_timeout * 1e9)
         reported = 0
         while not self._stopping:
-            time.sleep(min(0.25, self.settings.rank_timeout / 4))
-            since = self._ring_since
-            if since and since != reported and time.perf_counter_ns() - since > limit / 2:
+            time.sleep(min(0.25, self.settings.rank_timeout / 4) if limit > 0 else 0.25)
+            since, now = self._ring_since, time.perf_counter_ns()
+            if since and since != reported and 0 < limit < 2 * (now - since):
                 reported = since
                 self._emit(self.heartbeat(read_memory=False))  # the live report; later heartbeats repeat it
-            if since and self.unavailable is None and time.perf_counter_ns() - since > limit:
+            if not since or self.stalled is not None:
+                continue
+            if self.degraded is not None and now - max(since, self._lost_ns) > LOST_GRACE_S * 1e9:
+                code, _ = self.diagnose() if self.diagnose is not None else _UNTOLD
+                self._stall(code, self.degraded)
+            elif self.degraded is None and 0 < limit < now - since:
                 code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
                 self._stall(code, f"{reason} ({self.settings.rank_timeout:g} s without a step)")
 
@@ -617,8 +633,11 @@ class Scheduler:
         """Called on the watchdog's thread while the generation thread is blocked on the ring: fail
         every open request now (no client hangs), and refuse new ones until the ring moves."""
         self.stalled = reason
-        log.error("distributed instance stalled: %s; its open requests fail, new ones are refused until it "
-                  "steps again", reason)
+        if self.degraded is not None:
+            log.error("distributed instance's ring still waits on a lost rank (%s); its open requests fail", reason)
+        else:
+            log.error("distributed instance stalled: %s; its open requests fail, new ones are refused until it "
+                      "steps again", reason)
         now = time.perf_counter_ns()
         failed = [job for job in list(self._running.values()) if not job.abandoned]
         for job in failed:
