@@ -3,7 +3,8 @@ gateway's adapter read them (``requests.upstream_evidence``; docs/gateway.md, "E
 llama.cpp's ``timings`` and slot, Ollama's durations, LM Studio's stats — measured by the engine —
 and the reasons the adapter derived from the engine's state (a keep-alive expiry, a runner still
 loading, a slot that outgrew its context) — inferred. The vLLM plugin records a preemption on its
-own row the same way (``vllm.preemptions``, ``vllm.reprocess_reason``; docs/vllm.md)."""
+own row the same way (``vllm.preemptions``, ``vllm.reprocess_reason``; docs/vllm.md), and where a
+request's queue began before vLLM's engine core took it in (``vllm.intake_ms``, ``vllm.queue_reason``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 
 from tokentrace.analyzers.evidence import Evidence
 
-#: Key suffixes of reasons an adapter derived, per verdict: a cold start's cause for the slowness
-#: verdict, a re-processed prompt's cause for the cache verdict.
-REASONS = {"slow": (".cold_start",), "cache": (".reprocess_reason",)}
+#: Key suffixes of reasons an adapter derived, per verdict: a cold start's cause and where a queue
+#: was spent for the slowness verdict, a re-processed prompt's cause for the cache verdict.
+REASONS = {"slow": (".cold_start", ".queue_reason"), "cache": (".reprocess_reason",)}
 
 
 def upstream_evidence(request: dict, verdict: str) -> list[Evidence]:

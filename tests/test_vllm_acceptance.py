@@ -126,6 +126,36 @@ def test_analyze_slow_gives_a_verdict_for_a_vllm_request(vllm_run):
     assert (breakdown["queue"], breakdown["prefill"], breakdown["decode"]) == pytest.approx(row[4:7], abs=0.01)
 
 
+def test_a_request_vllms_engine_core_took_in_late_is_queueing_with_that_wait_in_its_queue(vllm_run):
+    """The request reached vLLM's API server while its engine core was stopped: vLLM's queued_time
+    (engine-core queued to scheduled) is near 0, and the wait lay before it. The old plugin left it
+    in no phase, and the verdict named the largest of the small ones (prefill or decode)."""
+    sent, resumed = vllm_run.intake_window
+    row = _requests(vllm_run, "intake")["intake"]
+    start, end, queue, prefill, decode = row[2:7]
+    arrival = start / 1e9
+    # Built: the API server took the request in while the engine core was stopped.
+    assert sent - 0.005 <= arrival < resumed - 1.0, (sent, arrival, resumed)
+    assert queue >= (resumed - arrival) * 1e3 - 5.0, (queue, resumed - arrival)
+    e2e = (end - start) / 1e6
+    assert e2e - (queue + prefill + decode) < 100.0, (e2e, queue, prefill, decode)
+    result = subprocess.run(
+        [sys.executable, "-m", "tokentrace", "analyze", "slow", "--request-id", "intake", "--json",
+         "--db", str(vllm_run.collector.db)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["category"] == "queueing", verdict["breakdown_ms"]
+    assert verdict["breakdown_ms"]["queue"] == pytest.approx(queue, abs=0.01)
+    (reported,) = [item["facts"] for item in verdict["evidence"] if item["kind"] == "engine_reported"]
+    assert reported["vllm.intake_ms"] + reported["vllm.engine_queue_ms"] == pytest.approx(queue, abs=0.01)
+    assert reported["vllm.intake_ms"] >= (resumed - arrival) * 1e3 - 5.0
+    reasons = [item["text"] for item in verdict["evidence"] if item["kind"] == "engine_reason"]
+    assert any("before vLLM's engine core took it in" in text for text in reasons), reasons
+    # A request no one held back: its intake is the API server's few ms, and counted in its queue too.
+    repeat = _requests(vllm_run, "repeat-1")["repeat-1"]
+    assert 0 <= repeat[4] < 200.0, repeat
+
+
 def test_version_check_passes_on_the_installed_vllm():
     script = ("from tokentrace.engine_shim.vllm.compat import check_vllm; r = check_vllm(); "
               "print(r.version, sorted(r.features), r.problems)")

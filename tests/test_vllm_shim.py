@@ -13,7 +13,7 @@ from tokentrace import contract as c
 from tokentrace.engine_shim.vllm.compat import check_vllm, parse_version
 from tokentrace.engine_shim.vllm.kv_events import KvCacheTracker, subscriber_endpoint
 from tokentrace.engine_shim.vllm.names import client_request_id
-from tokentrace.engine_shim.vllm.steps import StepWindow, preemption_evidence, steps_record
+from tokentrace.engine_shim.vllm.steps import StepWindow, engine_intake_s, preemption_evidence, steps_record
 from tokentrace.fingerprint import block_hashes
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -178,6 +178,27 @@ def test_preemption_evidence_names_the_recomputed_tokens():
     facts = preemption_evidence(2, tracker.take("r"))
     assert (facts["vllm.preempted_hit_tokens"], facts["vllm.preempted_own_tokens"]) == (32, 32)
     assert "not prefix hits" in facts["vllm.reprocess_reason"]
+
+
+def test_an_intake_read_across_two_hosts_clocks_is_unknown_never_a_number():
+    """The intake joins the API server's wall clock to the engine core's monotonic one, which holds on
+    one host only. An engine core on another host (data parallel across hosts; not run here) has its
+    own monotonic clock: an intake outside what the engine's phases leave of e2e is None. The same
+    host's clocks, read a moment apart, are clamped (the real vLLM case: test_vllm_acceptance.py)."""
+    from types import SimpleNamespace
+
+    finished = SimpleNamespace(queued_time=0.0001, prefill_time=0.010, decode_time=0.004)
+    offset, arrival = 1.7e9, 1.7e9 + 100.0  # wall - monotonic; arrival on the wall clock
+    ts = arrival + 2.0  # the API server processed the last output 2 s after arrival
+    def intake(queued_mono):
+        return engine_intake_s(finished, SimpleNamespace(arrival_time=arrival, queued_ts=queued_mono), ts, offset)
+    assert intake(100.0 + 1.5) == pytest.approx(1.5)
+    assert intake(100.0 - 0.002) == 0.0  # read a moment apart: 0, not negative
+    assert intake(100.0 + 1.99) == pytest.approx(2.0 - 0.0141)  # at most what the phases leave
+    assert intake(100.0 - 3.0) is None and intake(100.0 + 2.5) is None  # another clock
+    assert intake(5_000.0) is None
+    assert engine_intake_s(finished, SimpleNamespace(arrival_time=arrival, queued_ts=0.0), ts, offset) is None
+    assert engine_intake_s(finished, None, ts, offset) is None
 
 
 def test_without_full_reports_the_subscriber_says_it_runs_incremental(caplog):

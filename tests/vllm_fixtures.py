@@ -32,6 +32,8 @@ MODEL = "tiny"
 KV_BLOCKS, BLOCK_SIZE, MAX_SEQS = 96, 32, 4
 #: Long enough (hundreds of ms) that the burst's first batch is still decoding when the rest arrive.
 BURST_TOKENS = 96
+#: How long vLLM's engine core is stopped while the API server takes the "intake" request in.
+INTAKE_STOP_S = 1.5
 WORDS = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "zu", "an", "el", "or"]
 
 
@@ -69,6 +71,8 @@ class VllmRun:
     vllm_log: Path
     start_s: float  #: seconds from launching vLLM to /health answering
     client_ms: dict[str, float] = field(default_factory=dict)  #: request id -> client latency
+    #: wall times (s) the "intake" request was sent, with vLLM's engine core stopped, and it resumed
+    intake_window: tuple[float, float] = (0.0, 0.0)
     prompt_tokens: dict[str, list[int]] = field(default_factory=dict)  #: request id -> token ids
 
     def sql(self, query: str, params: list | None = None) -> list[tuple]:
@@ -133,8 +137,34 @@ def _complete(client: httpx.Client, run: VllmRun, request_id: str, body: dict, p
     return response.json()
 
 
-def drive_workload(url: str, run: VllmRun) -> None:
-    """Burst (more requests than batch slots), a repeated prompt, then enough long prompts to evict."""
+def engine_core_pid(api_server: int) -> int:
+    """The pid of vLLM's engine core (process title ``VLLM::EngineCore``) among the API server's
+    descendants, read from /proc."""
+    children: dict[int, list[int]] = {}
+    titles: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            titles[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    todo, found = list(children.get(api_server, [])), []
+    while todo:
+        pid = todo.pop()
+        if "EngineCore" in titles.get(pid, ""):
+            found.append(pid)
+        todo.extend(children.get(pid, []))
+    assert len(found) == 1, f"vLLM's engine core among {api_server}'s descendants: {found}"
+    return found[0]
+
+
+def drive_workload(url: str, run: VllmRun, api_server: int) -> None:
+    """Burst (more requests than batch slots), a repeated prompt, enough long prompts to evict, then a
+    request that reaches vLLM's API server while its engine core (process ``api_server``'s child) is
+    stopped."""
     with httpx.Client(base_url=url, timeout=120) as client:
         barrier = threading.Barrier(2 * MAX_SEQS)
 
@@ -155,6 +185,22 @@ def drive_workload(url: str, run: VllmRun) -> None:
             tokens = client.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
             run.prompt_tokens[request_id] = tokens
             _complete(client, run, request_id, {"prompt": prompt, "max_tokens": 2}, "/v1/completions")
+        # The API server takes the request in and hands it over; the engine core, stopped, queues it
+        # only once resumed: a wait before vLLM's own queue, which its queued_time does not count.
+        core = engine_core_pid(api_server)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            sent = time.time()
+            thread = threading.Thread(target=_complete, args=(
+                client, run, "intake", {"prompt": words(300, 20), "max_tokens": 4, "ignore_eos": True},
+                "/v1/completions"))
+            thread.start()
+            time.sleep(INTAKE_STOP_S)  # the situation itself: the engine core away this long
+        finally:
+            resumed = time.time()
+            os.kill(core, signal.SIGCONT)
+        thread.join(120)
+        run.intake_window = (sent, resumed)
 
 
 def make_model(model_dir: Path) -> None:
@@ -184,7 +230,7 @@ def vllm_run(request, tmp_path_factory) -> VllmRun:
     try:
         wait_for(lambda: healthy(proc, url, log_path), 300, f"vLLM /health (log {log_path})", interval=0.5)
         run = VllmRun(collector, log_path, time.monotonic() - started)
-        drive_workload(url, run)
+        drive_workload(url, run, proc.pid)
     finally:
         stop(proc)
         collector.stop()

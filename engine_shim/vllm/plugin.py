@@ -57,6 +57,7 @@ from tokentrace.engine_shim.vllm.steps import (
     StepWindow,
     abort_record,
     cache_records,
+    engine_intake_s,
     heartbeat_record,
     refusal_record,
     request_record,
@@ -296,7 +297,9 @@ class TokentraceStatLogger(StatLoggerBase):
             first = not runtime.first_response.is_set()
             runtime.first_response.set()
             reuse = self._tracker.take(str(finished.request_id)) if self._tracker is not None else None
-            record = request_record(ts, finished, client_request_id, runtime.model, first, reuse)
+            intake = engine_intake_s(finished, runtime.prompts.take_times(str(finished.request_id)), ts,
+                                     time.time() - time.monotonic())
+            record = request_record(ts, finished, client_request_id, runtime.model, first, reuse, intake)
             records.append(record)
             records.extend(cache_records(record, finished, runtime.prompts.take(str(finished.request_id)),
                                          runtime.engine_block))

@@ -4,7 +4,7 @@ refused before they reached the engine, and those it aborted before the engine f
 
 vLLM's stat loggers see a finished request's counts and times, never its prompt, and a request the
 frontend refuses (a prompt over the context, an unknown model, a bad parameter) never reaches the
-engine, so they never see it at all. The plugin therefore wraps four methods in the API-server
+engine, so they never see it at all. The plugin therefore wraps five methods in the API-server
 process, each keeping references only (nothing is hashed or tokenized on the request path):
 
 - ``OpenAIServingChat._create_chat_completion`` and ``OpenAIServingCompletion._create_completion``:
@@ -14,6 +14,8 @@ process, each keeping references only (nothing is hashed or tokenized on the req
   ``create_error_response`` gives it);
 - ``InputProcessor.assign_request_id``: the prompt token ids the engine will run, under the
   request's external id;
+- ``OutputProcessor.add_request``: the request's ``RequestStateStats``, whose engine-core queued
+  time tells how long it waited before vLLM's engine core took it in (``steps.engine_intake_s``);
 - ``OutputProcessor.abort_requests``: a request aborted before it finished (the client went away, or
   the frontend gave up on it) never reaches the stat loggers, which see only requests the engine
   finished; what the output processor knew of it (arrival, tokens so far) becomes a request with
@@ -111,6 +113,9 @@ class PromptLog:
         self._tokens: OrderedDict[str, Any] = OrderedDict()
         #: external ids that reached the engine (an error answer after that is the engine's to report)
         self._reached: OrderedDict[str, None] = OrderedDict()
+        #: each request's RequestStateStats, as the output processor keeps it (a reference, read when
+        #: it finished: the engine core's queued time, which no FinishedRequestStats carries)
+        self._times: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.on_refusal: Callable[[Refusal], None] | None = None
         self.on_abort: Callable[[Abort], None] | None = None
@@ -121,6 +126,14 @@ class PromptLog:
     def tokens(self, external_id: str, token_ids: Any) -> None:
         self._put(self._tokens, external_id, token_ids)
         self._put(self._reached, external_id, None)
+
+    def times(self, external_id: str, stats: Any) -> None:
+        self._put(self._times, external_id, stats)
+
+    def take_times(self, external_id: str) -> Any:
+        """The finished request's ``RequestStateStats`` (None if the output processor's was not seen)."""
+        with self._lock:
+            return self._times.pop(external_id, None)
 
     def reached(self, *external_ids: str) -> bool:
         """Whether any of these requests reached the engine; forgets the chat of one that did not."""
@@ -141,6 +154,7 @@ class PromptLog:
         with self._lock:
             self._tokens.pop(external_id, None)
             self._chats.pop(external_id, None)
+            self._times.pop(external_id, None)
 
     def take(self, external_id: str) -> Printed | None:
         """The finished request's fingerprint (computed here, off the request path), or None."""
@@ -194,9 +208,9 @@ _LOG: PromptLog | None = None
 
 
 def install(prompt_log: PromptLog) -> bool:
-    """Wrap vLLM's chat and completion handlers, ``assign_request_id`` and ``abort_requests`` (once per
-    process) so that ``prompt_log`` hears of every prompt, refusal and abort; False where this vLLM
-    lacks the pieces."""
+    """Wrap vLLM's chat and completion handlers, ``assign_request_id``, ``add_request`` and
+    ``abort_requests`` (once per process) so that ``prompt_log`` hears of every prompt, request
+    stats, refusal and abort; False where this vLLM lacks the pieces."""
     global _LOG
     if _LOG is not None:
         _LOG = prompt_log
@@ -235,7 +249,27 @@ def install(prompt_log: PromptLog) -> bool:
     InputProcessor.assign_request_id = staticmethod(assign_request_id)  # type: ignore[method-assign]
     if OutputProcessor is not None and callable(getattr(OutputProcessor, "abort_requests", None)):
         OutputProcessor.abort_requests = _aborting(OutputProcessor.abort_requests)
+    if OutputProcessor is not None and callable(getattr(OutputProcessor, "add_request", None)):
+        OutputProcessor.add_request = _adding(OutputProcessor.add_request)
     return True
+
+
+def _adding(original: Callable) -> Callable:
+    """``OutputProcessor.add_request``, keeping a reference to the new request's stats (its
+    ``RequestStateStats``) under its external id: its arrival and its engine core's queued time."""
+
+    @functools.wraps(original)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        try:
+            state = self.request_states.get(request.request_id)
+            if _LOG is not None and state is not None and getattr(state, "stats", None) is not None:
+                _LOG.times(str(state.external_req_id), state.stats)
+        except Exception:  # never fail a request for tokentrace's sake
+            log.debug("tokentrace: could not keep a request's stats", exc_info=True)
+        return result
+
+    return add_request
 
 
 def _aborting(original: Callable) -> Callable:

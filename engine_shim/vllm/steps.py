@@ -52,20 +52,64 @@ def preemption_evidence(preemptions: int, reuse: Any = None) -> dict[str, Any]:
     return facts
 
 
+#: Clock readings are taken apart (wall and monotonic, two processes): an intake this far below 0
+#: or past the time the engine's phases leave is still the same host's clocks, read a moment apart.
+INTAKE_SLACK_S = 0.005
+
+
+def engine_intake_s(finished: Any, times: Any, ts: float, wall_minus_monotonic: float) -> float | None:
+    """Seconds from the API server's arrival of a finished request to vLLM's engine core taking it in
+    (its ``QUEUED`` event), or None where that cannot be told.
+
+    ``times`` is the request's ``RequestStateStats`` as the output processor kept it: ``arrival_time``
+    on the API server's wall clock, ``queued_ts`` on the engine core's monotonic clock.
+    ``wall_minus_monotonic`` (this process's ``time.time() - time.monotonic()``) carries one to the
+    other; that holds only where the engine core runs on this host (one system-wide monotonic
+    clock). An engine core elsewhere (data parallel across hosts) gives an intake outside
+    [0, e2e - the engine's phases], which is None: never a number from two unrelated clocks. The
+    intake is the API server's rendering and tokenizing, the hand-over, and the wait in the engine
+    core's input queue while it runs a step: time the request waited before vLLM could queue it.
+    """
+    queued_ts = float(getattr(times, "queued_ts", 0.0) or 0.0)
+    arrival = float(getattr(times, "arrival_time", 0.0) or 0.0)
+    if queued_ts <= 0.0 or arrival <= 0.0:
+        return None
+    intake = queued_ts + wall_minus_monotonic - arrival
+    engine = sum(max(float(x), 0.0) for x in (finished.queued_time, finished.prefill_time, finished.decode_time))
+    room = ts - arrival - engine
+    if not -INTAKE_SLACK_S <= intake <= room + INTAKE_SLACK_S:
+        return None
+    return min(max(intake, 0.0), max(room, 0.0))
+
+
+def intake_evidence(intake: float, queued: float) -> dict[str, Any]:
+    """``tokentrace.upstream.evidence`` facts for a request's queue, split at the engine core's intake."""
+    facts: dict[str, Any] = {"vllm.intake_ms": round(intake * 1e3, 3), "vllm.engine_queue_ms": round(queued * 1e3, 3)}
+    if intake >= 0.001:
+        facts["vllm.queue_reason"] = (
+            f"{intake * 1e3:,.1f} ms of its queue passed before vLLM's engine core took it in (vLLM's API "
+            f"server rendering and tokenizing it and handing it over, or the engine core busy with a step), "
+            f"{queued * 1e3:,.1f} ms in the engine core's own queue")
+    return facts
+
+
 def request_record(
     ts: float, finished: Any, request_id: Callable[[str], str], model: str, first: bool,
-    reuse: Any = None,
+    reuse: Any = None, intake: float | None = None,
 ) -> SpanRecord:
     """The ``llm.request`` span for one ``FinishedRequestStats`` seen at wall time ``ts`` (s).
 
     The span ends at ``ts`` and starts ``e2e_latency`` earlier (vLLM's arrival time). TTFT is
     e2e minus decode: vLLM passes no per-request first-token time to stat loggers, and the
-    engine-to-frontend delay is the same for the first and the last token. A preempted request
-    carries its preemptions as evidence (``preemption_evidence``; ``reuse`` from the KV events).
+    engine-to-frontend delay is the same for the first and the last token. The queue is vLLM's
+    ``queued_time`` (its engine core's queue) plus ``intake`` (``engine_intake_s``) where it is
+    known: from arrival to admission, as every engine's queue. A preempted request carries its
+    preemptions as evidence (``preemption_evidence``; ``reuse`` from the KV events).
     """
     end_ns = int(ts * 1e9)
     e2e = max(float(finished.e2e_latency), 0.0)
     decode = max(float(finished.decode_time), 0.0)
+    queued = max(float(finished.queued_time), 0.0)
     output_tokens = int(finished.num_generation_tokens)
     reason = str(finished.finish_reason)
     attrs: dict[str, Any] = {
@@ -77,7 +121,7 @@ def request_record(
         c.PROVIDER_NAME: c.ENGINE_VLLM,
         # vLLM's server starts listening only after the model is loaded and warmed up.
         c.LOAD_WAIT_MS: 0.0,
-        c.QUEUE_MS: max(float(finished.queued_time), 0.0) * 1e3,
+        c.QUEUE_MS: ((intake or 0.0) + queued) * 1e3,
         c.PREFILL_MS: max(float(finished.prefill_time), 0.0) * 1e3,
         c.DECODE_MS: decode * 1e3,
         c.TTFT_MS: max(e2e - decode, 0.0) * 1e3,
@@ -89,6 +133,8 @@ def request_record(
     if output_tokens > 1:
         attrs[c.TPOT_MS] = decode * 1e3 / (output_tokens - 1)
     evidence = preemption_evidence(int(getattr(finished, "num_preemptions", 0) or 0), reuse)
+    if intake is not None:
+        evidence.update(intake_evidence(intake, queued))
     if evidence:
         attrs[c.UPSTREAM_EVIDENCE] = json.dumps(evidence, separators=(",", ":"), sort_keys=True)
     events = [SpanEvent(c.EVENT_FIRST_RESPONSE, end_ns)] if first else []
@@ -104,7 +150,7 @@ def cache_records(root: SpanRecord, finished: Any, printed: Any, engine_block: i
     if printed is None or not printed.hashes:
         return []
     rid, block = root.attributes[c.REQUEST_ID], printed.block_size
-    admitted = min(root.start_ns + int(max(float(finished.queued_time), 0.0) * 1e9), root.end_ns)
+    admitted = min(root.start_ns + int(root.attributes[c.QUEUE_MS] * 1e6), root.end_ns)
     ids = {"trace_id": root.trace_id, "parent_span_id": root.span_id}
     matched = min(int(finished.num_cached_tokens), printed.length)
     # vLLM caches whole blocks: the lookup's fingerprint covers the prompt's complete ones, so that a
