@@ -65,7 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
             "shard of every layer) or auto (pipeline where the model can split its layers, else tensor)"),
     Setting("rank-timeout", float, 10.0, "a distributed engine's step or hand-over that has not completed after "
             "this many seconds stalls the instance: its open requests fail naming the rank, new ones get 503 until "
-            "the ring moves again (0: wait forever)", minimum=0),
+            "the ring moves again (0: wait forever; a rank whose process exited fails them regardless)", minimum=0),
     Setting("control-port", int, 0, "under mlx.launch, the TCP port on rank 0's address in the host list where the "
             "other ranks' control connections (their heartbeats, beside the ring) arrive (0: a free port; set one to "
             "open it in a firewall)", minimum=0, maximum=65535),
