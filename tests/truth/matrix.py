@@ -749,27 +749,32 @@ def check_answer(g: Gathered, situation: str) -> None:
 
 
 def _queue_built(g: Gathered, situation: str, cell: dict) -> None:
-    """Skip a queueing cell whose situation was not built: the short request must arrive while its
-    blockers hold every slot (the engine's batch, or the narrow gateway's one). Burst harnesses send
-    them together, and an engine (vLLM CPU's API server) or the gateway may still take the short one
-    first. Read from the blockers' stored rows: each holds a slot from its admission (arrival plus
-    its queue: at the gateway, its wait there and the engine's queue, a bound that can only call a
-    built situation not built, never the reverse) to its end."""
+    """Skip a queueing cell whose situation was not built: the blockers must take every slot (the
+    engine's batch, or the narrow gateway's one) before the short request, and still hold it when it
+    arrives. Burst harnesses send them together, and an engine (vLLM CPU's API server) or the
+    gateway may still take the short one first. Read from the stored rows: a blocker holds a slot
+    from its admission (arrival plus its queue: at the gateway, its wait there and the engine's
+    queue, a bound that can only call a built situation not built, never the reverse) to its end,
+    and took it before the short one did when it was admitted no later than the short one's
+    admission (its arrival plus its queue). In a burst the short one may arrive before the blockers'
+    admissions: vLLM's queue runs from the API server's arrival, through its hand-over to the engine
+    core, to the scheduler's admission (docs/vllm.md, "Times")."""
     short = g.rows.get(cell["rid"], {})
     arrival = short.get("start_ns")
     if arrival is None:
         return  # not stored: the answer check says so
+    short_admitted = arrival + int((short.get("queue_ms") or 0.0) * 1e6)
     holding = []
     for rid in sorted(cell["blockers"]):
         row = g.rows.get(rid, {})
         if row.get("start_ns") is None or row.get("end_ns") is None:
             continue
         admitted = row["start_ns"] + int((row.get("queue_ms") or 0.0) * 1e6)
-        if admitted <= arrival < row["end_ns"]:
+        if admitted <= short_admitted and arrival < row["end_ns"]:
             holding.append(rid)
     if len(holding) < cell["slots"]:
-        pytest.skip(f"not built: when {cell['rid']} arrived, {len(holding)} of the {cell['slots']} slots were "
-                    f"held by the long requests ({', '.join(holding) or 'none'}); it was not made to wait")
+        pytest.skip(f"not built: {len(holding)} of the {cell['slots']} slots were taken by the long requests before "
+                    f"{cell['rid']} and held when it arrived ({', '.join(holding) or 'none'}); it was not made to wait")
 
 
 def _label(verdict: dict) -> tuple[str, str]:
