@@ -145,14 +145,15 @@ class _RingWaitingOnALostRank:
             raise RuntimeError("[ring] connection to a peer was lost")
 
 
-def test_a_lost_rank_the_ring_waits_on_for_good_still_fails_the_open_request(harness):
+@pytest.mark.parametrize("rank_timeout", [300, 0])  # 0: no stall watch; the lost rank still fails it
+def test_a_lost_rank_the_ring_waits_on_for_good_still_fails_the_open_request(harness, rank_timeout):
     """Rank 0's control plane (or its child watch) says a rank exited: the instance is degraded. The old
     watchdog then failed nothing (it stalls only an instance not yet degraded), and the generation
     thread, blocked in the ring, never reached its own error path: the open request never ended. Now
-    it fails ``LOST_GRACE_S`` after the loss, long before the stall watch's deadline."""
+    it fails ``LOST_GRACE_S`` after the loss, long before the stall watch's deadline, and with none."""
     from tokentrace.engine_shim.mlx.scheduler import LOST_GRACE_S
 
-    h = harness(rank_timeout=300)
+    h = harness(rank_timeout=rank_timeout)
     scheduler, ring = h.scheduler, _RingWaitingOnALostRank()
     # What _install does for a group of more than one rank, and cli.py's diagnosis of the lost one.
     scheduler._channel = ring
