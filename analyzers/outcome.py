@@ -19,7 +19,10 @@ first token, so an unknown part is at most what the known parts leave of the end
 (``e2e - sum(known)``) and, for load_wait, queue and prefill, of TTFT (``ttft - sum(known of those
 three)``), never below 0 (``unknown_bounds``). When the largest known part is larger than every
 unknown part's bound it is the largest, whatever the unknown parts were; otherwise a completed
-request is ``undecomposed``: an unknown part could still be the largest.
+request is ``undecomposed``: an unknown part could still be the largest. Time in no phase counts
+the same way: when every phase is known and what they leave of the end-to-end time
+(``unattributed``: ``other`` in the breakdown) is larger than the largest, that largest is not where
+the request's time went, and the request is ``undecomposed`` too.
 """
 
 from __future__ import annotations
@@ -119,16 +122,30 @@ def _bounds(known: dict[str, float | None], e2e_ms: float | None) -> dict[str, f
     return bounds
 
 
+def unattributed(known: dict[str, float | None], e2e_ms: float | None,
+                 components: tuple[str, ...] = PHASES) -> float | None:
+    """Time in none of ``components``, all of them known: what they leave of the end-to-end time
+    (of TTFT, for the parts before the first token), never below 0; None while one is unknown."""
+    if any(known[part] is None for part in components):
+        return None
+    total = known.get("ttft") if set(components) <= set(BEFORE_FIRST_TOKEN) else e2e_ms
+    return None if total is None else max(0.0, total - sum(known[part] or 0.0 for part in components))
+
+
 def largest_part(known: dict[str, float | None], e2e_ms: float | None,
                  components: tuple[str, ...] = PHASES) -> str | None:
     """The largest of ``components`` (ties to the earlier one), or None when an unknown one could be
-    the largest: its bound (``unknown_bounds``) is unknown or not below the largest known part."""
+    the largest: its bound (``unknown_bounds``) is unknown or not below the largest known part; or,
+    all of them known, when more time is in none of them (``unattributed``) than in the largest."""
     values = {part: known[part] for part in components if known[part] is not None}
     if not values:
         return None
     best = max(values, key=lambda part: (values[part], -components.index(part)))
     bounds = _bounds(known, e2e_ms)
     if any(bounds[part] is None or bounds[part] >= values[best] for part in components if part in bounds):
+        return None
+    rest = unattributed(known, e2e_ms, components)
+    if rest is not None and rest > values[best]:
         return None
     return best
 

@@ -60,7 +60,8 @@ class Report:
 
 def with_categories(frame: pl.DataFrame, declared: dict | None = None) -> pl.DataFrame:
     """Add ``e2e_ms``, ``outcome`` and ``category`` columns to a requests frame (vectorized rules):
-    ``category`` is null unless the request completed, ``undecomposed`` when a component is unknown.
+    ``category`` is null unless the request completed, ``undecomposed`` when a component is unknown
+    and could be the largest, or when more time is in no component than in the largest.
     ``declared`` (instance -> parts, ``outcome.observers``) nulls the parts an observer does not
     measure first."""
     frame = mask_unmeasured(frame, declared or {})
@@ -74,8 +75,11 @@ def with_categories(frame: pl.DataFrame, declared: dict | None = None) -> pl.Dat
     bound = pl.max_horizontal(pl.when(parts[3].is_null()).then(pl.max_horizontal(rest_e2e, pl.lit(0.0))),
                               pl.when(pl.any_horizontal([part.is_null() for part in parts[:3]])).then(before))
     # The first component equal to the maximum wins: ties go to the earlier one in CATEGORIES.
+    # outcome.unattributed: every part known, and more time in none of them than in the largest.
+    spare = pl.all_horizontal([part.is_not_null() for part in parts]) & (rest_e2e > best)
     category = pl.when(pl.col("outcome") != COMPLETED).then(None)
     category = category.when(bound.is_not_null() & (best.is_null() | (bound >= best))).then(pl.lit(UNDECOMPOSED))
+    category = category.when(spare.fill_null(False)).then(pl.lit(UNDECOMPOSED))
     for part, (_, label) in zip(parts, CATEGORIES, strict=True):
         category = category.when(part == best).then(pl.lit(label))
     return (frame.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("e2e_ms"),

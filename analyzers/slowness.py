@@ -16,7 +16,9 @@ Definitions (the contract; tests check them):
   known part is larger than every unknown part's bound it is the category, and a ``bounded``
   evidence item gives the bounds ("load_wait not measured by this observer; at most 16.4 ms").
   Only when an unknown part could still be the largest is the request ``undecomposed``, and its
-  ``undecomposed`` item names the observer that could have measured it. ``ttft_category``: the
+  ``undecomposed`` item names the observer that could have measured it. With all four known, a
+  request whose ``other`` (time in no phase) is larger than its largest part is ``undecomposed``
+  too, and its item says how much was in no phase (``outcome.unattributed``). ``ttft_category``: the
   same over load_wait, queue and prefill.
 - ``abnormal``: the category's component against the instance's own baseline, the median over
   comparable recent requests (same instance, the 30 minutes before, at most 200, successful, not
@@ -337,6 +339,22 @@ def _bounded(verdict: SlowVerdict, facts: SlowFacts, known: dict[str, float | No
 
 def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
     known, unmeasured, unreported = _missing(verdict, facts)
+    other = verdict.breakdown_ms["other"]
+    if other is not None and known:
+        # Every phase known (``other`` is None otherwise), and more time in none of them than in the
+        # largest (outcome.unattributed): naming the largest would say where a minority of it went.
+        said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items())
+        top = max(PHASES, key=lambda name: (known[name], -PHASES.index(name)))
+        verdict.evidence.append(Evidence(
+            "undecomposed", f"Known: {said}; {fmt_ms(other)} of its {fmt_ms(verdict.breakdown_ms['e2e'])} end to "
+                            f"end is in none of these phases, more than its largest ({top}, "
+                            f"{fmt_ms(known[top])}), so where its time went cannot be named. The observer timed "
+                            f"that time but no phase of it: before the queue (rendering and tokenizing the "
+                            f"prompt, a hand-over inside the engine) or after the last token (sending the answer).",
+            {"known_ms": known, "unmeasured": [], "unreported": [], "unattributed_ms": other, "largest": top,
+             "measures": None if facts.measures is None else sorted(facts.measures)},
+        ))
+        return
     bounds = unknown_bounds(known_parts(facts.request, facts.measures), e2e_of(facts.request))
     said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items()) or "none of its phases"
     could = sorted(name for name in bounds if bounds[name] is None

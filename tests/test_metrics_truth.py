@@ -210,9 +210,11 @@ def test_verdicts_reach_metrics_within_the_bound_of_their_commit(truth):
 
 
 def _row(rid: str, start_s: int, queue_ms: float) -> tuple:
+    """A request whose phases fill its end-to-end time but for 1 ms."""
     row = dict.fromkeys(TABLES["requests"])
+    end_ns = start_s * 1_000_000_000 + int((queue_ms + 5.0 + 3.0 + 1.0) * 1e6)
     row.update(request_id=rid, trace_id="t" + rid, span_id="s" + rid, instance_id="i1", model="m",
-               start_ns=start_s * 1_000_000_000, end_ns=start_s * 1_000_000_000 + 900_000_000, ttft_ms=queue_ms + 5,
+               start_ns=start_s * 1_000_000_000, end_ns=end_ns, ttft_ms=queue_ms + 5,
                queue_ms=queue_ms, load_wait_ms=0.0, prefill_ms=5.0, decode_ms=3.0, tpot_ms=1.0, prompt_tokens=40,
                cached_tokens=0, completion_tokens=4, finish_reason="length")
     return tuple(row[name] for name in TABLES["requests"])
