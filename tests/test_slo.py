@@ -291,7 +291,9 @@ def test_a_verdict_waits_for_the_second_observers_row(tmp_path, monkeypatch):
 
     def row(rid: str, observer: str) -> tuple:
         values = dict(zip(TABLES["requests"], _request_row(rid, "i1", 50.0), strict=True))
-        values["observer"] = observer
+        # A prefill-bound request: its phases (queue 1, prefill 49, decode 10 ms) fill its 61 ms, and
+        # no more of it is in no phase than in its prefill (outcome.unattributed).
+        values.update(observer=observer, end_ns=values["start_ns"] + 61_000_000)
         if observer == "gateway":  # the client's view: no phase of the engine's known
             values.update(queue_ms=0.0, load_wait_ms=None, prefill_ms=None, decode_ms=None, ttft_ms=None,
                           tpot_ms=None, cached_tokens=None)
