@@ -608,6 +608,19 @@ def _free_run(n: int) -> int:
     raise AssertionError(f"no {n} free ports in a row")
 
 
+def _wait_serving(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float, what: str) -> None:
+    """Wait until ``url`` answers 200; when the launcher exits first or ``timeout`` passes, fail with
+    the end of its log, which says why a launch never served (in CI a stock launch once did not
+    within 180 s, and its log was not shown)."""
+    deadline = time.monotonic() + timeout
+    while _status(url) != 200:
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            state = "still running" if launcher.poll() is None else f"exited with {launcher.returncode}"
+            tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+            pytest.fail(f"{what} did not serve within {timeout:g} s (the launcher {state}); its log ends:\n{tail}")
+        time.sleep(0.05)  # polling the server, as wait_for does
+
+
 def _mlx_launch(tmp_path: Path, model: Path, port: int, *options: str, ranks: int = 2):
     """``tokentrace engine`` started by mlx.launch (``ranks`` ranks, ring backend, the same command
     line each) in a session of its own; returns the launcher's process and its open log."""
@@ -925,12 +938,13 @@ def test_a_stock_distributed_mlx_lm_server_behind_the_gateway_is_one_upstream_wh
     port = free_port()
     log = (tmp_path / "stock.log").open("wb")
     launcher = subprocess.Popen([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
-                                 "--starting-port", str(free_port()), sys.executable, "-m", "mlx_lm", "server",
+                                 "--starting-port", str(_free_run(2)), sys.executable, "-m", "mlx_lm", "server",
                                  "--model", str(qwen2_model), "--pipeline", "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     gateway = None
     try:
-        wait_for(lambda: _status(f"http://127.0.0.1:{port}/health") == 200, 180, "stock distributed mlx_lm.server")
+        _wait_serving(f"http://127.0.0.1:{port}/health", launcher, tmp_path / "stock.log", 180,
+                      "stock distributed mlx_lm.server")
         ranks = _launched_ranks(launcher.pid)
         assert set(ranks) == {0, 1}, ranks
         gateway = GatewayProcess(tmp_path, {"ring": f"http://127.0.0.1:{port}"}, "--request-timeout", "5",
