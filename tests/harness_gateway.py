@@ -142,11 +142,14 @@ class GatewayProcess(Process):
 
     def burst(self, chats: list[tuple[list[dict], str, dict]]) -> list[dict]:
         """Streamed chats, given as (messages, request id, body fields), that reach the gateway
-        together: every connection is opened first, then each request is written whole, one after
-        the other, in one loop of one thread, so no scheduling of this process can space them out
-        (threads started together, or started on a first token, once reached the gateway a whole
-        request apart on a host starved by vLLM). Their answers are read after, in order; returns
-        each one's status, text and events."""
+        together: every connection is opened first, then the gateway is stopped (SIGSTOP) while each
+        request is written whole, and resumed (SIGCONT) once all wait in its sockets, so that it reads
+        them in one turn of its event loop, in the order written, whatever the host does to the writer
+        or to the gateway meanwhile. Written back to back without the stop, they were once read a whole
+        answer apart: on this 2-core host vLLM CPU's spinning threads keep every other process off the
+        CPU while it generates (a separate 5 ms sleeper measured 523 ms lags), and the writer or the
+        gateway was frozen between two requests (the last stop's CI; 2 of 22 runs here). Their answers
+        are read after, in order; returns each one's status, text and events."""
         ready = []
         for messages, request_id, fields in chats:
             connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
@@ -154,8 +157,13 @@ class GatewayProcess(Process):
             body = json.dumps({"model": "default_model", "messages": messages, "stream": True, **fields}).encode()
             ready.append((connection, body, {"X-Request-Id": request_id, "Content-Type": "application/json",
                                              **self.headers}))
-        for connection, body, headers in ready:
-            connection.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: _state(self.proc.pid) == "T", 10, f"the gateway {self.proc.pid} stopped", interval=0.001)
+            for connection, body, headers in ready:
+                connection.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
         answers = []
         for connection, _, _ in ready:
             response = connection.getresponse()
@@ -164,6 +172,12 @@ class GatewayProcess(Process):
             answers.append({"status": response.status, "text": "".join(filter(None, map(_content, events))),
                             "events": events})
         return answers
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (``T``: stopped by a signal)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
 
 
 def _event(line: str) -> dict | None:

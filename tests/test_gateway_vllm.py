@@ -83,11 +83,12 @@ def test_vllm_without_the_plugin_gets_the_whole_cache_verdict_behind_the_gateway
         tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": first,
                                                       "add_generation_prompt": True}, timeout=30).json()["tokens"]
         # The burst overlaps by construction, not by thread timing: the three requests are written
-        # back to back on connections opened beforehand (GatewayProcess.burst), so they reach the
-        # gateway within microseconds, and whichever takes its one slot holds it for a whole vLLM
-        # generation (v-burst-0: 512 tokens). Threads started together were once served one by one
-        # in CI, and so were two sent on v-burst-0's first token: vLLM's CPU threads spinning on
-        # both cores starved the client, or vLLM's API server, which then sent a whole answer at once.
+        # while the gateway is stopped (GatewayProcess.burst), so it reads them in one turn, and
+        # whichever takes its one slot holds it for a whole vLLM generation (v-burst-0: 512 tokens).
+        # Threads started together were once served one by one in CI, so were two sent on v-burst-0's
+        # first token, and so were three written back to back: vLLM's CPU threads spinning on both
+        # cores keep the client, the gateway and vLLM's API server off the CPU while it generates (a
+        # whole answer then arrives at once).
         burst = gateway.burst([(conversation(40 + i), f"v-burst-{i}",
                                 {"model": MODEL, "max_tokens": 512 if i == 0 else 64, "ignore_eos": True})
                                for i in range(3)])

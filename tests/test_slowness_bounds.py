@@ -107,7 +107,7 @@ def test_a_request_queued_at_the_gateway_in_front_of_mlx_lm_server_is_queueing(t
         gw = GatewayProcess(tmp_path, {"mlx": server.url}, "--tokenizer", str(tiny_model), "--max-concurrency", "1",
                             collector=collector).start()
         system = {"role": "system", "content": "You are the queue assistant. Answer briefly. " * 4}
-        # Written back to back on connections opened beforehand (GatewayProcess.burst): the second
+        # Written while the gateway is stopped, read by it in one turn (GatewayProcess.burst): the second
         # waits at the gateway for the first's whole 600-token answer (200 made a ~200 ms wait, and one
         # CI run on a busy machine took 21 ms for mlx_lm.server's own prefill: less than 10x).
         answers = gw.burst([([system, {"role": "user", "content": "Tell me a long story."}], "q-long",
