@@ -37,6 +37,9 @@ class Stall:
     reason: str | None  #: the same in words: which rank, its process id and state
     ms: int | None  #: how long the ring operation in progress had lasted when the heartbeat was sent
     held: tuple[str, ...]  #: the ids of the requests it held open then (at most 256: the engine's cap)
+    #: the ranks its diagnosis named (exited, stopped or silent); empty when it singled none out, and
+    #: from an engine older than ``tokentrace.stall.ranks``
+    ranks: tuple[int, ...] = ()
 
 
 def stall_of(attributes: str | dict[str, Any] | None) -> Stall | None:
@@ -53,9 +56,12 @@ def stall_of(attributes: str | dict[str, Any] | None) -> Stall | None:
         return None
     held = attributes.get(c.OPEN_REQUESTS)
     ms = attributes.get(c.STALL_MS)
+    ranks = attributes.get(c.STALL_RANKS)
     return Stall(state, attributes.get(c.STALL_REASON),
                  int(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None,
-                 tuple(str(rid) for rid in held) if isinstance(held, list) else ())
+                 tuple(str(rid) for rid in held) if isinstance(held, list) else (),
+                 tuple(rank for rank in ranks if isinstance(rank, int) and not isinstance(rank, bool))
+                 if isinstance(ranks, list) else ())
 
 
 def still_open(reader: TraceReader, request_id: str, now_ns: int | None = None) -> str | None:

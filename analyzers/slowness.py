@@ -42,7 +42,7 @@ from typing import Any
 from tokentrace import contract as c
 from tokentrace.analyzers.cache import CacheVerdict, analyze_cache, request_window
 from tokentrace.analyzers.evidence import Evidence, fmt_ms, median, ms, plural
-from tokentrace.analyzers.live import not_found
+from tokentrace.analyzers.live import Stall, not_found, stall_of
 from tokentrace.analyzers.outcome import (
     COMPLETED,
     PHASES,
@@ -133,6 +133,9 @@ class SlowFacts:
     #: before the failure and in the STALL_LOOKBACK_NS after it
     liveness: list[dict] = field(default_factory=list)
     after: list[dict] = field(default_factory=list)
+    #: Such a request's stall as its rank 0 last reported it while the request was open
+    #: (stall_report.sql): (the heartbeat's time, the stall it reported); None when none was stored
+    stall: tuple[int, Stall] | None = None
 
 
 def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
@@ -155,7 +158,7 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
     category = category_of(request, measures)
     prefill = category == "prefill"
     stalled = request.get("error_type") in STALL_STATES
-    cache, load, holders, steps, hardware, nodes, liveness, after = reader.together(
+    cache, load, holders, steps, hardware, nodes, liveness, after, reports = reader.together(
         lambda: analyze_cache(reader, request_id) if prefill else None,
         lambda: reader.rows("model_load", load_id=waits[0]["load_id"]) if waits and waits[0]["load_id"] else [],
         lambda: reader.rows("slot_holders", instance_id=instance, request_id=request_id,
@@ -168,9 +171,12 @@ def load_slow_facts(reader: TraceReader, request_id: str) -> SlowFacts:
         lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=start - STALL_LOOKBACK_NS,
                             t1_ns=request["end_ns"]) if stalled else [],
         lambda: reader.rows("node_liveness", instance_id=instance, t0_ns=request["end_ns"] + 1,
-                            t1_ns=request["end_ns"] + STALL_LOOKBACK_NS) if stalled else [])
+                            t1_ns=request["end_ns"] + STALL_LOOKBACK_NS) if stalled else [],
+        lambda: reader.rows("stall_report", instance_id=instance, t0_ns=start, t1_ns=request["end_ns"])
+        if stalled else [])
+    report = stall_of(reports[0]["attributes"]) if reports else None
     return SlowFacts(request, phases, baseline, load, holders, steps, cache, measures, hardware, nodes, liveness,
-                     after)
+                     after, (reports[0]["t_ns"], report) if report is not None else None)
 
 
 def e2e_of(request: dict) -> float:
@@ -269,11 +275,20 @@ def _outcome(verdict: SlowVerdict, facts: SlowFacts) -> None:
 def _stalled(verdict: SlowVerdict, facts: SlowFacts) -> None:
     """A request a distributed engine failed because its ring stopped moving: since when no node
     stepped (the data plane), and which node stopped reporting (the control plane: each rank's
-    own heartbeats) — the rank that stalled the others, when one did."""
+    own heartbeats) — the rank that stalled the others, when one did. Rank 0's stall report, when
+    it held this request open with the same state, says both before the stored steps can: the
+    ring operation it waited on began its ``ms`` before the report (the step the stall held is
+    stored only once the ring moves again, or the engine stops), and its diagnosis names the
+    rank (the process rank 0 found stopped or gone, or the control connection gone silent)."""
     r, code = facts.request, facts.request["error_type"]
     end = r["end_ns"]
     nodes = {c.node_rank(verdict.instance_id, row["instance_id"]): row for row in facts.liveness}
     steps = [row["last_step_end_ns"] for row in nodes.values() if row["last_step_end_ns"] is not None]
+    at, report = facts.stall or (None, None)
+    if report is not None and (report.state != code or r["request_id"] not in report.held):
+        report = None  # another stall's report, or one that did not hold this request
+    if report is not None and report.ms is not None:
+        steps.append(at - report.ms * 1_000_000)
     since = max(steps) if steps else None
     silent = sorted(rank for rank, row in nodes.items()
                     if since is not None and (row["last_heartbeat_ns"] or 0) < since)
@@ -282,24 +297,30 @@ def _stalled(verdict: SlowVerdict, facts: SlowFacts) -> None:
         # A rank lost fails the request at once, before any heartbeat could be missed: the ranks that
         # reported after the failure were alive; the one that never did again is the one lost.
         silent = sorted(rank for rank in nodes if rank not in later)
-    beating = sorted(rank for rank in nodes if rank not in silent and nodes[rank]["last_heartbeat_ns"])
-    stalled = silent[0] if len(silent) == 1 else None
+    named = report.ranks[0] if report is not None and len(report.ranks) == 1 else None
+    stalled = named if named is not None else silent[0] if len(silent) == 1 else None
+    beating = sorted(rank for rank in nodes
+                     if rank not in silent and rank != stalled and nodes[rank]["last_heartbeat_ns"])
     parts = [f"Stalled: no rank of {verdict.instance_id} completed a step in the "
              f"{fmt_ms((end - since) / 1e6)} before this request failed" if since is not None else
              f"Stalled: {verdict.instance_id} stopped stepping"]
     if stalled is not None:
-        heard = nodes[stalled]["last_heartbeat_ns"]
+        heard = nodes.get(stalled, {}).get("last_heartbeat_ns")
         others = ", ".join(f"rank {rank}" for rank in beating)
         parts.append(f"rank {stalled} {STALL_STATES[code]}; its heartbeats stopped "
                      + (f"{fmt_ms((end - heard) / 1e6)} before the failure" if heard else "before the stall")
-                     + (f", while {others} went on reporting" if beating else ""))
+                     + (f", while {others} went on reporting" if beating else "")
+                     + (f" (rank 0's diagnosis, {fmt_ms(report.ms)} into the stall: {report.reason})"
+                        if named is not None and report.ms is not None and report.reason else ""))
     elif code == "RankUnresponsive":
         parts.append("every rank went on reporting (alive) but none stepped: a rank or a link of the ring is stuck")
     else:
         parts.append(f"a rank {STALL_STATES[code]} (the ranks' heartbeats do not single one out)")
     verdict.evidence.append(Evidence("stalled", "; ".join(parts) + ".", {
         "state": code, "rank": stalled, "since_ns": since, "silent_ranks": silent, "reporting_ranks": beating,
-        "stalled_ms": round((end - since) / 1e6, 3) if since is not None else None}))
+        "stalled_ms": round((end - since) / 1e6, 3) if since is not None else None,
+        "named_by": None if stalled is None else "diagnosis" if named is not None else "heartbeats",
+        "diagnosis": report.reason if report is not None else None}))
 
 
 def _missing(verdict: SlowVerdict, facts: SlowFacts) -> tuple[dict[str, float], list[str], list[str]]:

@@ -189,6 +189,7 @@ CACHE_PREEMPTED_HIT_TOKENS = "tokentrace.cache.preempted_hit_tokens"
 STALL_STATE = "tokentrace.stall.state"
 STALL_REASON = "tokentrace.stall.reason"
 STALL_MS = "tokentrace.stall.ms"
+STALL_RANKS = "tokentrace.stall.ranks"
 OPEN_REQUESTS = "tokentrace.requests.open"
 STALL_RANK_TIMEOUT_MS = "tokentrace.stall.rank_timeout_ms"
 
@@ -561,6 +562,8 @@ SPANS: tuple[SpanSpec, ...] = (
                "stopped) or RankUnresponsive (every rank alive and running); absent while the ring moves"),
             _a(STALL_REASON, "string", "", "the same, in words: which rank, its process id and state"),
             _a(STALL_MS, "int", "ms", "how long the ring operation in progress has lasted"),
+            _a(STALL_RANKS, "int[]", "", "the ranks rank 0's diagnosis names: the ones that exited (RankLost) "
+               "or whose processes are stopped or silent (RankStopped); empty when it singles none out"),
             _a(OPEN_REQUESTS, "string[]", "", "with a stall: the ids of the requests it holds open (running, "
                "then waiting; at most 256)"),
             _a(STALL_RANK_TIMEOUT_MS, "int", "ms", "a distributed engine's rank 0: the --rank-timeout its stall "

@@ -484,6 +484,9 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
             # Failed at the deadline, the request is held no more; the ring still stands still.
             after_deadline = wait_for(lambda: (g := _stall_gauges(collector)).get(
                 ("tokentrace_requests_stalled", "RankStopped")) == 0 and g, 15, "the failed request not gauged")
+            # Its verdict, while the ring still stands still: rank 0 has not exported the window of
+            # steps the stall holds, but its stall report names rank 1.
+            during = _stalled_item(collector, "ring-stalled")
         finally:
             os.kill(rank1, signal.SIGCONT)
     assert 8 <= failed_after < 15, failed_after  # the deadline, not a hang
@@ -506,6 +509,7 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     assert "rank 1" in message and "alive but not stepping" in message, message
     assert health.status_code == 503 and "alive but not stepping" in health.json()["reason"], health.text
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "instance_stalled", refused.text
+    _assert_named_while_stopped(during, "alive but not stepping")
     # SIGCONT: the ring moves again, the failed sequence leaves the batch, and the instance serves.
     wait_for(lambda: httpx.get(cluster.url + "/health", timeout=5).status_code == 200, 30, "the instance to recover")
     again = cluster.chat([{"role": "user", "content": "hello"}], max_tokens=4)
@@ -523,6 +527,28 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
     assert stalled["state"] == "RankStopped" and stalled["rank"] == 1 and stalled["reporting_ranks"] == [0], stalled
     assert 8000 <= stalled["stalled_ms"] < 15_000, stalled
     assert "rank 1 is alive but not stepping" in stalled["text"], stalled["text"]
+
+
+def _stalled_item(collector, request_id: str) -> dict:
+    """The ``stalled`` item of a failed request's slowness verdict, once its row is stored."""
+    def read() -> dict | None:
+        answer = httpx.get(f"{collector.url}/api/requests/{request_id}/verdict", headers=collector.headers,
+                           timeout=30)
+        return answer.json()["slow"] if answer.status_code == 200 else None
+
+    verdict = wait_for(read, 30, f"the row of {request_id}")
+    (item,) = [e for e in verdict["evidence"] if e["kind"] == "stalled"]
+    return item
+
+
+def _assert_named_while_stopped(item: dict, words: str) -> None:
+    """A stalled item read while rank 1 was still stopped names it, from rank 0's stall report (the
+    heartbeats alone single no rank out before the step the stall holds is stored: the last stored
+    step can be older than rank 1's last heartbeat), and says how long no step completed."""
+    print(f"verdict while the rank is stopped: {item['text']}", file=sys.stderr)
+    assert item["state"] == "RankStopped" and item["rank"] == 1 and item["named_by"] == "diagnosis", item
+    assert "rank 1 is alive but not stepping" in item["text"] and words in item["diagnosis"], item
+    assert item["reporting_ranks"] == [0] and 8000 <= item["stalled_ms"] < 15_000, item
 
 
 def _stall_gauges(collector) -> dict[tuple[str, str | None], float]:
@@ -666,6 +692,7 @@ def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_
                 health = httpx.get(url + "/health", timeout=5)
                 refused = httpx.post(url + "/v1/chat/completions", timeout=30, json={
                     "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+                during = _stalled_item(collector, "launched-stalled")  # the ring still stands still
             finally:
                 os.kill(ranks[1], signal.SIGCONT)
         print(f"named after {live and round(live[0], 2)} s (live), failed after {failed_after:.2f} s",
@@ -686,27 +713,15 @@ def test_under_mlx_launch_a_stopped_rank_is_named_by_its_control_connection_and_
         assert gauged is not None, "the stall was never gauged as RankStopped"
         held = {state: n for (name, state), n in gauged[1].items() if name == "tokentrace_requests_stalled"}
         assert held == {"RankStopped": 1, "RankLost": 0, "RankUnresponsive": 0}, gauged
+        _assert_named_while_stopped(during, "connected but silent")
         # SIGCONT: the ring moves again, its beats come again, and the instance serves.
         wait_for(lambda: _status(url + "/health") == 200, 30, "the instance to recover")
         again = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
         assert again.status_code == 200, again.text
         assert proc.poll() is None
-        # The failed request's verdict, once its row came and rank 0's steps up to the stall are stored
-        # (before the launcher's SIGTERM reaches each rank's span exporter too): the state rank 0
-        # reported, and rank 1, whose heartbeats stopped. Rank 0 exports the window of steps open
-        # when its ring stopped only once the ring moves again; read before that window came, the
-        # last stored step is up to a window older than the stall, rank 1's last beat can be later,
-        # and the verdict does not single a rank out (seen once in about 20 runs).
-        def stalled_item() -> dict | None:
-            answer = httpx.get(f"{collector.url}/api/requests/launched-stalled/verdict", headers=collector.headers,
-                               timeout=30)
-            if answer.status_code != 200:
-                return None
-            (item,) = [e for e in answer.json()["slow"]["evidence"] if e["kind"] == "stalled"]
-            return item if item["rank"] is not None else None
-        wait_for(lambda: stalled_item() is not None, 60, "the failed request's row and rank 0's steps up to the stall")
-        stalled = stalled_item()
+        # After recovery the verdict says the same (rank 0's steps up to the stall may be stored by now).
+        stalled = _stalled_item(collector, "launched-stalled")
         assert stalled["state"] == "RankStopped" and stalled["rank"] == 1, stalled
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -790,22 +805,22 @@ def test_the_control_plane_names_a_closed_a_silent_and_a_lagging_rank_over_real_
         wait_for(lambda: plane.peers[1].steps == 10 and plane.peers[2].steps == 10 and plane.peers[3].steps == 7,
                  5, "every rank's beat")
         # All beating: rank 3 lags; rank 4 never connected (which one stalls, rank 0 cannot fully tell).
-        code, reason = plane.diagnose()
-        assert code == "RankUnresponsive", reason
+        code, reason, named = plane.diagnose()
+        assert code == "RankUnresponsive" and named == (), reason
         assert "rank 3 (pid 4003 on host node) has completed 7 ring operations" in reason, reason
         assert "rank 1 (" not in reason and "rank 2 (" not in reason, reason
         assert "rank 4 has no control connection" in reason, reason
 
         time.sleep(0.8)  # rank 1 beats on (its link's thread); ranks 2 and 3 stay silent
-        code, reason = plane.diagnose()
-        assert code == "RankStopped", reason
+        code, reason, named = plane.diagnose()
+        assert code == "RankStopped" and named == (2, 3), reason
         assert "rank 2 (pid 4002 on host node) is connected but silent" in reason, reason
         assert "rank 3 (pid 4003 on host node) is connected but silent" in reason, reason
         assert "rank 1 (" not in reason, reason
 
         raw.pop(3).close()  # its process exited: the kernel closes its connection
-        code, reason = plane.diagnose()
-        assert code == "RankLost", reason
+        code, reason, named = plane.diagnose()
+        assert code == "RankLost" and named == (3,), reason
         assert reason == ("rank 3 (pid 4003 on host node) closed its control connection: its process exited or "
                           "its host went down"), reason
 

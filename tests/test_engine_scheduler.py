@@ -10,6 +10,7 @@ import time
 import pytest
 from harness_engine import SchedulerHarness as Harness
 
+from tokentrace.engine_shim.mlx import cluster
 from tokentrace.engine_shim.mlx.jobs import Job, Sampling
 from tokentrace.engine_shim.mlx.prompts import Prompt
 from tokentrace.engine_shim.mlx.records import RequestRecord, StepWindow
@@ -157,7 +158,7 @@ def test_a_lost_rank_the_ring_waits_on_for_good_still_fails_the_open_request(har
     scheduler, ring = h.scheduler, _RingWaitingOnALostRank()
     # What _install does for a group of more than one rank, and cli.py's diagnosis of the lost one.
     scheduler._channel = ring
-    scheduler.diagnose = lambda: ("RankLost", "rank 1 (pid 4242) exited")
+    scheduler.diagnose = lambda: cluster.Diagnosis("RankLost", "rank 1 (pid 4242) exited", (1,))
     threading.Thread(target=scheduler._watch, daemon=True).start()
     try:
         job = h.submit("open", [5] * 12, max_tokens=100_000)

@@ -30,14 +30,15 @@ CLOCK = Clock()
 def _heartbeats(instance: str, beats: list[tuple[float, tuple | None]], rank: int | None = 0,
                 watch_ms: int | None = 10_000) -> bytes:
     """An OTLP request of ``instance``'s heartbeats, each (seconds ago, stall or None); a stall is
-    (state, reason, ms, open request ids). ``rank`` None: a single-process engine (no stall watch
-    declared). ``watch_ms``: the rank timeout its rank 0 declares watching with (the default's; 0:
-    ``--rank-timeout 0``; None: an engine older than the declaration)."""
+    (state, reason, ms, open request ids), reported naming rank 1. ``rank`` None: a single-process
+    engine (no stall watch declared). ``watch_ms``: the rank timeout its rank 0 declares watching
+    with (the default's; 0: ``--rank-timeout 0``; None: an engine older than the declaration)."""
     spans: list[bytes] = []
     builder = SpanBuilder(otlp_wire.WireTracer(spans.append), CLOCK)
     for ago_s, stall in beats:
         builder.build(HeartbeatRecord(time.perf_counter_ns() - int(ago_s * 1e9), 0, 1, 8, 0, 0, 16, 1 << 30, 1000,
-                                      10**8, stall=stall, stall_watch_ms=None if rank is None else watch_ms))
+                                      10**8, stall=stall and (*stall, (1,)),
+                                      stall_watch_ms=None if rank is None else watch_ms))
     resource = {c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: instance, c.ENGINE: c.ENGINE_MLX,
                 c.ENGINE_VERSION: "0.3.36", c.MODEL: "q2"}
     if rank is not None:

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokentrace.errors import ConfigError
 
@@ -50,10 +50,24 @@ log = logging.getLogger(__name__)
 PIPELINE, TENSOR, AUTO = "pipeline", "tensor", "auto"
 #: The ring's failure, as mlx reports it when a peer's connection drops.
 RING_ERROR_MARK = "[ring]"
+
+
+class Diagnosis(NamedTuple):
+    """Why a ring stopped moving, as rank 0 tells it: the error code (analyzers/slowness.py
+    STALL_STATES), the reason in words, and the ranks it names (exited or stopped; empty when it
+    singles none out). The stall report on rank 0's heartbeats carries the ranks
+    (``tokentrace.stall.ranks``), so that a failed request's verdict names its rank even before the
+    step that the stall held is stored."""
+
+    code: str
+    reason: str
+    ranks: tuple[int, ...] = ()
+
+
 #: What a rank 0 that cannot tell which rank stalled the ring says (no rank's process at hand, no
 #: control connection from it): the scheduler's diagnosis when it has none.
-UNTOLD = ("RankUnresponsive", "a rank has not completed its part of the step; which one this rank cannot tell "
-          "(each rank's own heartbeats can)")
+UNTOLD = Diagnosis("RankUnresponsive", "a rank has not completed its part of the step; which one this rank "
+                   "cannot tell (each rank's own heartbeats can)")
 
 
 @dataclass(frozen=True)
@@ -255,18 +269,18 @@ class LocalRanks:
         if not self._stopped:
             on_exit(rank, code)
 
-    def diagnose(self) -> tuple[str, str]:
-        """(error code, reason) of a ring that stopped moving: a rank that exited, one that is
-        stopped (alive, not stepping: SIGSTOP, a debugger), or neither (all alive and running)."""
+    def diagnose(self) -> Diagnosis:
+        """Why a ring stopped moving: a rank that exited, one that is stopped (alive, not stepping:
+        SIGSTOP, a debugger), or neither (all alive and running)."""
         for rank, process in self.processes.items():
             state = _process_state(process.pid) if process.poll() is None else None
             if state in (None, "Z", "X"):
-                return "RankLost", f"rank {rank} (pid {process.pid}) exited"
+                return Diagnosis("RankLost", f"rank {rank} (pid {process.pid}) exited", (rank,))
             if state in ("T", "t"):
-                return "RankStopped", (f"rank {rank} (pid {process.pid}) is alive but not stepping: its process is "
-                                       f"stopped (SIGSTOP or a debugger)")
-        return "RankUnresponsive", ("every rank's process is alive and running, but a step has not completed: a "
-                                    "rank or a link of the ring is stuck")
+                return Diagnosis("RankStopped", f"rank {rank} (pid {process.pid}) is alive but not stepping: its "
+                                 f"process is stopped (SIGSTOP or a debugger)", (rank,))
+        return Diagnosis("RankUnresponsive", "every rank's process is alive and running, but a step has not "
+                         "completed: a rank or a link of the ring is stuck")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the ranks to stop (SIGTERM), then kill what is left."""
@@ -498,8 +512,8 @@ class ControlPlane:
         log.info("control plane: %s connected from %s", peer.name(), _address(conn))
         return peer
 
-    def diagnose(self) -> tuple[str, str]:
-        """(error code, reason) of a ring that stopped moving, from the control connections: a rank
+    def diagnose(self) -> Diagnosis:
+        """Why a ring stopped moving, from the control connections: a rank
         whose connection closed (``RankLost``), one connected but silent for more than
         ``CONTROL_SILENT_BEATS`` beats (``RankStopped``), else ``RankUnresponsive`` naming the ranks
         whose completed ring operations lag, if any; a rank without a control connection is one this
@@ -520,12 +534,13 @@ class ControlPlane:
             else:
                 reporting[rank] = peer
         if lost:
-            return "RankLost", "; ".join(f"{peer.name()} closed its control connection: its process exited or "
-                                         f"its host went down" for peer in lost)
+            return Diagnosis("RankLost", "; ".join(f"{peer.name()} closed its control connection: its process "
+                                                   f"exited or its host went down" for peer in lost),
+                             tuple(peer.rank for peer in lost))
         if silent:
-            return "RankStopped", "; ".join(
+            return Diagnosis("RankStopped", "; ".join(
                 f"{peer.name()} is connected but silent (nothing for {quiet:.1f} s): stopped (SIGSTOP, a debugger) "
-                f"or its host hangs" for peer, quiet in silent)
+                f"or its host hangs" for peer, quiet in silent), tuple(peer.rank for peer, _ in silent))
         if untold:
             ranks = ", ".join(map(str, untold))
             reason = (f"{UNTOLD[1][:-1]}: rank{'s' if len(untold) > 1 else ''} {ranks} "
@@ -542,7 +557,7 @@ class ControlPlane:
             lagging = [f"{'rank 0 (this process)' if rank == 0 else reporting[rank].name()} has completed "
                        f"{count:,} ring operations" for rank, count in sorted(steps.items()) if count < ahead]
             reason += f"; lagging: {', '.join(lagging)}, the others {ahead:,}"
-        return "RankUnresponsive", reason
+        return Diagnosis("RankUnresponsive", reason)
 
     @staticmethod
     def _notice_closed(peers: Any) -> None:

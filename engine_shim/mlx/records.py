@@ -206,8 +206,8 @@ class HeartbeatRecord:
     #: the GPU's recommended working set (Apple silicon), 0 where MLX knows none (its CPU backend)
     memory_limit_bytes: int = 0
     #: a distributed rank 0's ring not moving for half its --rank-timeout: (state, reason, ms so far,
-    #: the ids of the requests it holds open); None while it moves
-    stall: tuple[str, str, int, list[str]] | None = None
+    #: the ids of the requests it holds open, the ranks its diagnosis names); None while it moves
+    stall: tuple[str, str, int, list[str], tuple[int, ...]] | None = None
     #: a distributed rank 0's declaration of its stall watch: the --rank-timeout it watches with, in ms;
     #: 0 while none runs (--rank-timeout 0, the ring not joined yet): its "no stall" then means nothing.
     #: None: not a distributed rank 0 (no ring to watch)

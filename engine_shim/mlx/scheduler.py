@@ -102,7 +102,7 @@ class Scheduler:
         self.stalled: str | None = None
         #: (error code, reason) of a stalled ring: which rank, and whether it is alive (cli.py sets it:
         #: the ranks it started, or under mlx.launch the control plane's connections).
-        self.diagnose: Callable[[], tuple[str, str]] | None = None
+        self.diagnose: Callable[[], cluster.Diagnosis] | None = None
         #: Under mlx.launch, rank 0's control plane: its address goes to the other ranks at load.
         self.control: cluster.ControlPlane | None = None
         #: Ring operations (hand-overs and steps) this rank completed: the control plane compares it
@@ -196,7 +196,7 @@ class Scheduler:
             cache_limit_rank=self.limit_rank,
         )
 
-    def _stall_report(self) -> tuple[str, str, int, list[str]] | None:
+    def _stall_report(self) -> tuple[str, str, int, list[str], tuple[int, ...]] | None:
         """A distributed rank 0 whose ring operation has lasted half its --rank-timeout: what its
         watchdog would say, and the requests it holds open (the live answer, before the deadline
         fails them; issue 46). None while the ring moves."""
@@ -206,13 +206,13 @@ class Scheduler:
         waited = time.perf_counter_ns() - since
         if waited < self.settings.rank_timeout * 1e9 / 2:
             return None
-        code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
+        code, reason, ranks = self.diagnose() if self.diagnose is not None else _UNTOLD
         try:
             held = [job.record.request_id for job in list(self._running.values()) if not job.abandoned]
             held += [job.record.request_id for job in list(self._waiting)]
         except RuntimeError:  # changed while read: the next report has them
             held = []
-        return code, reason, waited // 1_000_000, held[:MAX_OPEN_REPORTED]
+        return code, reason, waited // 1_000_000, held[:MAX_OPEN_REPORTED], ranks
 
     # --- the generation thread -----------------------------------------------------------------
     def run(self) -> None:
@@ -224,7 +224,7 @@ class Scheduler:
                 self._iterate()
             except Exception as exc:
                 if self._channel is not None and cluster.RING_ERROR_MARK in str(exc):
-                    reason = self.diagnose()[1] if self.diagnose is not None else "a rank is unreachable"
+                    reason = self.diagnose().reason if self.diagnose is not None else "a rank is unreachable"
                     self.rank_lost(f"{reason} ({exc})")
                     self._fail_running("RankLost")
                     continue
@@ -623,10 +623,10 @@ class Scheduler:
             if not since or self.stalled is not None:
                 continue
             if self.degraded is not None and now - max(since, self._lost_ns) > LOST_GRACE_S * 1e9:
-                code, _ = self.diagnose() if self.diagnose is not None else _UNTOLD
+                code = (self.diagnose() if self.diagnose is not None else _UNTOLD).code
                 self._stall(code, self.degraded)
             elif self.degraded is None and 0 < limit < now - since:
-                code, reason = self.diagnose() if self.diagnose is not None else _UNTOLD
+                code, reason, _ = self.diagnose() if self.diagnose is not None else _UNTOLD
                 self._stall(code, f"{reason} ({self.settings.rank_timeout:g} s without a step)")
 
     def _stall(self, code: str, reason: str) -> None:

@@ -220,9 +220,9 @@ class SpanBuilder:
             else hardware.available_memory(),
         )
         if record.stall is not None:
-            state, reason, ms, open_ids = record.stall
+            state, reason, ms, open_ids, ranks = record.stall
             attributes.update({c.STALL_STATE: state, c.STALL_REASON: reason, c.STALL_MS: ms,
-                               c.OPEN_REQUESTS: list(open_ids)})
+                               c.OPEN_REQUESTS: list(open_ids), c.STALL_RANKS: list(ranks)})
         if record.stall_watch_ms is not None:
             attributes[c.STALL_RANK_TIMEOUT_MS] = record.stall_watch_ms
         if record.cache_limit_rank is not None:
