@@ -17,6 +17,7 @@ from harness_prometheus import parse_samples
 from opentelemetry.sdk.resources import Resource
 
 from tokentrace import contract as c
+from tokentrace.analyzers.live import stall_of
 from tokentrace.dashboards.instances import STALE_AFTER_S
 from tokentrace.engine_shim.emit import otlp_wire
 from tokentrace.engine_shim.mlx.records import Clock, HeartbeatRecord
@@ -30,14 +31,14 @@ CLOCK = Clock()
 def _heartbeats(instance: str, beats: list[tuple[float, tuple | None]], rank: int | None = 0,
                 watch_ms: int | None = 10_000) -> bytes:
     """An OTLP request of ``instance``'s heartbeats, each (seconds ago, stall or None); a stall is
-    (state, reason, ms, open request ids), reported naming rank 1. ``rank`` None: a single-process
+    (state, reason, ms, open request ids[, the ranks named]): rank 1 unless given. ``rank`` None: a single-process
     engine (no stall watch declared). ``watch_ms``: the rank timeout its rank 0 declares watching
     with (the default's; 0: ``--rank-timeout 0``; None: an engine older than the declaration)."""
     spans: list[bytes] = []
     builder = SpanBuilder(otlp_wire.WireTracer(spans.append), CLOCK)
     for ago_s, stall in beats:
         builder.build(HeartbeatRecord(time.perf_counter_ns() - int(ago_s * 1e9), 0, 1, 8, 0, 0, 16, 1 << 30, 1000,
-                                      10**8, stall=stall and (*stall, (1,)),
+                                      10**8, stall=stall and (stall if len(stall) == 5 else (*stall, (1,))),
                                       stall_watch_ms=None if rank is None else watch_ms))
     resource = {c.SERVICE_NAME: "tokentrace-engine", c.SERVICE_INSTANCE_ID: instance, c.ENGINE: c.ENGINE_MLX,
                 c.ENGINE_VERSION: "0.3.36", c.MODEL: "q2"}
@@ -132,3 +133,21 @@ def test_an_instance_whose_stall_watch_is_off_or_undeclared_has_no_stall_series_
     _post(collector, _heartbeats("older", [(0.1, None)], watch_ms=None))
     _post(collector, _heartbeats("ring", [(0.1, None)]))
     _expect(collector, _moving("ring"), "the older engine's series gone with its stall")
+
+
+def test_the_ranks_a_stall_report_names_are_stored_as_the_engine_sent_them(collector_factory):
+    """``tokentrace.stall.ranks`` through the engine's own wire encoding, the collector's decoding and
+    the store, read back as the verdicts read it (analyzers/live.py ``stall_of``): one rank, two,
+    and none (a diagnosis that singles no rank out sends an empty list)."""
+    collector = collector_factory().start()
+    reports = {"one": ("RankStopped", STOPPED[1], 5010, ["h1"], (1,)),
+               "two": ("RankStopped", "ranks 1 and 2 are connected but silent", 5010, ["h2"], (1, 2)),
+               "none": ("RankUnresponsive", "every rank alive", 5010, ["h3"], ())}
+    for instance, stall in reports.items():
+        _post(collector, _heartbeats(instance, [(0.2, stall)]))
+    collector.stop()  # acknowledged is kept: stopped, all three are in the store file
+    rows = collector.sql("SELECT instance_id, attributes FROM spans WHERE name = 'instance.heartbeat'")
+    read = {instance: stall_of(attributes) for instance, attributes in rows}
+    assert {instance: stall.ranks for instance, stall in read.items()} == {"one": (1,), "two": (1, 2), "none": ()}
+    assert read["none"].state == "RankUnresponsive" and read["none"].held == ("h3",), read
+

@@ -543,7 +543,7 @@ class ControlPlane:
                 f"or its host hangs" for peer, quiet in silent), tuple(peer.rank for peer, _ in silent))
         if untold:
             ranks = ", ".join(map(str, untold))
-            reason = (f"{UNTOLD[1][:-1]}: rank{'s' if len(untold) > 1 else ''} {ranks} "
+            reason = (f"{UNTOLD.reason[:-1]}: rank{'s' if len(untold) > 1 else ''} {ranks} "
                       f"{'have' if len(untold) > 1 else 'has'} no control connection)")
         else:
             reason = ("every rank is connected and beating on its control connection, but a step has not "
