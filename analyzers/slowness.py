@@ -365,7 +365,7 @@ def _undecomposed(verdict: SlowVerdict, facts: SlowFacts) -> None:
         # Every phase known (``other`` is None otherwise), and more time in none of them than in the
         # largest (outcome.unattributed): naming the largest would say where a minority of it went.
         said = ", ".join(f"{name} {fmt_ms(value)}" for name, value in known.items())
-        top = max(PHASES, key=lambda name: (known[name], -PHASES.index(name)))
+        top = max(known, key=known.get)  # in PHASES order: ties to the earlier, as largest_part
         verdict.evidence.append(Evidence(
             "undecomposed", f"Known: {said}; {fmt_ms(other)} of its {fmt_ms(verdict.breakdown_ms['e2e'])} end to "
                             f"end is in none of these phases, more than its largest ({top}, "
