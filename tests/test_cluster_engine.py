@@ -531,13 +531,9 @@ def test_a_stopped_rank_stalls_the_instance_within_the_deadline_and_it_serves_ag
 
 def _stalled_item(collector, request_id: str) -> dict:
     """The ``stalled`` item of a failed request's slowness verdict, once its row is stored."""
-    def read() -> dict | None:
-        answer = httpx.get(f"{collector.url}/api/requests/{request_id}/verdict", headers=collector.headers,
-                           timeout=30)
-        return answer.json()["slow"] if answer.status_code == 200 else None
+    from harness_gateway import verdict
 
-    verdict = wait_for(read, 30, f"the row of {request_id}")
-    (item,) = [e for e in verdict["evidence"] if e["kind"] == "stalled"]
+    (item,) = [e for e in verdict(collector, request_id)["slow"]["evidence"] if e["kind"] == "stalled"]
     return item
 
 
